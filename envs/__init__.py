@@ -1,0 +1,1 @@
+"""Environments: the GEM / Gymnasium-shaped API, built-in environments and the env-server."""

@@ -1,0 +1,1 @@
+"""The contracts: .proto files and the Python code generated from them."""

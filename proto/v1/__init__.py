@@ -1,0 +1,1 @@
+"""Generated gRPC code for rollwire.v1; do not edit. See rollwire.services.protogen."""

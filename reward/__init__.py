@@ -1,0 +1,1 @@
+"""Reward scoring by domain and the reward-server. Imports no torch."""

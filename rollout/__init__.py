@@ -1,0 +1,1 @@
+"""Rollout engines, the rollout-server and the orchestrator's agent loop."""

@@ -1,0 +1,1 @@
+"""What every service shares: the gRPC runtime, config, the wire schema, the CLI."""

@@ -1,0 +1,46 @@
+"""Run and service configuration: pydantic models, YAML loading and overrides.
+
+Imports neither torch nor grpc, so every tool can read a config cheaply.
+"""
+
+from rollwire.services.config.loader import (
+    ConfigError,
+    load_config,
+    parse_assignment,
+    write_resolved_config,
+)
+from rollwire.services.config.models import (
+    AuthConfig,
+    BufferConfig,
+    ClientConfig,
+    EnvServerConfig,
+    OrchestratorConfig,
+    RewardServerConfig,
+    RolloutServerConfig,
+    RunConfig,
+    RunSection,
+    ServerConfig,
+    TelemetryConfig,
+    TLSConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "AuthConfig",
+    "BufferConfig",
+    "ClientConfig",
+    "ConfigError",
+    "EnvServerConfig",
+    "OrchestratorConfig",
+    "RewardServerConfig",
+    "RolloutServerConfig",
+    "RunConfig",
+    "RunSection",
+    "ServerConfig",
+    "TLSConfig",
+    "TelemetryConfig",
+    "TrainerConfig",
+    "load_config",
+    "parse_assignment",
+    "write_resolved_config",
+]

@@ -1,0 +1,137 @@
+"""Builds a RunConfig from defaults, a YAML file, environment variables and
+`--set` assignments, in that order of precedence (later wins).
+
+Environment variables: `ROLLWIRE__SECTION__FIELD=value` sets `section.field`
+(double underscores separate levels; names are case-insensitive). Values in
+both overrides are parsed as YAML scalars or flow collections, so `1e-4`,
+`true`, `null` and `[a, b]` mean what they look like.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from rollwire.services.config.models import RunConfig
+
+ENV_PREFIX = "ROLLWIRE__"
+RESOLVED_NAME = "resolved_config.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names every bad key by path."""
+
+
+def parse_assignment(text: str) -> tuple[list[str], Any]:
+    """Parses `a.b.c=value` into (["a", "b", "c"], value)."""
+    key, sep, raw = text.partition("=")
+    keys = [part.strip() for part in key.split(".")]
+    if not sep or not all(keys):
+        raise ConfigError(f"override {text!r} is not of the form section.key=value")
+    return keys, _parse_value(raw, origin=f"override {text!r}")
+
+
+def _parse_value(raw: str, origin: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{origin}: value is not valid YAML: {error}") from None
+
+
+def env_assignments(environ: Mapping[str, str]) -> list[tuple[list[str], Any, str]]:
+    """Every `ROLLWIRE__A__B=value` variable as (["a", "b"], value, variable name)."""
+    found = []
+    for name in sorted(environ):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        keys = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        if not all(keys):
+            raise ConfigError(f"environment variable {name}: empty key between '__'")
+        found.append((keys, _parse_value(environ[name], origin=name), name))
+    return found
+
+
+def _set_path(data: dict[str, Any], keys: list[str], value: Any, origin: str) -> None:
+    node = data
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            where = ".".join(keys[: depth + 1])
+            raise ConfigError(f"{origin}: {where} holds a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {path}: unknown key")
+        else:
+            lines.append(f"  {path}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> RunConfig:
+    """Loads and validates a run configuration.
+
+    Args:
+        path: YAML file; defaults only when None.
+        overrides: `a.b=c` assignments, applied last.
+        environ: environment to read `ROLLWIRE__` variables from (os.environ by default).
+
+    Raises:
+        ConfigError: naming the file and each offending key by its dotted path.
+    """
+    data = _read_yaml(Path(path)) if path is not None else {}
+    sources = [str(path) if path is not None else "defaults"]
+    env = os.environ if environ is None else environ
+    for keys, value, name in env_assignments(env):
+        _set_path(data, keys, value, origin=f"environment variable {name}")
+        sources.append(name)
+    for text in overrides:
+        keys, value = parse_assignment(text)
+        _set_path(data, keys, value, origin=f"override {text!r}")
+        sources.append(f"--set {text}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, ", ".join(sources))) from None
+
+
+def write_resolved_config(config: RunConfig, run_dir: str | Path) -> Path:
+    """Writes the config in effect to `run_dir/resolved_config.yaml`; secrets are masked."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / RESOLVED_NAME
+    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, target)
+    return target

@@ -1,0 +1,1 @@
+"""Losses, advantage estimators and the trainer process."""
