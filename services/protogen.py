@@ -20,14 +20,15 @@ from pathlib import Path
 PROTO_DIR = Path(__file__).resolve().parent.parent / "proto" / "v1"
 VIRTUAL_ROOT = "rollwire/proto"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
-INIT_TEXT = '"""Generated gRPC code for rollwire.v1; do not edit. See rollwire.services.protogen."""\n'
+INIT_TEXT = (
+    '"""Generated gRPC code for rollwire.v1; do not edit. See rollwire.services.protogen."""\n'
+)
 
 
 def generate(out_dir: Path) -> dict[str, str]:
     """Runs protoc on every `.proto` file; returns {file name: text} of the outputs."""
-    from grpc_tools import protoc  # imported here: only the dev extra has it
-
     import grpc_tools
+    from grpc_tools import protoc  # imported here: only the dev extra has it
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     protos = sorted(PROTO_DIR.glob("*.proto"))
@@ -69,8 +70,12 @@ def drift(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
             problems.append(f"{name}: generated file with no .proto behind it; delete it")
         elif expected[name] != actual[name]:
             diff = difflib.unified_diff(
-                actual[name].splitlines(), expected[name].splitlines(),
-                f"committed/{name}", f"regenerated/{name}", lineterm="", n=1,
+                actual[name].splitlines(),
+                expected[name].splitlines(),
+                f"committed/{name}",
+                f"regenerated/{name}",
+                lineterm="",
+                n=1,
             )
             problems.append(f"{name}: differs from its .proto\n" + "\n".join(list(diff)[:40]))
     return problems

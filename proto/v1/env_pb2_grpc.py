@@ -77,7 +77,9 @@ class EnvServiceServicer:
     def Step(self, request, context):
         """Applies one action. NOT_FOUND for an unknown or expired session;
         FAILED_PRECONDITION after the episode ended; INVALID_ARGUMENT for an
-        action the environment rejects or one over the size limit.
+        action the environment rejects; RESOURCE_EXHAUSTED for an action over
+        the size limit; INTERNAL when the environment itself fails (the session
+        is then closed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,152 @@
+"""The reward-server: batched scoring by domain behind `rollwire.v1.RewardService`.
+
+Items of one request are scored concurrently on a pool of `workers` threads,
+each under its own time limit. A scorer that raises or runs out of time gives
+its item reward 0 with `error` set and a counter; the call still succeeds.
+A malformed request (no items, duplicate ids, unknown domain, too many items)
+is refused as a whole with a status that says what to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import grpc.aio
+from google.protobuf import json_format
+
+from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
+from rollwire.reward.scorers import SCORERS, ScoreInput
+from rollwire.services.config import RewardServerConfig
+from rollwire.services.metrics import COUNTERS
+from rollwire.services.server import Registration
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+
+
+class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+    """Routes each item to the scorer of its domain."""
+
+    def __init__(self, config: RewardServerConfig) -> None:
+        self.config = config
+        self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="scorer")
+
+    async def _reject(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
+    ) -> None:
+        COUNTERS.inc("reward_rejected", reason=reason)
+        await context.abort(code, message)
+
+    async def ListScorers(
+        self, request: reward_pb2.ListScorersRequest, context: grpc.aio.ServicerContext
+    ) -> reward_pb2.ListScorersResponse:
+        return reward_pb2.ListScorersResponse(
+            scorers=[
+                reward_pb2.ScorerInfo(
+                    domain=domain,
+                    scorer=name,
+                    description=(fn.__doc__ or "").strip().splitlines()[0],
+                )
+                for domain, (name, fn) in sorted(SCORERS.items())
+            ]
+        )
+
+    async def Score(
+        self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> reward_pb2.ScoreResponse:
+        items = request.items
+        if not items:
+            await self._reject(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "empty", "the request has no items"
+            )
+        if len(items) > self.config.max_batch_items:
+            await self._reject(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "too_many_items",
+                f"{len(items)} items exceed the limit of {self.config.max_batch_items}; split the batch",
+            )
+        ids = [item.item_id for item in items]
+        if len(set(ids)) != len(ids):
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "duplicate_ids",
+                "item_id values must be unique within a request",
+            )
+        unknown = sorted({item.domain for item in items} - SCORERS.keys())
+        if unknown:
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "unknown_domain",
+                f"no scorer for domain(s) {unknown}; this server scores: {sorted(SCORERS)}",
+            )
+        if request.item_timeout_seconds < 0:
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "bad_timeout",
+                "item_timeout_seconds must not be negative",
+            )
+        timeout = request.item_timeout_seconds or self.config.item_timeout_seconds
+        results = await asyncio.gather(*(self._score_one(item, timeout) for item in items))
+        return reward_pb2.ScoreResponse(results=results)
+
+    async def _score_one(
+        self, item: reward_pb2.ScoreItem, timeout: float
+    ) -> reward_pb2.ScoreResult:
+        _, scorer = SCORERS[item.domain]
+        payload = ScoreInput(
+            response=item.response,
+            reference=item.reference,
+            prompt=item.prompt,
+            metadata=json_format.MessageToDict(item.metadata) if item.HasField("metadata") else {},
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            score = await asyncio.wait_for(
+                loop.run_in_executor(self._pool, scorer, payload), timeout
+            )
+        except TimeoutError:
+            COUNTERS.inc("reward_item_errors", domain=item.domain, kind="timeout")
+            return reward_pb2.ScoreResult(
+                item_id=item.item_id,
+                reward=0.0,
+                error=True,
+                error_message=f"scorer timed out after {timeout:g}s",
+            )
+        except Exception as error:
+            COUNTERS.inc("reward_item_errors", domain=item.domain, kind="exception")
+            log.warning(
+                "scorer failed",
+                extra={"domain": item.domain, "item_id": item.item_id, "error": repr(error)},
+            )
+            return reward_pb2.ScoreResult(
+                item_id=item.item_id,
+                reward=0.0,
+                error=True,
+                error_message=f"{type(error).__name__}: {error}",
+            )
+        COUNTERS.inc("reward_items_scored", domain=item.domain)
+        return reward_pb2.ScoreResult(
+            item_id=item.item_id, reward=score.reward, components=score.components
+        )
+
+    def close(self) -> None:
+        # Threads stuck in a runaway scorer cannot be killed; do not wait for them.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def registrations(config: RewardServerConfig) -> list[Registration]:
+    """What `rollwire reward-server` hosts."""
+    return [
+        Registration(
+            reward_pb2_grpc.add_RewardServiceServicer_to_server,
+            RewardServicer(config),
+            SERVICE_NAME,
+        )
+    ]

@@ -1,0 +1,185 @@
+"""`rollwire`: one command for every service and for whole runs.
+
+Kept thin: this module imports only the standard library at the top, parses
+arguments, then imports what the chosen command needs. `rollwire env-server
+--help` therefore answers at once and never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+# command -> (config section, module with `registrations(section)`, help)
+GRPC_SERVICES: dict[str, tuple[str, str, str]] = {
+    "env-server": ("env_server", "rollwire.envs.server", "host environment sessions (EnvService)"),
+    "reward-server": (
+        "reward_server",
+        "rollwire.reward.server",
+        "score responses by domain (RewardService)",
+    ),
+}
+
+# Commands whose implementation arrives with later work; they are listed so the
+# command line is complete, and they say plainly that they cannot run yet.
+PLANNED: dict[str, tuple[str, str]] = {
+    "rollout-server": (
+        "generate tokens with logprobs and take weight updates (RolloutService)",
+        "#3",
+    ),
+    "trainer": ("train on batches from the buffer and publish weights (TrainerService)", "#3"),
+    "orchestrator": ("drive episodes and push trajectories to the buffer", "#3"),
+    "buffer": ("the replay buffer: trajectories in over ZeroMQ, batches out", "#3"),
+    "up": ("start every service of a run as local processes, without training", "#3"),
+    "train": ("run training end to end (the built-in tiny default without -c)", "#3"),
+    "env-check": ("run the conformance suite against an env server at ADDRESS", "#4"),
+}
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", metavar="FILE", help="run configuration (YAML)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set env_server.max_sessions=100 (repeatable; wins over "
+        "the file and ROLLWIRE__SECTION__KEY environment variables)",
+    )
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from rollwire.services.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as error:
+        raise SystemExit(f"rollwire: {error}") from None
+
+
+def _serve(command: str, args: argparse.Namespace) -> int:
+    import importlib
+
+    from rollwire.services.config import ConfigError, write_resolved_config
+
+    section_name, module_name, _ = GRPC_SERVICES[command]
+    config = _load(args)
+    section = getattr(config, section_name)
+    try:
+        for flag in ("host", "port", "ready_file"):
+            if getattr(args, flag) is not None:
+                setattr(section.server, flag, getattr(args, flag))
+    except ValueError as error:
+        raise SystemExit(f"rollwire {command}: {ConfigError(str(error))}") from None
+    if args.run_dir is not None:
+        config.run.output_dir = args.run_dir
+        write_resolved_config(config, args.run_dir)
+    from rollwire.services.server import run_service
+
+    module = importlib.import_module(module_name)
+    return run_service(command, config, section.server, lambda: module.registrations(section))
+
+
+def _health(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc.aio
+
+    from rollwire.services.client import check_health, open_channel, wait_for_serving
+
+    config = _load(args)
+
+    async def probe() -> str:
+        async with open_channel(args.address, config.client) as channel:
+            if args.wait:
+                await wait_for_serving(channel, args.service, timeout=args.timeout)
+                return "SERVING"
+            return await check_health(channel, args.service, timeout=args.timeout)
+
+    try:
+        status = asyncio.run(probe())
+    except (grpc.aio.AioRpcError, TimeoutError) as error:
+        detail = (
+            f"{error.code().name}: {error.details()}"
+            if isinstance(error, grpc.aio.AioRpcError)
+            else str(error)
+        )
+        print(f"{args.address}: {detail}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    config = _load(args)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _planned(command: str, issue: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(
+            f"rollwire {command}: not available in this version; it arrives with issue {issue} "
+            "(see the README's roadmap). Nothing was started.",
+            file=sys.stderr,
+        )
+        return 2
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollwire",
+        description="Asynchronous RL post-training for language models, as independent services.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command, (_, _, help_text) in GRPC_SERVICES.items():
+        sub = commands.add_parser(command, help=help_text, description=help_text)
+        _add_config_options(sub)
+        sub.add_argument("--host", help="interface to bind (default from config: 127.0.0.1)")
+        sub.add_argument("--port", type=int, help="port to bind; 0 picks a free one")
+        sub.add_argument(
+            "--ready-file", metavar="PATH", help="write the bound host:port here once serving"
+        )
+        sub.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
+        sub.set_defaults(handler=lambda args, command=command: _serve(command, args))
+    for command, (help_text, issue) in PLANNED.items():
+        sub = commands.add_parser(
+            command, help=f"{help_text} [not yet available]", description=help_text
+        )
+        _add_config_options(sub)
+        if command == "env-check":
+            sub.add_argument("address", help="host:port of the env server to check")
+        sub.set_defaults(handler=_planned(command, issue))
+    health = commands.add_parser("health", help="ask a service for its gRPC health status")
+    health.add_argument("address", help="host:port of the service")
+    health.add_argument(
+        "--service", default="", help="service name to ask about ('' = the whole server)"
+    )
+    health.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)"
+    )
+    health.add_argument(
+        "--wait", action="store_true", help="keep asking until SERVING or the timeout"
+    )
+    _add_config_options(health)
+    health.set_defaults(handler=_health)
+    show = commands.add_parser("config", help="print the resolved configuration (validates it)")
+    _add_config_options(show)
+    show.set_defaults(handler=_show_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The one way every rollwire gRPC service starts, serves and stops.
+
+    runtime = ServiceRuntime("env-server", config.env_server.server)
+    address = await runtime.start([Registration(add_EnvServiceServicer_to_server, servicer, "rollwire.v1.EnvService")])
+    await runtime.serve_until_signalled()  # SIGTERM/SIGINT: NOT_SERVING, drain, exit 0
+
+Binding port 0 picks a free port; the real address goes to the ready file once
+the server answers health checks, so launchers and tests never race for ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from opentelemetry import trace
+
+from rollwire.services.config import ServerConfig
+from rollwire.services.interceptors import ServerInterceptor
+from rollwire.services.metrics import COUNTERS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One gRPC service to host: the generated `add_*_to_server`, its servicer, its full name."""
+
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+    service_name: str
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the config; mutual TLS when a client CA is given."""
+    if config.tls is None:
+        return None
+    tls = config.tls
+    assert tls.cert_file is not None and tls.key_file is not None  # checked by the config model
+    client_ca = tls.ca_file.read_bytes() if tls.ca_file else None
+    return grpc.ssl_server_credentials(
+        [(tls.key_file.read_bytes(), tls.cert_file.read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def _connectable_host(host: str) -> str:
+    """The host a local client should dial for a server bound to `host`."""
+    return {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Writes `text` so that readers see either nothing or all of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+class ServiceRuntime:
+    """A grpc.aio server with health, auth, tracing, limits and a ready file."""
+
+    def __init__(
+        self,
+        name: str,
+        config: ServerConfig,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.health = HealthServicer()
+        self.address: str | None = None
+        self._service_names: list[str] = []
+        self._stopped = asyncio.Event()
+        interceptor = ServerInterceptor(
+            name,
+            token=config.auth.resolve_token(),
+            exempt_health=config.auth.exempt_health,
+            tracer_provider=tracer_provider,
+        )
+        options = [
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            # Without this two servers can bind one fixed port and split its traffic.
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(
+            interceptors=[interceptor],
+            options=options,
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        )
+
+    async def start(self, registrations: Sequence[Registration]) -> str:
+        """Registers the services, binds, starts, reports SERVING and writes the ready file."""
+        for registration in registrations:
+            registration.add_to_server(registration.servicer, self.server)
+            self._service_names.append(registration.service_name)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        bind = f"{self.config.host}:{self.config.port}"
+        credentials = server_credentials(self.config)
+        try:
+            if credentials is None:
+                port = self.server.add_insecure_port(bind)
+            else:
+                port = self.server.add_secure_port(bind, credentials)
+        except RuntimeError as error:
+            raise OSError(f"{self.name}: cannot listen on {bind}: {error}") from None
+        if port == 0:
+            raise OSError(f"{self.name}: cannot listen on {bind} (address in use or not local)")
+        await self.server.start()
+        self.address = f"{_connectable_host(self.config.host)}:{port}"
+        for service_name in ["", *self._service_names]:
+            await self.health.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.ready_file is not None:
+            write_atomically(self.config.ready_file, self.address + "\n")
+        log.info(
+            "serving",
+            extra={
+                "address": self.address,
+                "services": self._service_names,
+                "tls": self.config.tls is not None,
+                "auth": self.config.auth.resolve_token() is not None,
+            },
+        )
+        return self.address
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Reports NOT_SERVING, lets in-flight calls finish for `grace` seconds, then stops."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        await self.health.enter_graceful_shutdown()
+        grace = self.config.grace_seconds if grace is None else grace
+        log.info("stopping", extra={"grace_seconds": grace})
+        await self.server.stop(grace)
+        ready = self.config.ready_file
+        if ready is not None and ready.exists() and ready.read_text().strip() == self.address:
+            ready.unlink()
+        log.info("stopped", extra={"counters": COUNTERS.snapshot()})
+
+    async def serve_until_signalled(self, extra_shutdown: Callable[[], Any] | None = None) -> int:
+        """Serves until SIGTERM or SIGINT, then stops gracefully; returns the exit code 0."""
+        loop = asyncio.get_running_loop()
+        requested = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, requested.set)
+        # Waiting for a signal is this process's whole life, so no timeout here;
+        # a server that dies ends the wait too.
+        termination = asyncio.ensure_future(self.server.wait_for_termination())
+        signalled = asyncio.ensure_future(requested.wait())
+        await asyncio.wait({termination, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if extra_shutdown is not None:
+            result = extra_shutdown()
+            if asyncio.iscoroutine(result):
+                await result
+        await self.stop()
+        termination.cancel()
+        return 0
+
+
+def run_service(
+    name: str,
+    config: Any,
+    server_config: ServerConfig,
+    make_registrations: Callable[[], Sequence[Registration]],
+) -> int:
+    """Runs one gRPC service until SIGTERM/SIGINT; the body of every `rollwire <service>`.
+
+    `config` is the whole RunConfig (for telemetry); `make_registrations` is
+    called inside the event loop so servicers can create asyncio objects.
+    Returns the process exit code: 0 after a clean stop, 1 if it could not start.
+    """
+    from rollwire.services.telemetry import configure_logging, configure_tracing
+
+    configure_logging(name, config.telemetry.log_level, config.telemetry.log_format)
+    provider = configure_tracing(name, config.telemetry.trace_exporter)
+
+    async def main() -> int:
+        registrations = make_registrations()
+        runtime = ServiceRuntime(name, server_config, tracer_provider=provider)
+        await runtime.start(registrations)
+
+        def close_servicers() -> None:
+            for registration in registrations:
+                close = getattr(registration.servicer, "close", None)
+                if callable(close):
+                    close()
+
+        return await runtime.serve_until_signalled(close_servicers)
+
+    try:
+        return asyncio.run(main())
+    except (OSError, ValueError) as error:
+        log.error("cannot start: %s", error)
+        return 1
+    finally:
+        if provider is not None:
+            provider.shutdown()

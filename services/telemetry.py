@@ -1,0 +1,101 @@
+"""Structured logs and tracing set-up shared by every service.
+
+Logs are one JSON object per line on stderr, carrying the service name and, when
+a span is active, its trace and span ids, so a log line can be joined with the
+trace of the call that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from opentelemetry import trace
+
+# Attributes every LogRecord has; anything else was passed through `extra=`.
+_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts, level, service, logger, msg, trace ids, extras."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        span_context = trace.get_current_span().get_span_context()
+        if span_context.is_valid:
+            entry["trace_id"] = format(span_context.trace_id, "032x")
+            entry["span_id"] = format(span_context.span_id, "016x")
+        for key, value in vars(record).items():
+            if key not in _STANDARD_ATTRS and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """A line for people: time, level, service, message, then extras as key=value."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        extras = " ".join(
+            f"{k}={v}"
+            for k, v in vars(record).items()
+            if k not in _STANDARD_ATTRS and not k.startswith("_")
+        )
+        line = f"{stamp} {record.levelname:<7} {self.service}: {record.getMessage()}"
+        if extras:
+            line += f"  {extras}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure_logging(service: str, level: str = "info", fmt: str = "json") -> None:
+    """Routes every logger of this process to stderr in the chosen format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service) if fmt == "json" else TextFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def configure_tracing(service: str, exporter: str = "none") -> trace.TracerProvider | None:
+    """Installs a tracer provider for this process when spans should be exported.
+
+    With `exporter="none"` nothing is installed: spans are not recorded, but
+    trace context is still propagated through calls so other services can join it.
+    """
+    if exporter == "none":
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if exporter == "console":
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+    else:
+        raise ValueError(f"unknown trace exporter {exporter!r}")
+    trace.set_tracer_provider(provider)
+    return provider

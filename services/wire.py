@@ -1,0 +1,323 @@
+"""The data plane's message schema: trajectories and batches as msgpack frames.
+
+A frame is one msgpack map `{"schema": SCHEMA_VERSION, "kind": ..., "body": ...}`.
+Arrays travel as `{"dtype": "<i4", "shape": [n], "data": <raw little-endian bytes>}`,
+so a frame decodes without pickle and without recomputing anything from text.
+
+Decoding is strict: a frame that is oversized, truncated, not msgpack, of another
+schema version, of an unexpected kind, missing a field, carrying an unknown one,
+or whose arrays disagree in length raises `WireError` and nothing else. A service
+can therefore answer any bytes it receives with one `except WireError`.
+
+Imports neither torch nor grpc; the trainer turns arrays into tensors itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+# Every array field has one dtype on the wire; encoders cast to it.
+_ALLOWED_DTYPES = frozenset(
+    {"|u1", "|i1", "<i2", "<i4", "<i8", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8", "|b1"}
+)
+
+
+class WireError(ValueError):
+    """A frame that cannot be decoded or does not follow the schema."""
+
+
+# ---------------------------------------------------------------- arrays
+
+
+def encode_array(array: np.ndarray, dtype: str) -> dict[str, Any]:
+    """Packs an array as dtype, shape and raw little-endian bytes."""
+    contiguous = np.ascontiguousarray(array, dtype=np.dtype(dtype))
+    return {"dtype": dtype, "shape": list(contiguous.shape), "data": contiguous.tobytes()}
+
+
+def decode_array(
+    value: Any, name: str, dtype: str | None = None, ndim: int | None = None
+) -> np.ndarray:
+    """Unpacks an array written by `encode_array`, checking dtype, shape and size."""
+    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
+        raise WireError(f"{name}: expected an array map with dtype, shape and data")
+    wire_dtype, shape, data = value["dtype"], value["shape"], value["data"]
+    if not isinstance(wire_dtype, str) or wire_dtype not in _ALLOWED_DTYPES:
+        raise WireError(f"{name}: unsupported dtype {wire_dtype!r}")
+    if dtype is not None and wire_dtype != dtype:
+        raise WireError(f"{name}: dtype {wire_dtype} where {dtype} is required")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise WireError(f"{name}: shape must be a list of non-negative integers")
+    if ndim is not None and len(shape) != ndim:
+        raise WireError(f"{name}: {len(shape)} dimensions where {ndim} are required")
+    if not isinstance(data, bytes):
+        raise WireError(f"{name}: data must be bytes")
+    itemsize = np.dtype(wire_dtype).itemsize
+    expected = math.prod(shape) * itemsize
+    if len(data) != expected:
+        raise WireError(
+            f"{name}: {len(data)} bytes of data for shape {shape} ({expected} expected)"
+        )
+    return np.frombuffer(data, dtype=np.dtype(wire_dtype)).reshape(shape).copy()
+
+
+# ---------------------------------------------------------------- messages
+
+
+@dataclass(eq=False)
+class Trajectory:
+    """One episode, everything the trainer needs and nothing recomputed from text.
+
+    Per-token arrays all have the episode's length T: the prompt, every
+    generated turn and every observation or tool output, in order.
+    """
+
+    trajectory_id: str
+    """Unique id; producers retry with the same id and the buffer deduplicates."""
+    group_id: str
+    """Samples of one prompt or seed share a group (for group-relative advantages)."""
+    task_id: str
+    """The task, prompt or environment seed this episode came from."""
+    sample_index: int
+    """Index of this sample within its group."""
+    prompt_ordinal: int
+    """Monotonic ordinal of the dataset prompt, for exactly-once accounting."""
+    source: str
+    """Env id or dataset name."""
+    domain: str
+    """Domain used for scoring and batch composition ("math", "game", ...)."""
+    token_ids: np.ndarray
+    """int32 [T]: token ids of the whole episode."""
+    loss_mask: np.ndarray
+    """uint8 [T]: 1 on tokens the policy generated, 0 on prompt, observation, tool output."""
+    behaviour_logprobs: np.ndarray
+    """float32 [T]: the engine's logprob of each generated token, 0 elsewhere."""
+    policy_versions: np.ndarray
+    """int64 [T]: policy version that generated each token, -1 where loss_mask is 0."""
+    reward: float
+    """Final scalar reward of the episode."""
+    reward_components: dict[str, float] = field(default_factory=dict)
+    """Named parts of the final reward, for logging."""
+    step_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    """float32 [turns]: reward of each turn, for step-level advantages."""
+    finish_reason: str = "stop"
+    """Why the episode ended: "stop", "length", "abort", "terminated", "truncated", "error"."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent per phase ("generate", "env", "score")."""
+    trace_context: dict[str, str] = field(default_factory=dict)
+    """W3C trace context (traceparent, tracestate) of the episode."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, np.ndarray):
+                if not np.array_equal(mine, theirs, equal_nan=True) or mine.dtype != theirs.dtype:
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+
+@dataclass(eq=True)
+class Batch:
+    """Trajectories served to the trainer together, complete groups only."""
+
+    batch_id: str
+    """Unique id; the trainer acknowledges batches by it."""
+    trainer_version: int
+    """The trainer's policy version when the batch was assembled."""
+    trajectories: list[Trajectory]
+    """Whole groups, in group order."""
+
+
+# Per-token arrays and their wire dtypes.
+_TOKEN_ARRAYS = {
+    "token_ids": "<i4",
+    "loss_mask": "|u1",
+    "behaviour_logprobs": "<f4",
+    "policy_versions": "<i8",
+}
+_STRING_FIELDS = ("trajectory_id", "group_id", "task_id", "source", "domain", "finish_reason")
+_INT_FIELDS = ("sample_index", "prompt_ordinal")
+_TRAJECTORY_KEYS = frozenset(f.name for f in fields(Trajectory))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _trajectory_body(trajectory: Trajectory) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        name: getattr(trajectory, name) for name in _STRING_FIELDS + _INT_FIELDS
+    }
+    for name, dtype in _TOKEN_ARRAYS.items():
+        body[name] = encode_array(getattr(trajectory, name), dtype)
+    body["step_rewards"] = encode_array(trajectory.step_rewards, "<f4")
+    body["reward"] = float(trajectory.reward)
+    body["reward_components"] = {str(k): float(v) for k, v in trajectory.reward_components.items()}
+    body["timings"] = {str(k): float(v) for k, v in trajectory.timings.items()}
+    body["trace_context"] = {str(k): str(v) for k, v in trajectory.trace_context.items()}
+    return body
+
+
+def _float_map(value: Any, name: str) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise WireError(f"{name}: expected a map of names to numbers")
+    for key, number in value.items():
+        if (
+            not isinstance(key, str)
+            or not isinstance(number, (int, float))
+            or isinstance(number, bool)
+        ):
+            raise WireError(f"{name}: expected a map of names to numbers")
+        if not math.isfinite(number):
+            raise WireError(f"{name}[{key!r}] is not finite")
+    return {key: float(number) for key, number in value.items()}
+
+
+def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
+    if not isinstance(body, dict):
+        raise WireError(f"{where}: expected a map")
+    keys = set(body)
+    if keys != _TRAJECTORY_KEYS:
+        missing, unknown = (
+            sorted(_TRAJECTORY_KEYS - keys, key=str),
+            sorted(keys - _TRAJECTORY_KEYS, key=str),
+        )
+        raise WireError(f"{where}: missing fields {missing}, unknown fields {unknown}")
+    for name in _STRING_FIELDS:
+        if not isinstance(body[name], str):
+            raise WireError(f"{where}.{name}: expected a string")
+    for name in _INT_FIELDS:
+        if not _is_int(body[name]) or body[name] < 0:
+            raise WireError(f"{where}.{name}: expected a non-negative integer")
+    arrays = {
+        name: decode_array(body[name], f"{where}.{name}", dtype, ndim=1)
+        for name, dtype in _TOKEN_ARRAYS.items()
+    }
+    lengths = {name: array.shape[0] for name, array in arrays.items()}
+    if len(set(lengths.values())) != 1:
+        raise WireError(f"{where}: per-token arrays differ in length {lengths}")
+    mask = arrays["loss_mask"]
+    if mask.size and mask.max() > 1:
+        raise WireError(f"{where}.loss_mask: values must be 0 or 1")
+    generated = mask == 1
+    if not np.all(np.isfinite(arrays["behaviour_logprobs"][generated])):
+        raise WireError(f"{where}.behaviour_logprobs: not finite on a generated token")
+    if np.any(arrays["policy_versions"][generated] < 0):
+        raise WireError(f"{where}.policy_versions: a generated token has no version")
+    reward = body["reward"]
+    if (
+        not isinstance(reward, (int, float))
+        or isinstance(reward, bool)
+        or not math.isfinite(reward)
+    ):
+        raise WireError(f"{where}.reward: expected a finite number")
+    step_rewards = decode_array(body["step_rewards"], f"{where}.step_rewards", "<f4", ndim=1)
+    if not np.all(np.isfinite(step_rewards)):
+        raise WireError(f"{where}.step_rewards: not finite")
+    trace = body["trace_context"]
+    if not isinstance(trace, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in trace.items()
+    ):
+        raise WireError(f"{where}.trace_context: expected a map of strings")
+    return Trajectory(
+        **{name: body[name] for name in _STRING_FIELDS + _INT_FIELDS},
+        **arrays,
+        reward=float(reward),
+        reward_components=_float_map(body["reward_components"], f"{where}.reward_components"),
+        step_rewards=step_rewards,
+        timings=_float_map(body["timings"], f"{where}.timings"),
+        trace_context=dict(trace),
+    )
+
+
+# ---------------------------------------------------------------- frames
+
+Kind = Literal["trajectory", "batch"]
+
+
+def encode(message: Trajectory | Batch) -> bytes:
+    """Encodes a trajectory or a batch as one msgpack frame."""
+    if isinstance(message, Trajectory):
+        kind, body = "trajectory", _trajectory_body(message)
+    elif isinstance(message, Batch):
+        kind = "batch"
+        body = {
+            "batch_id": message.batch_id,
+            "trainer_version": int(message.trainer_version),
+            "trajectories": [_trajectory_body(t) for t in message.trajectories],
+        }
+    else:
+        raise TypeError(f"cannot encode {type(message).__name__}")
+    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, "body": body}, use_bin_type=True)
+
+
+def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajectory | Batch:
+    """Decodes one frame. Raises WireError, and only WireError, for anything invalid."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise WireError(f"a frame must be bytes, not {type(frame).__name__}")
+    if len(frame) > max_frame_bytes:
+        raise WireError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame_bytes}")
+    try:
+        envelope = msgpack.unpackb(
+            frame, raw=False, strict_map_key=True, max_buffer_size=max(len(frame), 1)
+        )
+    except Exception as error:  # msgpack raises several unrelated types on bad input
+        raise WireError(f"not a valid msgpack frame: {type(error).__name__}: {error}") from None
+    if not isinstance(envelope, dict) or set(envelope) != {"schema", "kind", "body"}:
+        raise WireError("not a rollwire frame: expected a map with schema, kind and body")
+    if envelope["schema"] != SCHEMA_VERSION or not _is_int(envelope["schema"]):
+        raise WireError(
+            f"schema version {envelope['schema']!r} is not supported (this side speaks {SCHEMA_VERSION})"
+        )
+    kind, body = envelope["kind"], envelope["body"]
+    if kind == "trajectory":
+        return _trajectory_from_body(body)
+    if kind == "batch":
+        if not isinstance(body, dict) or set(body) != {
+            "batch_id",
+            "trainer_version",
+            "trajectories",
+        }:
+            raise WireError("batch: expected batch_id, trainer_version and trajectories")
+        if not isinstance(body["batch_id"], str) or not _is_int(body["trainer_version"]):
+            raise WireError("batch: batch_id must be a string and trainer_version an integer")
+        if not isinstance(body["trajectories"], list):
+            raise WireError("batch.trajectories: expected a list")
+        trajectories = [
+            _trajectory_from_body(t, f"batch.trajectories[{i}]")
+            for i, t in enumerate(body["trajectories"])
+        ]
+        return Batch(body["batch_id"], body["trainer_version"], trajectories)
+    raise WireError(f"unknown frame kind {kind!r}")
+
+
+def decode_trajectory(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajectory:
+    """Decodes a frame that must hold a trajectory."""
+    message = decode(frame, max_frame_bytes)
+    if not isinstance(message, Trajectory):
+        raise WireError(f"expected a trajectory frame, got a {type(message).__name__.lower()}")
+    return message
+
+
+def decode_batch(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Batch:
+    """Decodes a frame that must hold a batch."""
+    message = decode(frame, max_frame_bytes)
+    if not isinstance(message, Batch):
+        raise WireError(f"expected a batch frame, got a {type(message).__name__.lower()}")
+    return message
