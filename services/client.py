@@ -61,9 +61,11 @@ async def check_health(channel: grpc.aio.Channel, service: str = "", timeout: fl
 
 
 async def wait_for_serving(
-    channel: grpc.aio.Channel, service: str = "", timeout: float = 30.0
+    channel: grpc.aio.Channel, service: str = "", timeout: float = 30.0, target: str = "the peer"
 ) -> None:
     """Polls the health service until it reports SERVING.
+
+    `target` names the peer in the error message (usually its address).
 
     Raises:
         TimeoutError: after `timeout` seconds, saying what the peer last answered.
@@ -73,7 +75,6 @@ async def wait_for_serving(
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            target = channel._channel.target().decode() if hasattr(channel, "_channel") else "peer"
             raise TimeoutError(
                 f"{target} did not report SERVING for service {service!r} within {timeout:g}s; last: {last}"
             )

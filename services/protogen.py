@@ -25,18 +25,18 @@ INIT_TEXT = (
 )
 
 
-def generate(out_dir: Path) -> dict[str, str]:
-    """Runs protoc on every `.proto` file; returns {file name: text} of the outputs."""
+def generate(out_dir: Path, proto_dir: Path = PROTO_DIR) -> dict[str, str]:
+    """Runs protoc on every `.proto` file in `proto_dir`; returns {file name: text} of the outputs."""
     import grpc_tools
     from grpc_tools import protoc  # imported here: only the dev extra has it
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
-    protos = sorted(PROTO_DIR.glob("*.proto"))
+    protos = sorted(proto_dir.glob("*.proto"))
     if not protos:
-        raise SystemExit(f"no .proto files in {PROTO_DIR}")
+        raise SystemExit(f"no .proto files in {proto_dir}")
     args = [
         "protoc",
-        f"-I{VIRTUAL_ROOT}={PROTO_DIR.parent}",
+        f"-I{VIRTUAL_ROOT}={proto_dir.parent}",
         f"-I{well_known}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
@@ -51,10 +51,11 @@ def generate(out_dir: Path) -> dict[str, str]:
     return files
 
 
-def committed_files() -> dict[str, str]:
-    names = [p for p in PROTO_DIR.iterdir() if p.name.endswith(GENERATED_SUFFIXES)]
+def committed_files(proto_dir: Path = PROTO_DIR) -> dict[str, str]:
+    """The generated files as they are on disk."""
+    names = [p for p in proto_dir.iterdir() if p.name.endswith(GENERATED_SUFFIXES)]
     files = {p.name: p.read_text() for p in names}
-    init = PROTO_DIR / "__init__.py"
+    init = proto_dir / "__init__.py"
     if init.exists():
         files["__init__.py"] = init.read_text()
     return files
@@ -84,19 +85,21 @@ def drift(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="fail on drift instead of writing")
+    parser.add_argument("--proto-dir", type=Path, default=PROTO_DIR, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    proto_dir = args.proto_dir.resolve()
     with tempfile.TemporaryDirectory() as tmp:
-        expected = generate(Path(tmp))
+        expected = generate(Path(tmp), proto_dir)
     if args.check:
-        problems = drift(expected, committed_files())
+        problems = drift(expected, committed_files(proto_dir))
         for problem in problems:
             print(problem, file=sys.stderr)
         return 1 if problems else 0
-    for stale in set(committed_files()) - set(expected):
-        (PROTO_DIR / stale).unlink()
+    for stale in set(committed_files(proto_dir)) - set(expected):
+        (proto_dir / stale).unlink()
     for name, text in expected.items():
-        (PROTO_DIR / name).write_text(text)
-    print(f"wrote {len(expected)} files to {PROTO_DIR}")
+        (proto_dir / name).write_text(text)
+    print(f"wrote {len(expected)} files to {proto_dir}")
     return 0
 
 

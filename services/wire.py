@@ -274,9 +274,7 @@ def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Traj
     if len(frame) > max_frame_bytes:
         raise WireError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame_bytes}")
     try:
-        envelope = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, max_buffer_size=max(len(frame), 1)
-        )
+        envelope = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as error:  # msgpack raises several unrelated types on bad input
         raise WireError(f"not a valid msgpack frame: {type(error).__name__}: {error}") from None
     if not isinstance(envelope, dict) or set(envelope) != {"schema", "kind", "body"}:

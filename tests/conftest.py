@@ -1,0 +1,176 @@
+"""Shared fixtures: in-process gRPC services, an in-memory tracer, child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import datetime
+import ipaddress
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from rollwire.services.config import ServerConfig
+from rollwire.services.server import Registration, ServiceRuntime
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def tracing() -> tuple[TracerProvider, InMemorySpanExporter]:
+    """A tracer provider whose finished spans can be read back."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+@pytest.fixture
+async def start_service() -> AsyncIterator:
+    """Starts ServiceRuntimes on 127.0.0.1:0; stops every one at teardown."""
+    started: list[ServiceRuntime] = []
+
+    async def start(
+        registrations: list[Registration], config: ServerConfig | None = None, **kwargs
+    ) -> ServiceRuntime:
+        runtime = ServiceRuntime("test", config or ServerConfig(grace_seconds=0.5), **kwargs)
+        await runtime.start(registrations)
+        started.append(runtime)
+        return runtime
+
+    yield start
+    for runtime in started:
+        await runtime.stop(grace=0)
+
+
+class Child:
+    """A process this test started, in its own process group, killed only by its pid."""
+
+    def __init__(
+        self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
+        self.args = args
+        self.process = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+    def wait_for_file(self, path: Path, timeout: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and path.read_text().strip():
+                return path.read_text().strip()
+            if self.process.poll() is not None:
+                _, err = self.process.communicate(timeout=5)
+                raise AssertionError(
+                    f"{self.args} exited {self.process.returncode} before writing {path}:\n{err}"
+                )
+            time.sleep(0.05)
+        raise AssertionError(f"{self.args} wrote no {path} within {timeout}s")
+
+    def terminate(self, timeout: float = 15.0) -> tuple[int, str, str]:
+        """SIGTERM, then wait; returns (exit code, stdout, stderr)."""
+        self.process.send_signal(signal.SIGTERM)
+        out, err = self.process.communicate(timeout=timeout)
+        return self.process.returncode, out, err
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.communicate(timeout=10)
+
+
+@pytest.fixture
+def spawn() -> Iterator:
+    """Starts child processes; any still running at teardown is killed by its process group."""
+    children: list[Child] = []
+
+    def start(args: list[str], **kwargs) -> Child:
+        child = Child(args, **kwargs)
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        child.kill()
+
+
+ROLLWIRE = [sys.executable, "-m", "rollwire.services.cli"]
+
+
+# ---------------------------------------------------------------- TLS material
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _write(
+    folder: Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey
+) -> None:
+    (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / f"{stem}.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+
+def make_certificates(folder: Path) -> Path:
+    """Writes ca.pem, server.pem/key (SAN 127.0.0.1, localhost) and client.pem/key into `folder`."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name("rollwire test CA"))
+        .issuer_name(_name("rollwire test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write(folder, "ca", ca, ca_key)
+    for stem, names in (("server", ["localhost"]), ("client", ["rollwire-client"])):
+        key = ec.generate_private_key(ec.SECP256R1())
+        alt = [x509.DNSName(n) for n in names]
+        if stem == "server":
+            alt.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(names[0]))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        _write(folder, stem, cert, key)
+    return folder
+
+
+@pytest.fixture
+def certificates(tmp_path: Path) -> Path:
+    """A folder with ca.pem, server.pem/key (127.0.0.1, localhost) and client.pem/key."""
+    return make_certificates(tmp_path)

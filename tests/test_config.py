@@ -1,0 +1,148 @@
+"""Config: defaults, YAML, environment and --set precedence, error paths, resolved output."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import yaml
+
+from rollwire.services.config import (
+    ConfigError,
+    RunConfig,
+    load_config,
+    parse_assignment,
+    write_resolved_config,
+)
+
+
+def test_defaults_validate_and_every_field_has_help() -> None:
+    config = load_config(environ={})
+    assert config.env_server.server.port == 0
+    assert config.env_server.server.host == "127.0.0.1"
+
+    def walk(model: type) -> list[str]:
+        missing = []
+        for name, info in model.model_fields.items():
+            if not info.description:
+                missing.append(f"{model.__name__}.{name}")
+            annotation = info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, RunConfig.__mro__[1]):
+                missing += walk(annotation)
+        return missing
+
+    assert walk(RunConfig) == []
+
+
+def test_precedence_file_then_environment_then_set(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("env_server:\n  max_sessions: 10\n  session_idle_seconds: 5\nrun:\n  seed: 1\n")
+    environ = {
+        "ROLLWIRE__ENV_SERVER__MAX_SESSIONS": "20",
+        "ROLLWIRE__RUN__SEED": "2",
+        "UNRELATED": "x",
+    }
+    config = load_config(path, ["env_server.max_sessions=30"], environ=environ)
+    assert config.env_server.max_sessions == 30  # --set wins
+    assert config.run.seed == 2  # environment beats the file
+    assert config.env_server.session_idle_seconds == 5.0  # file beats defaults
+
+
+def test_values_are_parsed_as_yaml() -> None:
+    config = load_config(
+        overrides=[
+            "reward_server.item_timeout_seconds=1e-1",
+            "env_server.envs=[a, b]",
+            "orchestrator.env_servers=[]",
+        ],
+        environ={},
+    )
+    assert config.reward_server.item_timeout_seconds == pytest.approx(0.1)
+    assert config.env_server.envs == ["a", "b"]
+
+
+def test_unknown_key_is_named_by_path(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("env_server:\n  server:\n    prot: 5\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    assert "env_server.server.prot: unknown key" in str(caught.value)
+    assert str(path) in str(caught.value)
+
+
+def test_every_error_is_listed_with_its_path() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            overrides=["trainer.backend=nccl", "env_server.max_sessions=0", "nope=1"], environ={}
+        )
+    message = str(caught.value)
+    assert "trainer.backend:" in message
+    assert "env_server.max_sessions:" in message
+    assert "nope: unknown key" in message
+
+
+def test_unknown_environment_key_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"env_server.max_sesions: unknown key"):
+        load_config(environ={"ROLLWIRE__ENV_SERVER__MAX_SESIONS": "3"})
+
+
+@pytest.mark.parametrize("bad", ["novalue", "=3", "a..b=1", "a.=1"])
+def test_malformed_assignment(bad: str) -> None:
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_assignment(bad)
+
+
+def test_override_through_a_value_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="run.seed holds a value"):
+        load_config(overrides=["run.seed=1", "run.seed.x=1"], environ={})
+
+
+def test_bad_yaml_and_non_mapping(tmp_path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken, environ={})
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(listing, environ={})
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml", environ={})
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(ConfigError, match="cert_file and key_file must be given together"):
+        load_config(overrides=["client.tls.cert_file=/x.pem"], environ={})
+    with pytest.raises(ConfigError, match="either token or token_file"):
+        load_config(overrides=["client.auth.token=a", "client.auth.token_file=/t"], environ={})
+
+
+def test_token_file_is_read(tmp_path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    config = load_config(overrides=[f"client.auth.token_file={secret}"], environ={})
+    assert config.client.auth.resolve_token() == "s3cret"
+
+
+def test_resolved_config_round_trips_and_masks_secrets(tmp_path) -> None:
+    config = load_config(overrides=["run.seed=7", "client.auth.token=hunter2"], environ={})
+    written = write_resolved_config(config, tmp_path / "run")
+    text = written.read_text()
+    assert "hunter2" not in text
+    data = yaml.safe_load(text)
+    assert data["run"]["seed"] == 7
+    data["client"]["auth"]["token"] = None
+    assert RunConfig.model_validate(data).run.seed == 7
+
+
+def test_config_modules_import_neither_torch_nor_grpc() -> None:
+    import subprocess
+
+    code = (
+        "import sys, rollwire.services.config as c; c.load_config(environ={}); "
+        "print(sorted(m for m in ('torch', 'grpc', 'zmq') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]"

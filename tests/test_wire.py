@@ -1,0 +1,227 @@
+"""The data-plane schema: round trips, and garbage that must raise WireError only."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollwire.services.wire import (
+    SCHEMA_VERSION,
+    Batch,
+    Trajectory,
+    WireError,
+    decode,
+    decode_batch,
+    decode_trajectory,
+    encode,
+)
+
+names = st.text(max_size=12)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+@st.composite
+def trajectories(draw: st.DrawFn) -> Trajectory:
+    length = draw(st.integers(0, 40))
+    mask = np.array(
+        draw(st.lists(st.integers(0, 1), min_size=length, max_size=length)), dtype=np.uint8
+    )
+    logprobs = np.array(
+        draw(st.lists(st.floats(-30, 0, width=32), min_size=length, max_size=length)), np.float32
+    )
+    versions = np.array(
+        draw(st.lists(st.integers(0, 2**40), min_size=length, max_size=length)), np.int64
+    )
+    return Trajectory(
+        trajectory_id=draw(names),
+        group_id=draw(names),
+        task_id=draw(names),
+        sample_index=draw(st.integers(0, 1000)),
+        prompt_ordinal=draw(st.integers(0, 2**62)),
+        source=draw(names),
+        domain=draw(names),
+        token_ids=np.array(
+            draw(st.lists(st.integers(0, 2**31 - 1), min_size=length, max_size=length)), np.int32
+        ),
+        loss_mask=mask,
+        behaviour_logprobs=np.where(mask == 1, logprobs, 0).astype(np.float32),
+        policy_versions=np.where(mask == 1, versions, -1).astype(np.int64),
+        reward=draw(finite),
+        reward_components=draw(st.dictionaries(names, finite, max_size=3)),
+        step_rewards=np.array(draw(st.lists(finite, max_size=5)), np.float32),
+        finish_reason=draw(st.sampled_from(["stop", "length", "abort", "terminated"])),
+        timings=draw(st.dictionaries(names, st.floats(0, 1e4), max_size=3)),
+        trace_context=draw(st.dictionaries(names, names, max_size=2)),
+    )
+
+
+def sample(length: int = 6) -> Trajectory:
+    mask = np.array([0, 0, 1, 1, 0, 1][:length], np.uint8)
+    return Trajectory(
+        trajectory_id="t-1",
+        group_id="g-1",
+        task_id="task-9",
+        sample_index=0,
+        prompt_ordinal=41,
+        source="gsm8k",
+        domain="math",
+        token_ids=np.arange(length, dtype=np.int32),
+        loss_mask=mask,
+        behaviour_logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32),
+        policy_versions=np.where(mask == 1, 3, -1).astype(np.int64),
+        reward=1.0,
+        reward_components={"correct": 1.0},
+        step_rewards=np.array([0.0, 1.0], np.float32),
+        finish_reason="stop",
+        timings={"generate": 0.25},
+        trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+    )
+
+
+@given(trajectories())
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+def test_trajectory_round_trip(trajectory: Trajectory) -> None:
+    decoded = decode_trajectory(encode(trajectory))
+    assert decoded == trajectory
+    assert decoded.token_ids.dtype == np.int32
+    assert decoded.policy_versions.dtype == np.int64
+
+
+@given(st.lists(trajectories(), max_size=4), st.integers(0, 2**40), names)
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+def test_batch_round_trip(items: list[Trajectory], version: int, batch_id: str) -> None:
+    batch = Batch(batch_id, version, items)
+    assert decode_batch(encode(batch)) == batch
+
+
+def test_arrays_travel_as_little_endian_bytes() -> None:
+    envelope = msgpack.unpackb(encode(sample()), raw=False)
+    assert envelope["schema"] == SCHEMA_VERSION
+    token_ids = envelope["body"]["token_ids"]
+    assert token_ids["dtype"] == "<i4" and token_ids["shape"] == [6]
+    assert token_ids["data"] == np.arange(6, dtype="<i4").tobytes()
+
+
+@given(st.binary(max_size=512))
+@settings(max_examples=400)
+def test_garbage_raises_wire_error_only(garbage: bytes) -> None:
+    try:
+        decode(garbage)
+    except WireError:
+        pass
+
+
+@given(st.data())
+@settings(max_examples=300)
+def test_mutated_frames_raise_wire_error_or_decode(data: st.DataObject) -> None:
+    frame = bytearray(encode(sample()))
+    for _ in range(data.draw(st.integers(1, 4))):
+        position = data.draw(st.integers(0, len(frame) - 1))
+        frame[position] = data.draw(st.integers(0, 255))
+    try:
+        decoded = decode(bytes(frame))
+    except WireError:
+        return
+    # A mutation that still decodes must still satisfy the schema's invariants.
+    if isinstance(decoded, Trajectory):
+        assert decoded.token_ids.shape == decoded.loss_mask.shape == decoded.policy_versions.shape
+        assert math.isfinite(decoded.reward)
+
+
+@given(st.integers(0, 300))
+def test_every_truncation_raises_wire_error(cut: int) -> None:
+    frame = encode(sample())
+    cut = min(cut, len(frame) - 1)
+    with pytest.raises(WireError):
+        decode(frame[:cut])
+
+
+def _frame(mutate) -> bytes:
+    envelope = msgpack.unpackb(encode(sample()), raw=False)
+    mutate(envelope)
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda e: e.update(schema=2), "schema version 2 is not supported"),
+        (lambda e: e.update(schema=True), "schema version True is not supported"),
+        (lambda e: e.update(kind="weights"), "unknown frame kind 'weights'"),
+        (lambda e: e["body"].pop("reward"), r"missing fields \['reward'\]"),
+        (lambda e: e["body"].update(extra=1), r"unknown fields \['extra'\]"),
+        (lambda e: e["body"]["token_ids"].update(dtype="<i8"), "dtype <i8 where <i4 is required"),
+        (lambda e: e["body"]["token_ids"].update(dtype="O"), "unsupported dtype 'O'"),
+        (lambda e: e["body"]["token_ids"].update(shape=[7]), "bytes of data for shape"),
+        (
+            lambda e: e["body"]["token_ids"].update(shape=[2, 3], data=b"\0" * 24),
+            "2 dimensions where 1",
+        ),
+        (
+            lambda e: e["body"]["loss_mask"].update(shape=[5], data=b"\0" * 5),
+            "per-token arrays differ in length",
+        ),
+        (lambda e: e["body"]["loss_mask"].update(data=b"\2" * 6), "values must be 0 or 1"),
+        (lambda e: e["body"].update(reward=float("nan")), "reward: expected a finite number"),
+        (lambda e: e["body"].update(reward="1"), "reward: expected a finite number"),
+        (
+            lambda e: e["body"].update(sample_index=-1),
+            "sample_index: expected a non-negative integer",
+        ),
+        (lambda e: e["body"].update(domain=3), "domain: expected a string"),
+        (
+            lambda e: e["body"].update(trace_context={"a": 1}),
+            "trace_context: expected a map of strings",
+        ),
+        (lambda e: e["body"].update(timings={"a": float("inf")}), "is not finite"),
+        (
+            lambda e: e["body"]["policy_versions"].update(data=np.full(6, -1, "<i8").tobytes()),
+            "a generated token has no version",
+        ),
+        (
+            lambda e: e["body"]["behaviour_logprobs"].update(
+                data=np.full(6, np.inf, "<f4").tobytes()
+            ),
+            "not finite on a generated token",
+        ),
+        (lambda e: e.update(body=[1, 2]), "expected a map"),
+    ],
+)
+def test_schema_violations_are_named(mutate, message: str) -> None:
+    with pytest.raises(WireError, match=message):
+        decode(_frame(mutate))
+
+
+def test_oversized_frame_is_refused_before_decoding() -> None:
+    frame = encode(sample())
+    with pytest.raises(WireError, match="exceeds the limit"):
+        decode(frame, max_frame_bytes=len(frame) - 1)
+    assert decode(frame, max_frame_bytes=len(frame)) == sample()
+
+
+def test_kind_checked_by_typed_decoders() -> None:
+    with pytest.raises(WireError, match="expected a batch frame"):
+        decode_batch(encode(sample()))
+    with pytest.raises(WireError, match="expected a trajectory frame"):
+        decode_trajectory(encode(Batch("b", 0, [sample()])))
+
+
+def test_deep_nesting_and_non_bytes_input() -> None:
+    deep = b"\x91" * 100_000 + b"\x00"  # 100k nested one-element arrays
+    with pytest.raises(WireError):
+        decode(deep)
+    with pytest.raises(WireError, match="must be bytes"):
+        decode("text")  # type: ignore[arg-type]
+
+
+def test_a_bad_trajectory_inside_a_batch_is_located() -> None:
+    good = encode(Batch("b", 1, [sample(), sample()]))
+    envelope = msgpack.unpackb(good, raw=False)
+    envelope["body"]["trajectories"][1]["domain"] = None
+    with pytest.raises(WireError, match=r"batch.trajectories\[1\].domain"):
+        decode(msgpack.packb(envelope, use_bin_type=True))
