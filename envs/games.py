@@ -20,6 +20,8 @@ class GuessTheNumber(Env):
     """
 
     def __init__(self, low: int = 1, high: int = 100, max_turns: int = 10) -> None:
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high, max_turns)):
+            raise TypeError("low, high and max_turns must be integers")
         if low > high:
             raise ValueError(f"low ({low}) must not exceed high ({high})")
         if max_turns < 1:

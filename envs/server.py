@@ -8,7 +8,6 @@ message and a counter (`env_rejected{reason=...}`); the server keeps serving.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -17,7 +16,6 @@ from typing import Any
 
 import grpc
 import grpc.aio
-from google.protobuf import json_format, struct_pb2
 
 from rollwire.envs import registry
 from rollwire.envs.base import Env, InvalidAction
@@ -25,16 +23,10 @@ from rollwire.proto.v1 import env_pb2, env_pb2_grpc
 from rollwire.services.config import EnvServerConfig
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.server import Registration
+from rollwire.services.structs import from_struct, to_struct
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = env_pb2.DESCRIPTOR.services_by_name["EnvService"].full_name
-
-
-def to_struct(info: dict[str, Any]) -> struct_pb2.Struct:
-    """Env info as a Struct; values JSON cannot hold are written as strings."""
-    struct = struct_pb2.Struct()
-    struct.update(json.loads(json.dumps(info, default=str)))
-    return struct
 
 
 @dataclass
@@ -128,9 +120,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
                 "session_limit",
                 f"this server holds its limit of {self.config.max_sessions} sessions; close finished ones or add servers",
             )
-        kwargs = (
-            json_format.MessageToDict(request.env_kwargs) if request.HasField("env_kwargs") else {}
-        )
+        kwargs = from_struct(request.env_kwargs) if request.HasField("env_kwargs") else {}
         try:
             env = registry.make(request.env_id, **kwargs)
         except (TypeError, ValueError) as error:

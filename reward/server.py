@@ -15,16 +15,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import grpc.aio
-from google.protobuf import json_format
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
 from rollwire.reward.scorers import SCORERS, ScoreInput
 from rollwire.services.config import RewardServerConfig
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.server import Registration
+from rollwire.services.structs import from_struct
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+
+
+def _first_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0] if lines else ""
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -48,7 +53,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 reward_pb2.ScorerInfo(
                     domain=domain,
                     scorer=name,
-                    description=(fn.__doc__ or "").strip().splitlines()[0],
+                    description=_first_line(fn.__doc__),
                 )
                 for domain, (name, fn) in sorted(SCORERS.items())
             ]
@@ -104,7 +109,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             response=item.response,
             reference=item.reference,
             prompt=item.prompt,
-            metadata=json_format.MessageToDict(item.metadata) if item.HasField("metadata") else {},
+            metadata=from_struct(item.metadata) if item.HasField("metadata") else {},
         )
         loop = asyncio.get_running_loop()
         try:

@@ -95,7 +95,9 @@ def _health(args: argparse.Namespace) -> int:
     async def probe() -> str:
         async with open_channel(args.address, config.client) as channel:
             if args.wait:
-                await wait_for_serving(channel, args.service, timeout=args.timeout, target=args.address)
+                await wait_for_serving(
+                    channel, args.service, timeout=args.timeout, target=args.address
+                )
                 return "SERVING"
             return await check_health(channel, args.service, timeout=args.timeout)
 

@@ -185,7 +185,8 @@ async def test_message_size_limit(start_service) -> None:
 async def test_wait_for_serving_times_out_with_a_clear_message() -> None:
     async with open_channel("127.0.0.1:1") as channel:  # nothing listens on port 1
         with pytest.raises(
-            TimeoutError, match=r"127.0.0.1:1 did not report SERVING .* within 0.5s; last: UNAVAILABLE"
+            TimeoutError,
+            match=r"127.0.0.1:1 did not report SERVING .* within 0.5s; last: UNAVAILABLE",
         ):
             await wait_for_serving(channel, timeout=0.5, target="127.0.0.1:1")
 

@@ -1,0 +1,141 @@
+"""Scorers against hand-checked cases, and the reward-server's contract."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import grpc.aio
+import pytest
+
+from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
+from rollwire.reward import scorers
+from rollwire.reward.scorers import (
+    Score,
+    ScoreInput,
+    exact_match_score,
+    extract_answer,
+    format_score,
+)
+from rollwire.reward.server import registrations
+from rollwire.services.client import open_channel
+from rollwire.services.config import RewardServerConfig
+from rollwire.services.metrics import COUNTERS
+
+
+@pytest.mark.parametrize(
+    ("response", "answer"),
+    [
+        ("so <answer>42</answer>", "42"),
+        ("<answer> a </answer> then <answer>b</answer>", "b"),
+        ("<answer>multi\nline</answer>", "multi\nline"),
+        ("no tag 42", None),
+        ("<answer>unclosed", None),
+    ],
+)
+def test_extract_answer(response: str, answer: str | None) -> None:
+    assert extract_answer(response) == answer
+
+
+def test_format_and_exact_match() -> None:
+    assert format_score(ScoreInput("<answer>x</answer>")) == Score(1.0, {"format": 1.0})
+    assert format_score(ScoreInput("<answer>x</answer><answer>y</answer>")).reward == 0.0
+    assert exact_match_score(ScoreInput("<answer> Paris. </answer>", reference="paris")) == Score(
+        1.0, {"correct": 1.0, "format": 1.0}
+    )
+    assert exact_match_score(ScoreInput("<answer>Lyon</answer>", reference="Paris")) == Score(
+        0.0, {"correct": 0.0, "format": 1.0}
+    )
+    assert exact_match_score(ScoreInput("Paris", reference="Paris")) == Score(
+        0.0, {"correct": 0.0, "format": 0.0}
+    )
+
+
+def item(
+    item_id: str,
+    domain: str = "exact_match",
+    response: str = "<answer>4</answer>",
+    reference: str = "4",
+):
+    return reward_pb2.ScoreItem(
+        item_id=item_id, domain=domain, response=response, reference=reference
+    )
+
+
+@pytest.fixture
+async def reward_stub(start_service, monkeypatch):
+    def crash(payload: ScoreInput) -> Score:
+        raise ValueError("cannot parse")
+
+    def hang(payload: ScoreInput) -> Score:
+        time.sleep(2)
+        return Score(1.0)
+
+    monkeypatch.setitem(scorers.SCORERS, "test_crash", ("crash", crash))
+    monkeypatch.setitem(scorers.SCORERS, "test_hang", ("hang", hang))
+    runtime = await start_service(
+        registrations(RewardServerConfig(max_batch_items=4, item_timeout_seconds=0.3))
+    )
+    async with open_channel(runtime.address) as channel:
+        yield reward_pb2_grpc.RewardServiceStub(channel)
+
+
+@pytest.mark.integration
+async def test_scores_a_batch_by_domain(reward_stub) -> None:
+    reply = await reward_stub.Score(
+        reward_pb2.ScoreRequest(
+            items=[item("a"), item("b", response="<answer>5</answer>"), item("c", domain="format")]
+        )
+    )
+    got = {r.item_id: (r.reward, dict(r.components), r.error) for r in reply.results}
+    assert got == {
+        "a": (1.0, {"correct": 1.0, "format": 1.0}, False),
+        "b": (0.0, {"correct": 0.0, "format": 1.0}, False),
+        "c": (1.0, {"format": 1.0}, False),
+    }
+    listing = await reward_stub.ListScorers(reward_pb2.ListScorersRequest())
+    assert {"exact_match", "format"} <= {s.domain for s in listing.scorers}
+
+
+@pytest.mark.integration
+async def test_a_failing_or_slow_scorer_costs_only_its_item(reward_stub) -> None:
+    before = COUNTERS.get("reward_item_errors", domain="test_hang", kind="timeout")
+    reply = await reward_stub.Score(
+        reward_pb2.ScoreRequest(
+            items=[item("ok"), item("crash", domain="test_crash"), item("hang", domain="test_hang")]
+        )
+    )
+    results = {r.item_id: r for r in reply.results}
+    assert not results["ok"].error and results["ok"].reward == 1.0
+    assert results["crash"].error and results["crash"].reward == 0.0
+    assert "ValueError: cannot parse" in results["crash"].error_message
+    assert results["hang"].error and "timed out after 0.3s" in results["hang"].error_message
+    assert COUNTERS.get("reward_item_errors", domain="test_hang", kind="timeout") == before + 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("items", "code", "text"),
+    [
+        ([], grpc.StatusCode.INVALID_ARGUMENT, "no items"),
+        (
+            [item(str(i)) for i in range(5)],
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "5 items exceed the limit of 4",
+        ),
+        ([item("a"), item("a")], grpc.StatusCode.INVALID_ARGUMENT, "must be unique"),
+        (
+            [item("a", domain="poetry")],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "no scorer for domain(s) ['poetry']",
+        ),
+    ],
+)
+async def test_malformed_requests_are_refused_whole(reward_stub, items, code, text) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await reward_stub.Score(reward_pb2.ScoreRequest(items=items))
+    assert caught.value.code() is code
+    assert text in caught.value.details()
+    assert (await reward_stub.Score(reward_pb2.ScoreRequest(items=[item("fine")]))).results[
+        0
+    ].reward == 1.0
