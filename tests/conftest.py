@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import signal
 import subprocess
 import sys
 import time
-import datetime
-import ipaddress
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -136,7 +136,7 @@ def _write(
 
 def make_certificates(folder: Path) -> Path:
     """Writes ca.pem, server.pem/key (SAN 127.0.0.1, localhost) and client.pem/key into `folder`."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
         x509.CertificateBuilder()

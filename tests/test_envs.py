@@ -92,7 +92,7 @@ async def env_stub(start_service):
     config = EnvServerConfig(max_sessions=3, max_action_bytes=32)
     runtime = await start_service(registrations(config))
     async with open_channel(runtime.address) as channel:
-        yield env_pb2_grpc.EnvServiceStub(channel), runtime
+        yield env_pb2_grpc.EnvServiceStub(channel)
 
 
 async def expect(call, code: grpc.StatusCode, text: str) -> None:
@@ -104,7 +104,7 @@ async def expect(call, code: grpc.StatusCode, text: str) -> None:
 
 @pytest.mark.integration
 async def test_env_server_plays_an_episode(env_stub) -> None:
-    stub, _ = env_stub
+    stub = env_stub
     listing = await stub.ListEnvs(env_pb2.ListEnvsRequest())
     assert "guess_the_number" in [spec.env_id for spec in listing.envs]
     kwargs = struct_pb2.Struct()
@@ -125,7 +125,7 @@ async def test_env_server_plays_an_episode(env_stub) -> None:
 
 @pytest.mark.integration
 async def test_env_server_error_contract(env_stub) -> None:
-    stub, _ = env_stub
+    stub = env_stub
     before = COUNTERS.get("env_rejected")
     await expect(
         stub.Reset(env_pb2.ResetRequest(env_id="chess")),
@@ -170,7 +170,7 @@ async def test_env_server_error_contract(env_stub) -> None:
 
 @pytest.mark.integration
 async def test_env_server_survives_a_crashing_env_and_enforces_session_limit(env_stub) -> None:
-    stub, runtime = env_stub
+    stub = env_stub
     broken = (await stub.Reset(env_pb2.ResetRequest(env_id="test_exploding"))).session_id
     await expect(
         stub.Step(env_pb2.StepRequest(session_id=broken, action="a")),
