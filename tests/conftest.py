@@ -174,3 +174,27 @@ def make_certificates(folder: Path) -> Path:
 def certificates(tmp_path: Path) -> Path:
     """A folder with ca.pem, server.pem/key (127.0.0.1, localhost) and client.pem/key."""
     return make_certificates(tmp_path)
+
+
+# ---------------------------------------------------------------- GPU tier
+
+
+def _cuda_unavailable_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed (install the trainer or rollout extra)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skips `gpu` tests, saying why, where there is no CUDA GPU."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = _cuda_unavailable_reason()
+    if reason is not None:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=f"gpu test: {reason}"))
