@@ -245,6 +245,11 @@ class ClientInterceptor(
         self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
         new_details, span = self._prepare(details)
+        if not span.is_recording():
+            # No exporter: the span only carried the caller's context into the
+            # metadata; skip the task that would wait for the status.
+            span.end()
+            return await continuation(new_details, request)
         try:
             call = await continuation(new_details, request)
         except BaseException:
