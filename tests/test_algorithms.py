@@ -1,0 +1,139 @@
+"""Advantages and losses against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollwire.trainer.algorithms import (
+    group_advantages,
+    kl_k3,
+    masked_mean,
+    policy_loss,
+    token_logprobs,
+)
+
+ln = math.log
+
+
+def test_group_advantages_by_hand() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 0.0, 0.0, 1.0])
+    # Group 1: mean 0.5, std 0.5 -> +-1. Group 2: all equal -> 0.
+    # Group 3: mean 1, population std sqrt((4+1+1+0)/4) = sqrt(1.5).
+    s = math.sqrt(1.5)
+    expected = [1, -1, -1, 1, 0, 0, 0, 0, 2 / s, -1 / s, -1 / s, 0]
+    assert group_advantages(rewards, 4).tolist() == pytest.approx(expected, abs=1e-5)
+    unscaled = group_advantages(rewards, 4, scale=False)
+    assert unscaled.tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, 2, -1, -1, 0])
+    with pytest.raises(ValueError, match="groups of 5"):
+        group_advantages(rewards, 5)
+
+
+def tokens(*values: float) -> torch.Tensor:
+    return torch.tensor([values], dtype=torch.float64)
+
+
+MASK = torch.tensor([[0, 1, 1]])
+
+
+def test_plain_ppo_clipping_positive_advantage() -> None:
+    behaviour = tokens(0, ln(0.5), ln(0.5))
+    current = tokens(ln(0.9), ln(0.6), ln(0.3)).requires_grad_()
+    # ratios 1.2 and 0.6; A = +1; clip range [0.8, 1.28]
+    # token 2: min(1.2, 1.2) = 1.2; token 3: min(0.6, 0.8) = 0.6 -> loss -(1.2 + 0.6)/2
+    out = policy_loss(current, behaviour, behaviour, torch.tensor([1.0]), MASK, correction="none")
+    assert out.loss.item() == pytest.approx(-0.9)
+    out.loss.backward()
+    # d/dlogp of -ratio*A/2 = -ratio/2 for unclipped tokens; token 1 is masked.
+    assert current.grad.tolist()[0] == pytest.approx([0.0, -0.6, -0.3])
+    assert out.metrics["ratio_mean"] == pytest.approx(0.9)
+    assert out.metrics["clip_frac_high"] == 0.0 and out.metrics["clip_frac_low"] == 0.0
+
+
+def test_plain_ppo_clipping_negative_advantage_and_clip_higher() -> None:
+    behaviour = tokens(0, ln(0.5), ln(0.5))
+    current = tokens(0, ln(0.6), ln(0.3)).requires_grad_()
+    # A = -1: token 2: min(-1.2, -1.2) = -1.2; token 3: min(-0.6, -0.8) = -0.8 (clipped)
+    out = policy_loss(current, behaviour, behaviour, torch.tensor([-1.0]), MASK, correction="none")
+    assert out.loss.item() == pytest.approx((1.2 + 0.8) / 2)
+    out.loss.backward()
+    assert current.grad.tolist()[0] == pytest.approx(
+        [0.0, 0.6, 0.0]
+    )  # clipped token gets no gradient
+    assert out.metrics["clip_frac_low"] == pytest.approx(0.5)
+    # Clip-higher: ratio 1.5 with A = +1 is cut at 1 + 0.28, not 1 + 0.2.
+    high = tokens(0, ln(0.75), ln(0.5))
+    out = policy_loss(high, behaviour, behaviour, torch.tensor([1.0]), MASK, correction="none")
+    assert out.loss.item() == pytest.approx(-(1.28 + 1.0) / 2)
+    assert out.metrics["clip_frac_high"] == pytest.approx(0.5)
+
+
+def test_truncated_importance_sampling() -> None:
+    proximal = tokens(0, ln(0.4), ln(0.5))
+    behaviour = tokens(0, ln(0.5), ln(0.25))
+    current = proximal.clone().requires_grad_()
+    # weights pi_prox/mu = 0.8 and 2.0, truncated at 1.5; ratio 1; A = 1
+    out = policy_loss(
+        current, proximal, behaviour, torch.tensor([1.0]), MASK, correction="tis", tis_cap=1.5
+    )
+    assert out.loss.item() == pytest.approx(-(0.8 + 1.5) / 2)
+    out.loss.backward()
+    assert current.grad.tolist()[0] == pytest.approx([0.0, -0.4, -0.75])
+    assert out.metrics["is_weight_max"] == pytest.approx(2.0)
+    assert out.metrics["is_truncated_frac"] == pytest.approx(0.5)
+
+
+def test_kl_k3_by_hand_and_penalty() -> None:
+    # policy 0.5, reference 0.25: d = ln 0.5; exp(d) - d - 1 = 0.5 + ln 2 - 1
+    assert float(kl_k3(torch.tensor(ln(0.5)), torch.tensor(ln(0.25)))) == pytest.approx(ln(2) - 0.5)
+    assert float(kl_k3(torch.tensor(-1.3), torch.tensor(-1.3))) == 0.0
+    behaviour = tokens(0, ln(0.5), ln(0.5))
+    reference = tokens(0, ln(0.25), ln(0.5))
+    out = policy_loss(
+        behaviour,
+        behaviour,
+        behaviour,
+        torch.tensor([0.0]),
+        MASK,
+        correction="none",
+        reference_logprobs=reference,
+        kl_coef=0.1,
+    )
+    assert out.loss.item() == pytest.approx(0.1 * (ln(2) - 0.5) / 2)
+    assert out.metrics["kl"] == pytest.approx((ln(2) - 0.5) / 2)
+
+
+def test_masked_mean_and_token_logprobs() -> None:
+    assert float(masked_mean(torch.tensor([[1.0, 2.0, 9.0]]), torch.tensor([[1, 1, 0]]))) == 1.5
+    assert float(masked_mean(torch.tensor([[1.0]]), torch.tensor([[0]]))) == 0.0
+    logits = torch.tensor([[[0.0, ln(3.0)]]])  # probabilities 1/4, 3/4
+    assert float(token_logprobs(logits, torch.tensor([[1]]))) == pytest.approx(ln(0.75))
+    # Temperature 2 halves the logits: probabilities 1/(1+sqrt 3), sqrt 3/(1+sqrt 3)
+    assert float(token_logprobs(logits, torch.tensor([[0]]), temperature=2.0)) == pytest.approx(
+        -ln(1 + math.sqrt(3))
+    )
+
+
+def test_unknown_correction_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown off-policy correction"):
+        policy_loss(
+            tokens(0, 0, 0),
+            tokens(0, 0, 0),
+            tokens(0, 0, 0),
+            torch.tensor([1.0]),
+            MASK,
+            correction="ppo",
+        )  # type: ignore[arg-type]
+
+
+def test_algorithms_import_no_transport() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, rollwire.trainer.algorithms; print(sorted(m for m in ('grpc', 'zmq', 'torch.distributed.rpc') if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"

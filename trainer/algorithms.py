@@ -1,0 +1,154 @@
+"""Pure RL math over tensors: advantages, the clipped policy loss, KL estimators.
+
+Nothing here knows about gRPC, ZeroMQ or torch.distributed; every function is
+tested against numbers worked out by hand (tests/test_algorithms.py).
+
+Shapes: B sequences in a batch, T tokens each (right-padded), G groups of N
+samples (B = G * N, samples of one group adjacent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Correction = Literal["none", "tis"]
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO advantages: each reward minus its group's mean, divided by the group's std when `scale`.
+
+    Args:
+        rewards: [B] final rewards, B a multiple of `group_size`, groups adjacent.
+        scale: divide by the group's (population) std; False gives Dr. GRPO's unscaled form.
+    Returns:
+        [B] advantages; zero for a group whose rewards are all equal.
+    """
+    if rewards.ndim != 1 or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}"
+        )
+    grouped = rewards.reshape(-1, group_size).to(torch.float64)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred.reshape(-1).to(rewards.dtype)
+
+
+def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(policy || reference): exp(d) - d - 1 with d = ref - policy.
+
+    Non-negative, unbiased under samples from the policy, low variance.
+    """
+    delta = reference_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the tokens where mask is 1 (token-level aggregation); 0 when none are."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor
+    """Scalar to backpropagate."""
+    metrics: dict[str, float]
+    """Ratio, clipping and importance-weight statistics over the masked tokens."""
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    correction: Correction = "tis",
+    tis_cap: float = 2.0,
+    reference_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> PolicyLossOutput:
+    """PPO clipped surrogate with clip-higher, token-level aggregation and an explicit
+    off-policy correction.
+
+    ratio = pi / pi_old, clipped to [1 - clip_low, 1 + clip_high] (clip-higher: a
+    larger upper bound keeps low-probability tokens learnable). What pi_old is
+    depends on `correction`:
+
+    - "none": pi_old is the behaviour policy (the engine's logprobs): plain PPO.
+    - "tis": pi_old is the proximal policy (the trainer's own logprobs before this
+      update, `proximal_logprobs`), and each token is weighted by the truncated
+      importance weight min(pi_prox / mu, tis_cap) against the behaviour policy
+      mu. This corrects for stale tokens and for engine/trainer mismatch.
+
+    Args:
+        logprobs: [B, T] current policy logprobs of the taken tokens (with grad).
+        proximal_logprobs: [B, T] trainer logprobs before the update (no grad).
+        behaviour_logprobs: [B, T] engine logprobs recorded at generation.
+        advantages: [B] or [B, T].
+        mask: [B, T] 1 on tokens the policy generated.
+        reference_logprobs: [B, T] reference-model logprobs, for the KL penalty.
+    """
+    mask_f = mask.to(logprobs.dtype)
+    if advantages.ndim == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    if correction == "none":
+        old = behaviour_logprobs
+        weight = torch.ones_like(logprobs)
+    elif correction == "tis":
+        old = proximal_logprobs
+        weight = torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=tis_cap).detach()
+    else:
+        raise ValueError(f"unknown off-policy correction {correction!r}; use 'none' or 'tis'")
+    ratio = torch.exp(logprobs - old.detach())
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+    per_token = -weight * surrogate
+    loss = masked_mean(per_token, mask_f)
+    metrics: dict[str, float] = {}
+    if reference_logprobs is not None and kl_coef > 0:
+        kl = masked_mean(kl_k3(logprobs, reference_logprobs.detach()), mask_f)
+        loss = loss + kl_coef * kl
+        metrics["kl"] = float(kl.detach())
+    with torch.no_grad():
+        selected = mask_f > 0
+        r = ratio[selected]
+        a = advantages[selected]
+        if r.numel():
+            # A token is clipped when the clipped branch is the one min() picked.
+            clipped_high = ((r > 1 + clip_high) & (a > 0)).float().mean()
+            clipped_low = ((r < 1 - clip_low) & (a < 0)).float().mean()
+            raw_weight = torch.exp(proximal_logprobs - behaviour_logprobs)[selected]
+            metrics.update(
+                ratio_mean=float(r.mean()),
+                ratio_max=float(r.max()),
+                ratio_min=float(r.min()),
+                clip_frac_high=float(clipped_high),
+                clip_frac_low=float(clipped_low),
+                is_weight_mean=float(raw_weight.mean()),
+                is_weight_max=float(raw_weight.max()),
+                is_truncated_frac=float((raw_weight > tis_cap).float().mean())
+                if correction == "tis"
+                else 0.0,
+                behaviour_kl=float((behaviour_logprobs - proximal_logprobs)[selected].mean()),
+            )
+    return PolicyLossOutput(loss=loss, metrics=metrics)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of each next token: logits [B, T, V] predict tokens [B, T] -> [B, T].
+
+    `logits[:, t]` must already be the prediction for `tokens[:, t]` (shifted by
+    the caller). Divides by `temperature` first, matching what the engine sampled from.
+    """
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    return torch.gather(torch.log_softmax(scaled, dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
