@@ -129,11 +129,22 @@ def test_unknown_correction_is_refused() -> None:
 
 
 def test_algorithms_import_no_transport() -> None:
-    import subprocess
-    import sys
+    """import-linter cannot forbid a subpackage of torch, so read the imports directly."""
+    import ast
 
-    code = "import sys, rollwire.trainer.algorithms; print(sorted(m for m in ('grpc', 'zmq', 'torch.distributed.rpc') if m in sys.modules))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "[]"
+    import rollwire.trainer.algorithms as module
+
+    tree = ast.parse(open(module.__file__).read())
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported, "the module imports something; the walk must find it"
+    assert not {
+        name
+        for name in imported
+        if name.startswith(("torch.distributed", "grpc", "zmq", "rollwire.services"))
+    }
