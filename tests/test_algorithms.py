@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,7 +135,7 @@ def test_algorithms_import_no_transport() -> None:
 
     import rollwire.trainer.algorithms as module
 
-    tree = ast.parse(open(module.__file__).read())
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {
         alias.name
         for node in ast.walk(tree)
