@@ -20,15 +20,16 @@ GRPC_SERVICES: dict[str, tuple[str, str, str]] = {
         "rollwire.reward.server",
         "score responses by domain (RewardService)",
     ),
+    "rollout-server": (
+        "rollout_server",
+        "rollwire.rollout.server",
+        "generate tokens with logprobs and take weight updates (RolloutService)",
+    ),
 }
 
 # Commands whose implementation arrives with later work; they are listed so the
 # command line is complete, and they say plainly that they cannot run yet.
 PLANNED: dict[str, tuple[str, str]] = {
-    "rollout-server": (
-        "generate tokens with logprobs and take weight updates (RolloutService)",
-        "#3",
-    ),
     "trainer": ("train on batches from the buffer and publish weights (TrainerService)", "#3"),
     "orchestrator": ("drive episodes and push trajectories to the buffer", "#3"),
     "buffer": ("the replay buffer: trajectories in over ZeroMQ, batches out", "#3"),

@@ -192,11 +192,13 @@ def run_service(
         runtime = ServiceRuntime(name, server_config, tracer_provider=provider)
         await runtime.start(registrations)
 
-        def close_servicers() -> None:
+        async def close_servicers() -> None:
             for registration in registrations:
                 close = getattr(registration.servicer, "close", None)
                 if callable(close):
-                    close()
+                    result = close()
+                    if asyncio.iscoroutine(result):
+                        await result
 
         return await runtime.serve_until_signalled(close_servicers)
 

@@ -198,3 +198,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason is not None:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=f"gpu test: {reason}"))
+
+
+# ---------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Llama with the character tokenizer, built offline once per test session."""
+    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
+
+    spec = TinySpec(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny", spec)

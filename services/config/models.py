@@ -160,12 +160,22 @@ class RewardServerConfig(StrictModel):
 class RolloutServerConfig(StrictModel):
     """The rollout-server: one generation engine."""
 
-    server: ServerConfig = ServerConfig(max_message_bytes=512 * MiB)
-    """Listening settings (weight chunks make messages larger here)."""
+    server: ServerConfig = ServerConfig()
+    """Listening settings. Weight updates arrive in chunks, so messages stay small."""
     engine: Literal["hf", "vllm", "sglang"] = "hf"
-    """Generation engine."""
+    """Generation engine: Hugging Face transformers, vLLM or SGLang."""
     model_path: Path | None = None
     """Local Hugging Face model folder; the built-in tiny model when unset."""
+    max_batch_size: int = Field(32, ge=1)
+    """Requests generated together in one batch."""
+    batch_wait_seconds: float = Field(0.002, ge=0)
+    """How long the first request of a batch waits for others to join it."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision the model runs in."""
+    device: str = "cpu"
+    """torch device, e.g. `cpu` or `cuda:0`."""
+    threads: int = Field(1, ge=1)
+    """CPU threads torch may use in this process (keep the sum over processes <= cores)."""
 
 
 class BufferConfig(StrictModel):

@@ -1,0 +1,175 @@
+"""The rollout-server: `rollwire.v1.RolloutService` over one generation engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import grpc
+import grpc.aio
+
+from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
+from rollwire.rollout.hf_engine import ContextTooLong, HFEngine, RequestError
+from rollwire.rollout.sampling import SamplingSpec
+from rollwire.rollout.weights import WeightAssembler, WeightStreamError
+from rollwire.services.config import RolloutServerConfig
+from rollwire.services.metrics import COUNTERS
+from rollwire.services.server import Registration
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+FINISH_REASONS = {
+    "stop": rollout_pb2.FINISH_REASON_STOP,
+    "length": rollout_pb2.FINISH_REASON_LENGTH,
+    "abort": rollout_pb2.FINISH_REASON_ABORT,
+}
+
+
+def default_model_path() -> Path:
+    """Where the built-in tiny model lives: $ROLLWIRE_CACHE_DIR or ~/.cache/rollwire, then tiny-model."""
+    root = os.environ.get("ROLLWIRE_CACHE_DIR") or Path.home() / ".cache" / "rollwire"
+    return Path(root) / "tiny-model"
+
+
+def sampling_spec(params: rollout_pb2.SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
+        temperature=params.temperature,
+        top_p=params.top_p or 1.0,
+        top_k=params.top_k,
+        max_new_tokens=params.max_new_tokens,
+        stop_token_ids=frozenset(params.stop_token_ids),
+        seed=params.seed if params.HasField("seed") else None,
+    )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """Generate, Abort, UpdateWeights and GetStatus over an engine."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+        self._started = False
+
+    async def _reject(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
+    ) -> None:
+        COUNTERS.inc("rollout_rejected", reason=reason)
+        await context.abort(code, message)
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateResponse:
+        if not self._started:
+            await self.engine.start()
+            self._started = True
+        spec = sampling_spec(request.sampling)
+        try:
+            result = await self.engine.generate(
+                request.request_id, list(request.prompt_token_ids), spec
+            )
+        except ContextTooLong as error:
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "context", str(error))
+        except RequestError as error:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", str(error))
+        except RuntimeError as error:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "shutting_down", str(error))
+        COUNTERS.inc("rollout_generated_tokens", amount=len(result.token_ids))
+        return rollout_pb2.GenerateResponse(
+            request_id=request.request_id,
+            token_ids=result.token_ids,
+            logprobs=result.logprobs,
+            policy_versions=result.policy_versions,
+            finish_reason=FINISH_REASONS[result.finish_reason],
+            policy_version=result.policy_version,
+            queue_seconds=result.queue_seconds,
+            generate_seconds=result.generate_seconds,
+        )
+
+    async def Abort(
+        self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.AbortResponse:
+        return rollout_pb2.AbortResponse(
+            aborted=self.engine.abort(list(request.request_ids), all_requests=request.all)
+        )
+
+    async def UpdateWeights(
+        self, request_iterator, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.UpdateWeightsResponse:
+        started = time.perf_counter()
+        assembler = WeightAssembler(self.engine.parameter_specs(), self.engine.version)
+        try:
+            async for chunk in request_iterator:
+                assembler.add(chunk)
+            tensors, version = assembler.finish()
+            apply_seconds = await self.engine.update_weights(tensors, version)
+        except WeightStreamError as error:
+            await self._reject(
+                context, getattr(grpc.StatusCode, error.code), "bad_weights", str(error)
+            )
+        except ValueError as error:  # a concurrent update got there first
+            await self._reject(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "stale_version", str(error)
+            )
+        COUNTERS.inc("rollout_weight_updates")
+        log.info(
+            "weights updated",
+            extra={
+                "version": version,
+                "tensors": len(tensors),
+                "bytes": assembler.bytes_received,
+                "seconds": round(time.perf_counter() - started, 4),
+            },
+        )
+        return rollout_pb2.UpdateWeightsResponse(
+            version=version,
+            bytes_received=assembler.bytes_received,
+            tensors=len(tensors),
+            apply_seconds=apply_seconds,
+        )
+
+    async def GetStatus(
+        self, request: rollout_pb2.RolloutStatusRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.RolloutStatus:
+        return rollout_pb2.RolloutStatus(
+            policy_version=self.engine.version,
+            engine=self.engine.name,
+            model=str(self.engine.model_path),
+            running_requests=self.engine.running,
+            waiting_requests=self.engine.waiting,
+            generated_tokens=self.engine.generated_tokens,
+        )
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+def build_engine(config: RolloutServerConfig) -> HFEngine:
+    """The engine named in the config, loaded and ready."""
+    import torch
+
+    torch.set_num_threads(config.threads)
+    if config.engine != "hf":
+        raise ValueError(
+            f"rollout_server.engine {config.engine!r} is not available in this version; use 'hf'"
+        )
+    model_path = config.model_path
+    if model_path is None:
+        from rollwire.rollout.tiny import ensure_tiny_model
+
+        model_path = ensure_tiny_model(default_model_path())
+    return HFEngine(
+        model_path,
+        max_batch_size=config.max_batch_size,
+        batch_wait_seconds=config.batch_wait_seconds,
+        dtype=config.dtype,
+        device=config.device,
+    )
+
+
+def registrations(config: RolloutServerConfig) -> list[Registration]:
+    """What `rollwire rollout-server` hosts."""
+    servicer = RolloutServicer(build_engine(config))
+    return [
+        Registration(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE_NAME)
+    ]

@@ -1,0 +1,96 @@
+"""A tiny causal LM and character-level tokenizer, built offline in Hugging Face format.
+
+The default run, the tests and the benchmarks need a model without any download.
+`ensure_tiny_model(folder)` builds one on first use (a Llama architecture with
+tied embeddings and a tokenizer whose vocabulary is printable ASCII plus a few
+special tokens). Llama rather than Qwen2: transformers forces its own Qwen2
+tokenizer pipeline onto any qwen2 model folder, which would split our
+character vocabulary wrongly; for Llama it honours the saved tokenizer. and reuses it afterwards; anything that loads Hugging Face
+models (`AutoModelForCausalLM.from_pretrained`) can load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+ANSWER_TAGS = ("<answer>", "</answer>")
+BUILD_MARKER = "rollwire_tiny.json"
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of the tiny model; defaults give about 0.4M parameters."""
+
+    hidden_size: int = 96
+    intermediate_size: int = 256
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    seed: int = 0
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer: printable ASCII, newline, answer tags, specials."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    characters = [chr(code) for code in range(32, 127)] + ["\n"]
+    vocab = {token: index for index, token in enumerate([PAD, EOS, UNK, *characters])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.decoder = decoders.Fuse()
+    core.add_tokens([AddedToken(tag, normalized=False) for tag in ANSWER_TAGS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK
+    )
+
+
+def build_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Writes a freshly initialised model and its tokenizer to `folder` (replaced if present)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    tokenizer = build_tokenizer()
+    vocab_size = -(-len(tokenizer) // 8) * 8  # round up: friendlier matmul shapes
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(spec.seed)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    staging = folder.with_name(f".{folder.name}.{os.getpid()}.building")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / BUILD_MARKER).write_text(json.dumps(asdict(spec)))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(staging, folder)
+    return folder
+
+
+def ensure_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """The tiny model in `folder`, built only if it is missing or was built with another spec."""
+    folder = Path(folder)
+    marker = folder / BUILD_MARKER
+    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+        return folder
+    return build_tiny_model(folder, spec)

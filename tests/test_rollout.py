@@ -1,0 +1,345 @@
+"""Sampling by hand, the HF engine's batching, logprobs, aborts and weight swaps,
+and the rollout-server over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+
+from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
+from rollwire.rollout.hf_engine import ContextTooLong, HFEngine, RequestError
+from rollwire.rollout.sampling import SamplingSpec, processed_logprobs
+from rollwire.rollout.server import RolloutServicer
+from rollwire.rollout.weights import WeightAssembler, WeightStreamError, iter_weight_chunks
+from rollwire.services.client import open_channel
+from rollwire.services.server import Registration
+
+torch.set_num_threads(1)
+PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (SamplingSpec(), [0.5, 0.3, 0.15, 0.05]),
+        (SamplingSpec(top_k=2), [0.5 / 0.8, 0.3 / 0.8, 0, 0]),
+        # mass before the third token is exactly 0.8: it is dropped at top_p 0.8, kept at 0.81
+        (SamplingSpec(top_p=0.8), [0.5 / 0.8, 0.3 / 0.8, 0, 0]),
+        (SamplingSpec(top_p=0.81), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),
+        # temperature 0.5 squares the probabilities before renormalising
+        (SamplingSpec(temperature=0.5), [p * p / 0.365 for p in (0.5, 0.3, 0.15, 0.05)]),
+        (SamplingSpec(top_k=3, top_p=0.5), [1, 0, 0, 0]),
+    ],
+)
+def test_processed_distribution_by_hand(spec: SamplingSpec, expected: list[float]) -> None:
+    assert processed_logprobs(PROBS.log(), [spec]).exp()[0].tolist() == pytest.approx(
+        expected, abs=1e-6
+    )
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logprobs.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+
+
+@pytest.fixture
+async def engine(tiny_model_path):
+    engine = HFEngine(tiny_model_path, max_batch_size=8, batch_wait_seconds=0.05)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+async def test_batched_generation_matches_an_unbatched_forward(engine) -> None:
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [14, 15]]
+    spec = SamplingSpec(max_new_tokens=12, seed=0)
+    results = await asyncio.gather(
+        *(engine.generate(f"r{i}", p, spec) for i, p in enumerate(prompts))
+    )
+    assert engine.generated_tokens == 4 * 12
+    for prompt, result in zip(prompts, results, strict=True):
+        assert len(result.token_ids) == 12 and result.finish_reason == "length"
+        # Left padding and the KV cache must not change what each row sees.
+        assert result.logprobs == pytest.approx(
+            reference_logprobs(engine.model, prompt, result.token_ids), abs=1e-4
+        )
+        assert result.policy_versions == [0] * 12
+
+
+async def test_seeds_stop_tokens_and_temperature(engine) -> None:
+    first = await engine.generate("a", [5, 6], SamplingSpec(max_new_tokens=10, seed=7))
+    again = await engine.generate("b", [5, 6], SamplingSpec(max_new_tokens=10, seed=7))
+    assert first.token_ids == again.token_ids
+    stop = first.token_ids[3]
+    stopped = await engine.generate(
+        "c", [5, 6], SamplingSpec(max_new_tokens=10, seed=7, stop_token_ids=frozenset({stop}))
+    )
+    cut = first.token_ids.index(stop) + 1
+    assert stopped.finish_reason == "stop" and stopped.token_ids == first.token_ids[:cut]
+    greedy = await engine.generate("d", [5, 6], SamplingSpec(max_new_tokens=6, temperature=0))
+    hot = await engine.generate(
+        "e", [5, 6], SamplingSpec(max_new_tokens=6, temperature=2.0, seed=1)
+    )
+    # Greedy tokens are argmax picks; a temperature-2 logprob is taken at temperature 2.
+    assert (
+        greedy.token_ids
+        == (
+            await engine.generate("f", [5, 6], SamplingSpec(max_new_tokens=6, temperature=0))
+        ).token_ids
+    )
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([[5, 6, *hot.token_ids]])).logits[0, 1:-1].float()
+    expected = (
+        torch.log_softmax(logits / 2.0, -1)
+        .gather(1, torch.tensor(hot.token_ids)[:, None])
+        .squeeze(1)
+    )
+    assert hot.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+async def test_concurrent_requests_share_batches(engine) -> None:
+    spec = SamplingSpec(max_new_tokens=4)
+    sizes = []
+    original = engine._generate_batch
+
+    def recording(batch):
+        sizes.append(len(batch))
+        return original(batch)
+
+    engine._generate_batch = recording
+    await asyncio.gather(*(engine.generate(f"r{i}", [5 + i], spec) for i in range(16)))
+    assert sum(sizes) == 16
+    assert len(sizes) <= 4, f"16 concurrent requests ran in batches of {sizes}"
+    assert max(sizes) == 8
+
+
+async def test_bad_requests(engine) -> None:
+    with pytest.raises(RequestError, match="empty"):
+        await engine.generate("x", [], SamplingSpec())
+    with pytest.raises(RequestError, match=r"must lie in \[0, "):
+        await engine.generate("x", [engine.vocab_size], SamplingSpec())
+    with pytest.raises(ContextTooLong, match="exceeds the model's context of 64"):
+        await engine.generate("x", [5] * 10, SamplingSpec(max_new_tokens=60))
+    with pytest.raises(RequestError, match="temperature"):
+        await engine.generate("x", [5], SamplingSpec(temperature=-1))
+
+
+async def test_abort_returns_tokens_so_far(engine) -> None:
+    slow = asyncio.ensure_future(engine.generate("long", [5], SamplingSpec(max_new_tokens=60)))
+    await asyncio.sleep(0.1)
+    assert engine.abort(["long", "unknown"]) == 1
+    result = await slow
+    assert result.finish_reason == "abort" and 0 < len(result.token_ids) < 60
+    assert len(result.logprobs) == len(result.token_ids)
+
+
+def perturbed(engine: HFEngine, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {
+        name: p.detach() + scale * torch.randn(p.shape, generator=generator)
+        for name, p in engine.model.named_parameters()
+    }
+
+
+async def test_weight_update_is_versioned_and_changes_the_model(engine) -> None:
+    new = perturbed(engine)
+    before = await engine.generate("a", [5, 6], SamplingSpec(max_new_tokens=8, seed=1))
+    await engine.update_weights(new, version=1)
+    after = await engine.generate("b", [5, 6], SamplingSpec(max_new_tokens=8, seed=1))
+    assert engine.version == 1 and after.policy_versions == [1] * 8
+    assert after.logprobs == pytest.approx(
+        reference_logprobs(engine.model, [5, 6], after.token_ids), abs=1e-4
+    )
+    assert before.logprobs != pytest.approx(after.logprobs, abs=1e-3)
+    with pytest.raises(ValueError, match="not newer"):
+        await engine.update_weights(new, version=1)
+
+
+def test_weight_stream_round_trip_and_rejections() -> None:
+    params = {"w": ((2, 3), torch.float32), "b": ((3,), torch.bfloat16)}
+    tensors = {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.tensor([1.5, -2.0, 0.25], dtype=torch.bfloat16),
+    }
+    chunks = list(iter_weight_chunks(tensors.items(), version=4, chunk_bytes=8))
+    assert [c.name for c in chunks] == [
+        "w",
+        "w",
+        "w",
+        "b",
+    ]  # 24 bytes in 8-byte chunks, then 6 bytes
+    assembler = WeightAssembler(params, served_version=3)
+    for chunk in chunks:
+        assembler.add(chunk)
+    got, version = assembler.finish()
+    assert (
+        version == 4 and torch.equal(got["w"], tensors["w"]) and torch.equal(got["b"], tensors["b"])
+    )
+
+    def rejects(chunk_list, message, served=3, code="INVALID_ARGUMENT"):
+        assembler = WeightAssembler(params, served_version=served)
+        with pytest.raises(WeightStreamError, match=message) as caught:
+            for chunk in chunk_list:
+                assembler.add(chunk)
+            assembler.finish()
+        assert caught.value.code == code
+
+    rejects(chunks, "not newer than the served version 4", served=4, code="FAILED_PRECONDITION")
+    rejects(chunks[:2], r"ended before all their bytes arrived: \['w'\]")
+    rejects([chunks[0], chunks[2]], "does not follow the 8 bytes received")
+    rejects(
+        list(iter_weight_chunks([("w", torch.zeros(3, 2))], 4)),
+        r"shape \(3, 2\) where the model has \(2, 3\)",
+    )
+    rejects(list(iter_weight_chunks([("v", torch.zeros(2, 3))], 4)), "unknown parameter 'v'")
+    rejects([], "carried no chunks")
+    mixed = list(iter_weight_chunks([("w", tensors["w"])], 4)) + list(
+        iter_weight_chunks([("b", tensors["b"])], 5)
+    )
+    rejects(mixed, "has version 5, the stream began with 4")
+
+
+@pytest.fixture
+async def rollout_stub(start_service, tiny_model_path):
+    engine = HFEngine(tiny_model_path, max_batch_size=8)
+    servicer = RolloutServicer(engine)
+    runtime = await start_service(
+        [
+            Registration(
+                rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+                servicer,
+                "rollwire.v1.RolloutService",
+            )
+        ]
+    )
+    async with open_channel(runtime.address) as channel:
+        yield rollout_pb2_grpc.RolloutServiceStub(channel), engine
+    await servicer.close()
+
+
+def generate_request(request_id: str, **sampling) -> rollout_pb2.GenerateRequest:
+    params = {"temperature": 1.0, "max_new_tokens": 6, **sampling}
+    return rollout_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=[5, 6, 7],
+        sampling=rollout_pb2.SamplingParams(**params),
+    )
+
+
+@pytest.mark.integration
+async def test_rollout_server_generate_update_status(rollout_stub) -> None:
+    stub, engine = rollout_stub
+    reply = await stub.Generate(generate_request("one", seed=3))
+    assert len(reply.token_ids) == len(reply.logprobs) == len(reply.policy_versions) == 6
+    assert reply.finish_reason == rollout_pb2.FINISH_REASON_LENGTH and reply.policy_version == 0
+    assert all(math.isfinite(x) and x <= 0 for x in reply.logprobs)
+
+    new = perturbed(engine)
+    update = await stub.UpdateWeights(iter_weight_chunks(new.items(), version=1, chunk_bytes=1000))
+    assert update.version == 1 and update.tensors == len(new)
+    assert update.bytes_received == sum(t.numel() * 4 for t in new.values())
+    assert all(torch.equal(p, new[n]) for n, p in engine.model.named_parameters())
+    status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest())
+    assert status.policy_version == 1 and status.engine == "hf" and status.generated_tokens == 6
+    assert list((await stub.Generate(generate_request("two"))).policy_versions) == [1] * 6
+
+
+@pytest.mark.integration
+async def test_rollout_server_rejects_bad_input_and_keeps_serving(rollout_stub) -> None:
+    stub, engine = rollout_stub
+    before = {n: p.clone() for n, p in engine.model.named_parameters()}
+
+    async def expect(call, code, text):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        assert caught.value.code() is code and text in caught.value.details()
+
+    await expect(
+        stub.Generate(rollout_pb2.GenerateRequest(request_id="e")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "empty",
+    )
+    await expect(
+        stub.Generate(generate_request("long", max_new_tokens=100)),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "context of 64",
+    )
+    good = list(iter_weight_chunks(perturbed(engine).items(), version=2))
+    broken = [
+        *good[:-1],
+        rollout_pb2.WeightChunk(
+            version=2, name="nope", dtype="<f4", shape=[1], total_bytes=4, data=b"\0" * 4
+        ),
+    ]
+    await expect(
+        stub.UpdateWeights(iter(broken)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown parameter 'nope'",
+    )
+    # A rejected stream changed nothing, not even the tensors that arrived before the bad chunk.
+    assert engine.version == 0
+    assert all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
+    await stub.UpdateWeights(iter(good))
+    await expect(
+        stub.UpdateWeights(iter(good)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "not newer than the served version 2",
+    )
+    assert len((await stub.Generate(generate_request("fine"))).token_ids) == 6
+
+
+@pytest.mark.multiproc
+def test_rollout_server_process(spawn, tmp_path, tiny_model_path) -> None:
+    import subprocess
+    import sys
+
+    ready = tmp_path / "ready"
+    cli = [sys.executable, "-m", "rollwire.services.cli"]
+    child = spawn(
+        [
+            *cli,
+            "rollout-server",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--set",
+            f"rollout_server.model_path={tiny_model_path}",
+        ]
+    )
+    address = child.wait_for_file(ready, timeout=60)
+    health = subprocess.run(
+        [*cli, "health", address, "--service", "rollwire.v1.RolloutService"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert health.stdout.strip() == "SERVING", health.stderr
+    code, _, err = child.terminate()
+    assert code == 0, err
+
+    missing = subprocess.run(
+        [
+            *cli,
+            "rollout-server",
+            "--port",
+            "0",
+            "--set",
+            f"rollout_server.model_path={tmp_path / 'nowhere'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 1
+    assert (
+        "no Hugging Face model at" in missing.stderr
+        and "rollout_server.model_path" in missing.stderr
+    )
