@@ -32,7 +32,6 @@ GRPC_SERVICES: dict[str, tuple[str, str, str]] = {
 PLANNED: dict[str, tuple[str, str]] = {
     "trainer": ("train on batches from the buffer and publish weights (TrainerService)", "#3"),
     "orchestrator": ("drive episodes and push trajectories to the buffer", "#3"),
-    "buffer": ("the replay buffer: trajectories in over ZeroMQ, batches out", "#3"),
     "up": ("start every service of a run as local processes, without training", "#3"),
     "train": ("run training end to end (the built-in tiny default without -c)", "#3"),
     "env-check": ("run the conformance suite against an env server at ADDRESS", "#4"),
@@ -82,6 +81,23 @@ def _serve(command: str, args: argparse.Namespace) -> int:
 
     module = importlib.import_module(module_name)
     return run_service(command, config, section.server, lambda: module.registrations(section))
+
+
+def _buffer(args: argparse.Namespace) -> int:
+    from rollwire.services.buffer import run_buffer
+    from rollwire.services.config import write_resolved_config
+
+    config = _load(args)
+    try:
+        if args.host is not None:
+            config.buffer.host = args.host
+        if args.ready_file is not None:
+            config.buffer.ready_file = args.ready_file
+    except ValueError as error:
+        raise SystemExit(f"rollwire buffer: {error}") from None
+    if args.run_dir is not None:
+        write_resolved_config(config, args.run_dir)
+    return run_buffer(config)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -152,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
         sub.set_defaults(handler=lambda args, command=command: _serve(command, args))
+    buffer = commands.add_parser(
+        "buffer",
+        help="the replay buffer: trajectories in over ZeroMQ, whole groups out to the trainer",
+        description="the replay buffer: trajectories in over ZeroMQ, whole groups out to the trainer",
+    )
+    _add_config_options(buffer)
+    buffer.add_argument("--host", help="interface to bind (default from config: 127.0.0.1)")
+    buffer.add_argument(
+        "--ready-file", metavar="PATH", help="write the bound endpoints (JSON) here once serving"
+    )
+    buffer.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
+    buffer.set_defaults(handler=_buffer)
     for command, (help_text, issue) in PLANNED.items():
         sub = commands.add_parser(
             command, help=f"{help_text} [not yet available]", description=help_text

@@ -100,7 +100,7 @@ def test_help_imports_no_torch(service) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("command", ["trainer", "orchestrator", "buffer", "up", "train"])
+@pytest.mark.parametrize("command", ["trainer", "orchestrator", "up", "train"])
 def test_planned_commands_say_so_and_exit_nonzero(command) -> None:
     result = run_cli(command)
     assert result.returncode == 2

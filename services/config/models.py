@@ -184,15 +184,17 @@ class BufferConfig(StrictModel):
     host: str = "127.0.0.1"
     """Interface the buffer's ZeroMQ sockets bind."""
     producer_port: int = Field(0, ge=0, le=65535)
-    """Port producers push trajectories to; 0 picks a free one."""
+    """Port producers send trajectories to; 0 picks a free one."""
     trainer_port: int = Field(0, ge=0, le=65535)
     """Port the trainer requests batches from; 0 picks a free one."""
     ready_file: Path | None = None
-    """Once bound, the producer and trainer endpoints are written here."""
+    """Once bound, the producer and trainer endpoints are written here as JSON."""
     data_dir: Path | None = None
     """Where the trajectory log lives; under the run directory when unset."""
     max_frame_bytes: int = Field(256 * MiB, ge=4096)
     """Frames larger than this are rejected without being decoded."""
+    max_ready_groups: int = Field(10_000, ge=1)
+    """Complete groups held at most; puts beyond it are refused with reason "full"."""
 
 
 class TrainerConfig(StrictModel):
@@ -217,6 +219,27 @@ class OrchestratorConfig(StrictModel):
     """Episodes in flight at once."""
 
 
+class RLSection(StrictModel):
+    """What every RL service must agree on: groups, batch size, staleness, length of the run."""
+
+    mode: Literal["async", "sync"] = "async"
+    """`async`: generation runs ahead of training by up to `max_staleness` versions.
+    `sync`: staleness 0, generation and training never overlap (the baseline)."""
+    max_staleness: int = Field(1, ge=0)
+    """With trainer version v, no token generated before version v - max_staleness is trained on."""
+    group_size: int = Field(8, ge=1)
+    """Responses sampled per prompt (the group of group-relative advantages)."""
+    groups_per_step: int = Field(16, ge=1)
+    """Prompts (groups) per optimizer step."""
+    max_steps: int = Field(100, ge=1)
+    """Optimizer steps in the run."""
+
+    @property
+    def staleness(self) -> int:
+        """The bound in effect: 0 in sync mode."""
+        return 0 if self.mode == "sync" else self.max_staleness
+
+
 class RunSection(StrictModel):
     """What identifies a run and where its outputs go."""
 
@@ -233,6 +256,8 @@ class RunConfig(StrictModel):
 
     run: RunSection = RunSection()
     """Identity and outputs of the run."""
+    rl: RLSection = RLSection()
+    """Settings every RL service shares."""
     telemetry: TelemetryConfig = TelemetryConfig()
     """Logs and traces, for every service."""
     client: ClientConfig = ClientConfig()

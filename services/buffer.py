@@ -1,0 +1,327 @@
+"""The replay buffer: trajectories in from producers, whole groups out to the trainer.
+
+Two ZeroMQ ROUTER sockets, so every message has an explicit answer:
+
+producer socket (orchestrators connect DEALERs)
+    [b"put", seq, frame]   -> [b"ack", seq, {"accepted", "reason", "trainer_version"}]
+    [b"status"]            -> [b"status", {...}]
+trainer socket (the trainer connects a DEALER)
+    [b"get", {"trainer_version", "groups", "wait_ms"}]
+                           -> [b"batch", frame]   (a wire Batch of whole groups)
+                           or [b"empty", {...}]   (nothing within the staleness bound by wait_ms)
+    [b"ack", {"batch_id", "trainer_version"}]  -> [b"acked", {...}]
+    [b"status"]            -> [b"status", {...}]
+
+JSON bodies are UTF-8; `seq` is the producer's 8-byte sequence number, echoed.
+A put is acknowledged once the trajectory is held (today in memory; the durable
+log adds "and on disk" without changing a message). Producers retry a put that
+was not acknowledged with the same trajectory id; the buffer answers a
+duplicate with accepted=true and keeps one copy. Anything malformed gets an
+answer that says what was wrong, a counter, and the buffer keeps serving.
+
+Staleness: with trainer version v and bound k, a group any of whose generated
+tokens is older than v - k is dropped (counted, reason "stale") instead of served.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from rollwire.services.metrics import COUNTERS
+from rollwire.services.wire import Batch, Trajectory, WireError, decode_trajectory, encode
+
+log = logging.getLogger(__name__)
+
+
+def _json(data: dict[str, Any]) -> bytes:
+    return json.dumps(data).encode()
+
+
+def oldest_version(trajectory: Trajectory) -> int | None:
+    """The oldest policy version among the generated tokens; None if nothing was generated."""
+    generated = trajectory.policy_versions[trajectory.loss_mask == 1]
+    return int(generated.min()) if generated.size else None
+
+
+@dataclass
+class BufferState:
+    """What the buffer holds, independent of sockets (unit-testable)."""
+
+    group_size: int
+    max_staleness: int
+    max_ready_groups: int = 10_000
+    trainer_version: int = 0
+    partial: dict[str, list[Trajectory]] = field(default_factory=dict)
+    ready: deque[list[Trajectory]] = field(default_factory=deque)
+    seen: set[str] = field(default_factory=set)
+    unacked: OrderedDict[str, list[list[Trajectory]]] = field(default_factory=OrderedDict)
+    accepted: int = 0
+    served_trajectories: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def _drop(self, reason: str, count: int) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + count
+        COUNTERS.inc("buffer_dropped", amount=count, reason=reason)
+
+    def put(self, trajectory: Trajectory) -> tuple[bool, str]:
+        """Accepts a trajectory; returns (accepted, reason)."""
+        if trajectory.trajectory_id in self.seen:
+            COUNTERS.inc("buffer_duplicates")
+            return True, "duplicate"
+        if not 0 <= trajectory.sample_index < self.group_size:
+            return (
+                False,
+                f"sample_index {trajectory.sample_index} outside a group of {self.group_size}",
+            )
+        if len(self.ready) >= self.max_ready_groups:
+            return False, "full"
+        group = self.partial.setdefault(trajectory.group_id, [])
+        if any(t.sample_index == trajectory.sample_index for t in group):
+            return (
+                False,
+                f"group {trajectory.group_id!r} already has sample {trajectory.sample_index}",
+            )
+        self.seen.add(trajectory.trajectory_id)
+        group.append(trajectory)
+        self.accepted += 1
+        if len(group) == self.group_size:
+            del self.partial[trajectory.group_id]
+            self.ready.append(sorted(group, key=lambda t: t.sample_index))
+        return True, "ok"
+
+    def _stale(self, group: list[Trajectory]) -> bool:
+        versions = [v for v in (oldest_version(t) for t in group) if v is not None]
+        return bool(versions) and min(versions) < self.trainer_version - self.max_staleness
+
+    def take(self, groups: int) -> Batch | None:
+        """Up to `groups` whole groups within the staleness bound, or None if there are none."""
+        chosen: list[list[Trajectory]] = []
+        while self.ready and len(chosen) < groups:
+            group = self.ready.popleft()
+            if self._stale(group):
+                self._drop("stale", len(group))
+                continue
+            chosen.append(group)
+        if len(chosen) < groups:
+            for group in reversed(chosen):  # not enough yet: keep them for the next request
+                self.ready.appendleft(group)
+            return None
+        batch_id = uuid.uuid4().hex
+        self.unacked[batch_id] = chosen
+        self.served_trajectories += sum(len(g) for g in chosen)
+        return Batch(batch_id, self.trainer_version, [t for group in chosen for t in group])
+
+    def ack(self, batch_id: str) -> bool:
+        return self.unacked.pop(batch_id, None) is not None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "trainer_version": self.trainer_version,
+            "accepted": self.accepted,
+            "ready_groups": len(self.ready),
+            "partial_groups": len(self.partial),
+            "served_trajectories": self.served_trajectories,
+            "unacked_batches": len(self.unacked),
+            "dropped": dict(self.dropped),
+        }
+
+
+@dataclass
+class _WaitingGet:
+    identity: bytes
+    groups: int
+    deadline: float
+
+
+class BufferServer:
+    """Serves a BufferState on two ROUTER sockets until stopped."""
+
+    def __init__(
+        self,
+        state: BufferState,
+        host: str = "127.0.0.1",
+        producer_port: int = 0,
+        trainer_port: int = 0,
+        max_frame_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        self.state = state
+        self.max_frame_bytes = max_frame_bytes
+        self.context = zmq.Context.instance()
+        self.producer = self._bind(host, producer_port)
+        self.trainer = self._bind(host, trainer_port)
+        self._waiting: list[_WaitingGet] = []
+        self._running = True
+
+    def _bind(self, host: str, port: int) -> zmq.Socket:
+        socket = self.context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(
+            zmq.ROUTER_MANDATORY, 0
+        )  # a vanished peer's reply is dropped, not an error
+        try:
+            socket.bind(f"tcp://{host}:{port or '*'}")
+        except zmq.ZMQError as error:
+            socket.close()
+            raise OSError(f"buffer: cannot listen on {host}:{port}: {error}") from None
+        return socket
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return {
+            "producer": self.producer.getsockopt_string(zmq.LAST_ENDPOINT),
+            "trainer": self.trainer.getsockopt_string(zmq.LAST_ENDPOINT),
+        }
+
+    def stop(self) -> None:
+        self._running = False
+
+    def serve(self, poll_ms: int = 50) -> None:
+        poller = zmq.Poller()
+        poller.register(self.producer, zmq.POLLIN)
+        poller.register(self.trainer, zmq.POLLIN)
+        while self._running:
+            events = dict(poller.poll(poll_ms))
+            if self.producer in events:
+                self._drain(self.producer, self._on_producer)
+            if self.trainer in events:
+                self._drain(self.trainer, self._on_trainer)
+            self._serve_waiting()
+        self.producer.close(0)
+        self.trainer.close(0)
+
+    def _drain(self, socket: zmq.Socket, handler) -> None:
+        for _ in range(1000):  # bounded, so one busy socket cannot starve the other
+            try:
+                parts = socket.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            identity, body = parts[0], parts[1:]
+            try:
+                reply = handler(identity, body)
+            except Exception as error:  # a bug on one message must not end the buffer
+                log.exception("buffer failed on a message")
+                COUNTERS.inc("buffer_internal_errors")
+                reply = [b"error", f"internal error: {type(error).__name__}: {error}".encode()]
+            if reply is not None:
+                socket.send_multipart([identity, *reply])
+
+    def _on_producer(self, identity: bytes, body: list[bytes]) -> list[bytes] | None:
+        if body and body[0] == b"status":
+            return [b"status", _json(self.state.status())]
+        if len(body) != 3 or body[0] != b"put" or len(body[1]) != 8:
+            COUNTERS.inc("buffer_bad_messages", socket="producer")
+            return [b"error", b"expected [put, 8-byte seq, frame] or [status]"]
+        seq, frame = body[1], body[2]
+        try:
+            trajectory = decode_trajectory(frame, self.max_frame_bytes)
+        except WireError as error:
+            COUNTERS.inc("buffer_bad_frames")
+            accepted, reason = False, f"bad frame: {error}"
+        else:
+            accepted, reason = self.state.put(trajectory)
+        return [
+            b"ack",
+            seq,
+            _json(
+                {
+                    "accepted": accepted,
+                    "reason": reason,
+                    "trainer_version": self.state.trainer_version,
+                }
+            ),
+        ]
+
+    def _on_trainer(self, identity: bytes, body: list[bytes]) -> list[bytes] | None:
+        kind = body[0] if body else b""
+        try:
+            request = json.loads(body[1]) if len(body) > 1 else {}
+            if not isinstance(request, dict):
+                raise ValueError("body is not a JSON object")
+        except ValueError as error:
+            COUNTERS.inc("buffer_bad_messages", socket="trainer")
+            return [b"error", f"bad JSON body: {error}".encode()]
+        if kind == b"status":
+            return [b"status", _json(self.state.status())]
+        if kind == b"ack":
+            self._note_version(request)
+            known = self.state.ack(str(request.get("batch_id", "")))
+            return [
+                b"acked",
+                _json({"known": known, "trainer_version": self.state.trainer_version}),
+            ]
+        if kind == b"get":
+            self._note_version(request)
+            groups = int(request.get("groups", 1))
+            if groups < 1:
+                return [b"error", b"groups must be at least 1"]
+            wait = max(0.0, float(request.get("wait_ms", 0)) / 1000)
+            self._waiting.append(_WaitingGet(identity, groups, time.monotonic() + wait))
+            self._serve_waiting()
+            return None
+        COUNTERS.inc("buffer_bad_messages", socket="trainer")
+        return [b"error", b"expected get, ack or status"]
+
+    def _note_version(self, request: dict[str, Any]) -> None:
+        version = request.get("trainer_version")
+        if isinstance(version, int) and version > self.state.trainer_version:
+            self.state.trainer_version = version
+
+    def _serve_waiting(self) -> None:
+        now = time.monotonic()
+        still = []
+        for waiting in self._waiting:
+            batch = self.state.take(waiting.groups)
+            if batch is not None:
+                self.trainer.send_multipart([waiting.identity, b"batch", encode(batch)])
+            elif now >= waiting.deadline:
+                self.trainer.send_multipart(
+                    [waiting.identity, b"empty", _json(self.state.status())]
+                )
+            else:
+                still.append(waiting)
+        self._waiting = still
+
+
+def run_buffer(config: Any) -> int:
+    """`rollwire buffer`: serve until SIGTERM/SIGINT; returns the exit code."""
+    from rollwire.services.server import write_atomically
+    from rollwire.services.telemetry import configure_logging
+
+    configure_logging("buffer", config.telemetry.log_level, config.telemetry.log_format)
+    section = config.buffer
+    state = BufferState(
+        group_size=config.rl.group_size,
+        max_staleness=config.rl.staleness,
+        max_ready_groups=section.max_ready_groups,
+    )
+    try:
+        server = BufferServer(
+            state,
+            section.host,
+            section.producer_port,
+            section.trainer_port,
+            section.max_frame_bytes,
+        )
+    except OSError as error:
+        log.error("cannot start: %s", error)
+        return 1
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.stop())
+    if section.ready_file is not None:
+        write_atomically(Path(section.ready_file), json.dumps(server.endpoints) + "\n")
+    log.info("serving", extra=server.endpoints)
+    server.serve()
+    if section.ready_file is not None and Path(section.ready_file).exists():
+        Path(section.ready_file).unlink()
+    log.info("stopped", extra={"status": state.status(), "counters": COUNTERS.snapshot()})
+    return 0

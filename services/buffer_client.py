@@ -1,0 +1,135 @@
+"""Clients of the replay buffer: producers (orchestrators) and the trainer.
+
+Both speak the protocol in `rollwire.services.buffer` over a DEALER socket and
+never wait without a timeout. A producer re-sends a put that was not
+acknowledged in time, with the same sequence number and trajectory id; the
+buffer keeps one copy, so a retry can never duplicate a trajectory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from rollwire.services.wire import Batch, Trajectory, decode_batch, encode
+
+
+class BufferError(RuntimeError):
+    """The buffer refused a request or did not answer in time."""
+
+
+@dataclass
+class PutResult:
+    accepted: bool
+    reason: str
+    trainer_version: int
+
+
+def _dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    return socket
+
+
+class BufferProducer:
+    """Sends trajectories to the buffer and waits for each acknowledgement (asyncio)."""
+
+    def __init__(self, endpoint: str, timeout: float = 10.0, attempts: int = 6) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.attempts = attempts
+        self._socket = _dealer(zmq.asyncio.Context.instance(), endpoint)
+        self._lock = asyncio.Lock()
+        self._seq = 0
+
+    async def _request(self, parts: list[bytes], expect: bytes, seq: bytes | None) -> list[bytes]:
+        async with self._lock:
+            for _ in range(self.attempts):
+                await self._socket.send_multipart(parts)
+                deadline = time.monotonic() + self.timeout
+                while (remaining := deadline - time.monotonic()) > 0:
+                    if not await self._socket.poll(remaining * 1000, zmq.POLLIN):
+                        break
+                    reply = await self._socket.recv_multipart()
+                    if reply[0] == b"error":
+                        raise BufferError(
+                            f"buffer at {self.endpoint} refused the request: {reply[1].decode(errors='replace')}"
+                        )
+                    if reply[0] == expect and (seq is None or reply[1] == seq):
+                        return reply
+                    # An answer to an earlier, retried request: ignore it.
+            raise BufferError(
+                f"buffer at {self.endpoint} did not answer {self.attempts} tries of {self.timeout:g}s"
+            )
+
+    async def put(self, trajectory: Trajectory) -> PutResult:
+        """Sends one trajectory; returns once the buffer has acknowledged it."""
+        self._seq += 1
+        seq = self._seq.to_bytes(8, "big")
+        reply = await self._request([b"put", seq, encode(trajectory)], b"ack", seq)
+        body = json.loads(reply[2])
+        return PutResult(body["accepted"], body["reason"], body["trainer_version"])
+
+    async def status(self) -> dict[str, Any]:
+        reply = await self._request([b"status"], b"status", None)
+        return json.loads(reply[1])
+
+    def close(self) -> None:
+        self._socket.close(0)
+
+
+class BufferTrainerClient:
+    """The trainer's side: ask for a batch, acknowledge it once trained (blocking calls)."""
+
+    def __init__(self, endpoint: str, timeout: float = 30.0) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._socket = _dealer(zmq.Context.instance(), endpoint)
+
+    def _call(self, parts: list[bytes], expect: tuple[bytes, ...], timeout: float) -> list[bytes]:
+        self._socket.send_multipart(parts)
+        if not self._socket.poll(timeout * 1000, zmq.POLLIN):
+            # The request may still be answered later; a fresh socket keeps replies in step.
+            self._socket.close(0)
+            self._socket = _dealer(zmq.Context.instance(), self.endpoint)
+            raise BufferError(f"buffer at {self.endpoint} did not answer within {timeout:g}s")
+        reply = self._socket.recv_multipart()
+        if reply[0] == b"error":
+            raise BufferError(
+                f"buffer at {self.endpoint} refused the request: {reply[1].decode(errors='replace')}"
+            )
+        if reply[0] not in expect:
+            raise BufferError(f"unexpected reply {reply[0]!r} from the buffer")
+        return reply
+
+    def get_batch(self, trainer_version: int, groups: int, wait_seconds: float) -> Batch | None:
+        """A batch of `groups` whole groups, or None if none was ready within `wait_seconds`."""
+        body = json.dumps(
+            {
+                "trainer_version": trainer_version,
+                "groups": groups,
+                "wait_ms": int(wait_seconds * 1000),
+            }
+        )
+        reply = self._call(
+            [b"get", body.encode()], (b"batch", b"empty"), wait_seconds + self.timeout
+        )
+        return decode_batch(reply[1]) if reply[0] == b"batch" else None
+
+    def ack(self, batch_id: str, trainer_version: int) -> None:
+        """Marks a batch trained and tells the buffer the new trainer version."""
+        body = json.dumps({"batch_id": batch_id, "trainer_version": trainer_version})
+        self._call([b"ack", body.encode()], (b"acked",), self.timeout)
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(self._call([b"status"], (b"status",), self.timeout)[1])
+
+    def close(self) -> None:
+        self._socket.close(0)

@@ -1,0 +1,161 @@
+"""The replay buffer: group assembly, deduplication, staleness, and the ZeroMQ protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from rollwire.services.buffer import BufferServer, BufferState
+from rollwire.services.buffer_client import BufferError, BufferProducer, BufferTrainerClient
+from rollwire.services.wire import Trajectory
+
+
+def trajectory(group: str, index: int, version: int = 0, reward: float = 0.0) -> Trajectory:
+    mask = np.array([0, 0, 1, 1], np.uint8)
+    return Trajectory(
+        trajectory_id=f"{group}/{index}",
+        group_id=group,
+        task_id=group,
+        sample_index=index,
+        prompt_ordinal=0,
+        source="test",
+        domain="math",
+        token_ids=np.array([1, 2, 3, 4], np.int32),
+        loss_mask=mask,
+        behaviour_logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32),
+        policy_versions=np.where(mask == 1, version, -1).astype(np.int64),
+        reward=reward,
+    )
+
+
+def test_groups_are_served_whole_and_in_order() -> None:
+    state = BufferState(group_size=2, max_staleness=1)
+    assert state.put(trajectory("a", 1)) == (True, "ok")
+    assert state.take(1) is None  # group a is incomplete
+    assert state.put(trajectory("b", 0)) == (True, "ok")
+    assert state.put(trajectory("a", 0)) == (True, "ok")
+    assert state.take(2) is None  # one complete group, two asked for
+    state.put(trajectory("b", 1))
+    batch = state.take(2)
+    assert [t.trajectory_id for t in batch.trajectories] == ["a/0", "a/1", "b/0", "b/1"]
+    assert state.ack(batch.batch_id) and not state.ack(batch.batch_id)
+
+
+def test_duplicates_and_bad_indices() -> None:
+    state = BufferState(group_size=2, max_staleness=1)
+    assert state.put(trajectory("a", 0)) == (True, "ok")
+    assert state.put(trajectory("a", 0)) == (True, "duplicate")
+    assert state.accepted == 1
+    assert state.put(trajectory("a", 2))[0] is False
+    clash = trajectory("a", 0)
+    clash.trajectory_id = "other"
+    assert state.put(clash) == (False, "group 'a' already has sample 0")
+
+
+def test_stale_groups_are_dropped_and_counted() -> None:
+    state = BufferState(group_size=2, max_staleness=1)
+    for group, version in (("old", 0), ("new", 2)):
+        state.put(trajectory(group, 0, version))
+        state.put(trajectory(group, 1, version))
+    state.trainer_version = 3  # bound: nothing older than version 2
+    batch = state.take(1)
+    assert [t.group_id for t in batch.trajectories] == ["new", "new"]
+    assert state.dropped == {"stale": 2}
+
+
+@pytest.fixture
+def buffer_server():
+    state = BufferState(group_size=2, max_staleness=0)
+    server = BufferServer(state)
+    thread = threading.Thread(target=server.serve, kwargs={"poll_ms": 10}, daemon=True)
+    thread.start()
+    yield server
+    server.stop()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+@pytest.mark.integration
+async def test_producer_to_trainer_over_zeromq(buffer_server) -> None:
+    producer = BufferProducer(buffer_server.endpoints["producer"], timeout=2)
+    trainer = BufferTrainerClient(buffer_server.endpoints["trainer"], timeout=2)
+    try:
+        results = [await producer.put(trajectory("g", i, reward=i)) for i in range(2)]
+        assert [r.accepted for r in results] == [True, True]
+        assert (await producer.put(trajectory("g", 0))).reason == "duplicate"
+        batch = await asyncio.to_thread(trainer.get_batch, 0, 1, 1.0)
+        assert [t.reward for t in batch.trajectories] == [0.0, 1.0]
+        assert await asyncio.to_thread(trainer.get_batch, 0, 1, 0.1) is None  # waited, nothing left
+        await asyncio.to_thread(trainer.ack, batch.batch_id, 1)
+        status = await producer.status()
+        assert status["trainer_version"] == 1 and status["served_trajectories"] == 2
+        # Staleness 0: version-0 samples are now too old for trainer version 1.
+        for i in range(2):
+            assert (await producer.put(trajectory("late", i, version=0))).trainer_version == 1
+        assert await asyncio.to_thread(trainer.get_batch, 1, 1, 0.1) is None
+        assert (await producer.status())["dropped"] == {"stale": 2}
+    finally:
+        producer.close()
+        trainer.close()
+
+
+@pytest.mark.integration
+async def test_a_waiting_get_is_answered_when_data_arrives(buffer_server) -> None:
+    producer = BufferProducer(buffer_server.endpoints["producer"], timeout=2)
+    trainer = BufferTrainerClient(buffer_server.endpoints["trainer"], timeout=2)
+    try:
+        waiting = asyncio.ensure_future(asyncio.to_thread(trainer.get_batch, 0, 1, 5.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        for i in range(2):
+            await producer.put(trajectory("late", i))
+        batch = await asyncio.wait_for(waiting, 3)
+        assert len(batch.trajectories) == 2
+    finally:
+        producer.close()
+        trainer.close()
+
+
+@pytest.mark.integration
+def test_garbage_gets_an_answer_and_the_buffer_keeps_serving(buffer_server) -> None:
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, 2000)
+    socket.connect(buffer_server.endpoints["producer"])
+    try:
+        socket.send_multipart([b"hello"])
+        assert socket.recv_multipart()[0] == b"error"
+        socket.send_multipart([b"put", b"\0" * 8, b"\x93not a frame"])
+        kind, seq, body = socket.recv_multipart()
+        assert seq == b"\0" * 8
+        reply = json.loads(body)
+        assert (
+            kind == b"ack"
+            and reply["accepted"] is False
+            and reply["reason"].startswith("bad frame")
+        )
+        trainer = zmq.Context.instance().socket(zmq.DEALER)
+        trainer.setsockopt(zmq.LINGER, 0)
+        trainer.setsockopt(zmq.RCVTIMEO, 2000)
+        trainer.connect(buffer_server.endpoints["trainer"])
+        trainer.send_multipart([b"get", b"{not json"])
+        assert trainer.recv_multipart()[0] == b"error"
+        trainer.send_multipart([b"status"])
+        assert trainer.recv_multipart()[0] == b"status"
+        trainer.close(0)
+    finally:
+        socket.close(0)
+
+
+async def test_producer_gives_up_with_a_clear_error_when_nobody_answers() -> None:
+    producer = BufferProducer("tcp://127.0.0.1:1", timeout=0.1, attempts=2)
+    try:
+        with pytest.raises(BufferError, match=r"did not answer 2 tries of 0.1s"):
+            await producer.put(trajectory("g", 0))
+    finally:
+        producer.close()
