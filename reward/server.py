@@ -1,23 +1,23 @@
 """The reward-server: batched scoring by domain behind `rollwire.v1.RewardService`.
 
-Items of one request are scored concurrently on a pool of `workers` threads,
-each under its own time limit. A scorer that raises or runs out of time gives
-its item reward 0 with `error` set and a counter; the call still succeeds.
-A malformed request (no items, duplicate ids, unknown domain, too many items)
-is refused as a whole with a status that says what to fix.
+Items are scored in worker processes (`rollwire.reward.pool`), each under its
+own time limit. A scorer that raises or runs out of time gives its item reward
+0 with `error` set and a counter; the call still succeeds. A malformed request
+(no items, duplicate ids, unknown domain, too many items) is refused as a
+whole with a status that says what to fix.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import grpc.aio
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
-from rollwire.reward.scorers import SCORERS, ScoreInput
+from rollwire.reward.pool import ScorerFailed, ScoringPool
+from rollwire.reward.scorers import ScoreInput, scorer_table
 from rollwire.services.config import RewardServerConfig
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.server import Registration
@@ -37,7 +37,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def __init__(self, config: RewardServerConfig) -> None:
         self.config = config
-        self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="scorer")
+        self._scorers = scorer_table(config.custom_scorers)  # fails fast on a bad custom scorer
+        self._pool = ScoringPool(config.workers, custom_scorers=config.custom_scorers)
 
     async def _reject(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
@@ -51,11 +52,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         return reward_pb2.ListScorersResponse(
             scorers=[
                 reward_pb2.ScorerInfo(
-                    domain=domain,
-                    scorer=name,
-                    description=_first_line(fn.__doc__),
+                    domain=domain, scorer=name, description=_first_line(fn.__doc__)
                 )
-                for domain, (name, fn) in sorted(SCORERS.items())
+                for domain, (name, fn) in sorted(self._scorers.items())
             ]
         )
 
@@ -82,13 +81,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 "duplicate_ids",
                 "item_id values must be unique within a request",
             )
-        unknown = sorted({item.domain for item in items} - SCORERS.keys())
+        unknown = sorted({item.domain for item in items} - self._scorers.keys())
         if unknown:
             await self._reject(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "unknown_domain",
-                f"no scorer for domain(s) {unknown}; this server scores: {sorted(SCORERS)}",
+                f"no scorer for domain(s) {unknown}; this server scores: {sorted(self._scorers)}",
             )
         if request.item_timeout_seconds < 0:
             await self._reject(
@@ -104,18 +103,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def _score_one(
         self, item: reward_pb2.ScoreItem, timeout: float
     ) -> reward_pb2.ScoreResult:
-        _, scorer = SCORERS[item.domain]
         payload = ScoreInput(
             response=item.response,
             reference=item.reference,
             prompt=item.prompt,
             metadata=from_struct(item.metadata) if item.HasField("metadata") else {},
         )
-        loop = asyncio.get_running_loop()
         try:
-            score = await asyncio.wait_for(
-                loop.run_in_executor(self._pool, scorer, payload), timeout
-            )
+            score = await self._pool.score(item.domain, payload, timeout)
         except TimeoutError:
             COUNTERS.inc("reward_item_errors", domain=item.domain, kind="timeout")
             return reward_pb2.ScoreResult(
@@ -124,17 +119,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 error=True,
                 error_message=f"scorer timed out after {timeout:g}s",
             )
-        except Exception as error:
+        except ScorerFailed as error:
             COUNTERS.inc("reward_item_errors", domain=item.domain, kind="exception")
             log.warning(
                 "scorer failed",
-                extra={"domain": item.domain, "item_id": item.item_id, "error": repr(error)},
+                extra={"domain": item.domain, "item_id": item.item_id, "error": str(error)},
             )
             return reward_pb2.ScoreResult(
-                item_id=item.item_id,
-                reward=0.0,
-                error=True,
-                error_message=f"{type(error).__name__}: {error}",
+                item_id=item.item_id, reward=0.0, error=True, error_message=str(error)
             )
         COUNTERS.inc("reward_items_scored", domain=item.domain)
         return reward_pb2.ScoreResult(
@@ -142,8 +134,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         )
 
     def close(self) -> None:
-        # Threads stuck in a runaway scorer cannot be killed; do not wait for them.
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
 
 def registrations(config: RewardServerConfig) -> list[Registration]:

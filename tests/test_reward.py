@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import grpc.aio
 import pytest
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
-from rollwire.reward import scorers
 from rollwire.reward.scorers import (
     Score,
     ScoreInput,
     exact_match_score,
     extract_answer,
     format_score,
+    load_scorer,
+    math_score,
+    reasoning_gym_score,
 )
 from rollwire.reward.server import registrations
 from rollwire.services.client import open_channel
@@ -62,26 +62,44 @@ def item(
     )
 
 
+CUSTOM_SCORERS = """
+import time
+from rollwire.reward.scorers import Score
+
+def crash(item):
+    raise ValueError("cannot parse")
+
+def hang(item):
+    while True:
+        time.sleep(1)
+
+def length(item):
+    return Score(float(len(item.response)), {"length": float(len(item.response))})
+"""
+
+
 @pytest.fixture
-async def reward_stub(start_service, monkeypatch):
-    def crash(payload: ScoreInput) -> Score:
-        raise ValueError("cannot parse")
-
-    def hang(payload: ScoreInput) -> Score:
-        time.sleep(2)
-        return Score(1.0)
-
-    monkeypatch.setitem(scorers.SCORERS, "test_crash", ("crash", crash))
-    monkeypatch.setitem(scorers.SCORERS, "test_hang", ("hang", hang))
-    runtime = await start_service(
-        registrations(RewardServerConfig(max_batch_items=4, item_timeout_seconds=0.3))
+async def reward_stub(start_service, tmp_path, monkeypatch):
+    (tmp_path / "my_scorers.py").write_text(CUSTOM_SCORERS)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers inherit sys.path
+    custom = {
+        "test_crash": "my_scorers:crash",
+        "test_hang": "my_scorers:hang",
+        "length": "my_scorers:length",
+    }
+    config = RewardServerConfig(
+        max_batch_items=4, item_timeout_seconds=1.0, workers=2, custom_scorers=custom
     )
+    (registration,) = registrations(config)
+    runtime = await start_service([registration])
     async with open_channel(runtime.address) as channel:
-        yield reward_pb2_grpc.RewardServiceStub(channel)
+        yield reward_pb2_grpc.RewardServiceStub(channel), registration.servicer
+    registration.servicer.close()
 
 
 @pytest.mark.integration
 async def test_scores_a_batch_by_domain(reward_stub) -> None:
+    reward_stub, _ = reward_stub
     reply = await reward_stub.Score(
         reward_pb2.ScoreRequest(
             items=[item("a"), item("b", response="<answer>5</answer>"), item("c", domain="format")]
@@ -99,6 +117,7 @@ async def test_scores_a_batch_by_domain(reward_stub) -> None:
 
 @pytest.mark.integration
 async def test_a_failing_or_slow_scorer_costs_only_its_item(reward_stub) -> None:
+    reward_stub, servicer = reward_stub
     before = COUNTERS.get("reward_item_errors", domain="test_hang", kind="timeout")
     reply = await reward_stub.Score(
         reward_pb2.ScoreRequest(
@@ -109,8 +128,16 @@ async def test_a_failing_or_slow_scorer_costs_only_its_item(reward_stub) -> None
     assert not results["ok"].error and results["ok"].reward == 1.0
     assert results["crash"].error and results["crash"].reward == 0.0
     assert "ValueError: cannot parse" in results["crash"].error_message
-    assert results["hang"].error and "timed out after 0.3s" in results["hang"].error_message
+    assert results["hang"].error and "timed out after 1s" in results["hang"].error_message
     assert COUNTERS.get("reward_item_errors", domain="test_hang", kind="timeout") == before + 1
+    # The looping worker was killed and replaced; the pool still scores.
+    assert servicer._pool.restarts == 1
+    again = await reward_stub.Score(
+        reward_pb2.ScoreRequest(
+            items=[item(str(i), domain="length", response="abc") for i in range(4)]
+        )
+    )
+    assert [r.reward for r in again.results] == [3.0] * 4
 
 
 @pytest.mark.integration
@@ -132,6 +159,7 @@ async def test_a_failing_or_slow_scorer_costs_only_its_item(reward_stub) -> None
     ],
 )
 async def test_malformed_requests_are_refused_whole(reward_stub, items, code, text) -> None:
+    reward_stub, _ = reward_stub
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await reward_stub.Score(reward_pb2.ScoreRequest(items=items))
     assert caught.value.code() is code
@@ -139,3 +167,42 @@ async def test_malformed_requests_are_refused_whole(reward_stub, items, code, te
     assert (await reward_stub.Score(reward_pb2.ScoreRequest(items=[item("fine")]))).results[
         0
     ].reward == 1.0
+
+
+def test_math_verify_scorer() -> None:
+    assert math_score(ScoreInput("so <answer>\\frac{1}{2}</answer>", reference="0.5")).reward == 1.0
+    assert math_score(ScoreInput("<answer>0.75</answer>", reference="3/4")).reward == 1.0
+    assert math_score(ScoreInput("<answer>7</answer>", reference="8")).reward == 0.0
+    assert math_score(ScoreInput("the answer is 8", reference="8")).components == {
+        "correct": 1.0,
+        "format": 0.0,
+    }
+
+
+def test_reasoning_gym_scorer_uses_the_task_scorer() -> None:
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)[0]
+    right = ScoreInput(
+        f"<answer>{entry['answer']}</answer>", entry["answer"], entry["question"], entry["metadata"]
+    )
+    wrong = ScoreInput(
+        "<answer>nope</answer>", entry["answer"], entry["question"], entry["metadata"]
+    )
+    assert reasoning_gym_score(right) == Score(1.0, {"correct": 1.0, "format": 1.0})
+    assert reasoning_gym_score(wrong).reward == 0.0
+    assert reasoning_gym_score(
+        ScoreInput(entry["answer"], entry["answer"], "", entry["metadata"])
+    ).components == {
+        "correct": 0.0,
+        "format": 0.0,
+    }
+    with pytest.raises(ValueError, match="metadata.source_dataset"):
+        reasoning_gym_score(ScoreInput("<answer>1</answer>", "1"))
+
+
+def test_custom_scorer_specs_are_checked() -> None:
+    with pytest.raises(ValueError, match="must look like package.module:function"):
+        load_scorer("nocolon")
+    with pytest.raises(ValueError, match="is not a function"):
+        load_scorer("math:pi")

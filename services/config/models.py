@@ -153,8 +153,11 @@ class RewardServerConfig(StrictModel):
     """Items in one Score call; more is RESOURCE_EXHAUSTED."""
     item_timeout_seconds: float = Field(10.0, gt=0)
     """Default time limit for scoring one item."""
-    workers: int = Field(2, ge=1)
-    """Scoring worker processes."""
+    workers: int = Field(1, ge=1)
+    """Scoring worker processes (each scores one item at a time)."""
+    custom_scorers: dict[str, str] = {}
+    """Extra domains: `{domain: "package.module:function"}`, the function taking a
+    `rollwire.reward.scorers.ScoreInput` and returning a `Score`."""
 
 
 class RolloutServerConfig(StrictModel):
