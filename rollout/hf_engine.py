@@ -76,6 +76,9 @@ class HFEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        from rollwire.rollout.tiny import quiet_transformers
+
+        quiet_transformers()
         path = Path(model_path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(

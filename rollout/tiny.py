@@ -35,6 +35,14 @@ class TinySpec:
     seed: int = 0
 
 
+def quiet_transformers() -> None:
+    """No progress bars or advisory warnings from transformers in service logs."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def build_tokenizer():
     """A character-level fast tokenizer: printable ASCII, newline, answer tags, specials."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
@@ -55,6 +63,7 @@ def build_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    quiet_transformers()
     folder = Path(folder)
     tokenizer = build_tokenizer()
     vocab_size = -(-len(tokenizer) // 8) * 8  # round up: friendlier matmul shapes

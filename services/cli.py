@@ -30,10 +30,6 @@ GRPC_SERVICES: dict[str, tuple[str, str, str]] = {
 # Commands whose implementation arrives with later work; they are listed so the
 # command line is complete, and they say plainly that they cannot run yet.
 PLANNED: dict[str, tuple[str, str]] = {
-    "trainer": ("train on batches from the buffer and publish weights (TrainerService)", "#3"),
-    "orchestrator": ("drive episodes and push trajectories to the buffer", "#3"),
-    "up": ("start every service of a run as local processes, without training", "#3"),
-    "train": ("run training end to end (the built-in tiny default without -c)", "#3"),
     "env-check": ("run the conformance suite against an env server at ADDRESS", "#4"),
 }
 
@@ -98,6 +94,43 @@ def _buffer(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         write_resolved_config(config, args.run_dir)
     return run_buffer(config)
+
+
+def _process(command: str, runner: str) -> Callable[[argparse.Namespace], int]:
+    """A command whose body is `runner(config)` ("module:function"), imported only when run."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        from rollwire.services.config import write_resolved_config
+
+        config = _load(args)
+        if args.run_dir is not None:
+            write_resolved_config(config, args.run_dir)
+        module_name, _, function = runner.partition(":")
+        return getattr(importlib.import_module(module_name), function)(config)
+
+    return run
+
+
+PROCESSES: dict[str, tuple[str, str]] = {
+    "trainer": (
+        "rollwire.trainer.loop:run_trainer",
+        "train on batches from the buffer and publish weights (TrainerService)",
+    ),
+    "up": (
+        "rollwire.services.run:run_up",
+        "start the servers of a run as local processes, until Ctrl-C",
+    ),
+    "train": (
+        "rollwire.services.run:run_train",
+        "train end to end, every service a local process (no -c: the built-in default)",
+    ),
+    "orchestrator": (
+        "rollwire.rollout.orchestrator:run_orchestrator",
+        "drive episodes and send scored trajectories to the buffer",
+    ),
+}
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -180,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     buffer.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
     buffer.set_defaults(handler=_buffer)
+    for command, (runner, help_text) in PROCESSES.items():
+        sub = commands.add_parser(command, help=help_text, description=help_text)
+        _add_config_options(sub)
+        sub.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
+        sub.set_defaults(handler=_process(command, runner))
     for command, (help_text, issue) in PLANNED.items():
         sub = commands.add_parser(
             command, help=f"{help_text} [not yet available]", description=help_text

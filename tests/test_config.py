@@ -53,7 +53,7 @@ def test_values_are_parsed_as_yaml() -> None:
         overrides=[
             "reward_server.item_timeout_seconds=1e-1",
             "env_server.envs=[a, b]",
-            "orchestrator.env_servers=[]",
+            "endpoints.env_servers=[]",
         ],
         environ={},
     )
@@ -146,3 +146,27 @@ def test_config_modules_import_neither_torch_nor_grpc() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_overriding_one_key_keeps_the_sections_other_defaults() -> None:
+    config = load_config(overrides=["orchestrator.eval_dataset.kwargs={min_terms: 2}"], environ={})
+    # The evaluation dataset's own defaults (its seed and size) survive.
+    assert (
+        config.orchestrator.eval_dataset.seed == 10_000
+        and config.orchestrator.eval_dataset.size == 200
+    )
+    assert config.orchestrator.eval_dataset.kwargs == {"min_terms": 2}
+
+
+def test_switching_a_pluggable_part_drops_the_old_kinds_settings(tmp_path) -> None:
+    switched = load_config(
+        overrides=["orchestrator.dataset.type=file", "orchestrator.dataset.path=/data.jsonl"],
+        environ={},
+    )
+    assert (
+        switched.orchestrator.dataset.type == "file"
+        and str(switched.orchestrator.dataset.path) == "/data.jsonl"
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text("orchestrator:\n  dataset:\n    type: file\n    path: /d.parquet\n")
+    assert load_config(path, environ={}).orchestrator.dataset.domain == "math"

@@ -56,14 +56,28 @@ def env_assignments(environ: Mapping[str, str]) -> list[tuple[list[str], Any, st
     return found
 
 
+def _strip_masked_secrets(data: Any) -> None:
+    """Default secrets dump as a mask; put None back so the mask is never taken for a token."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if value == "**********":
+                data[key] = None
+            else:
+                _strip_masked_secrets(value)
+
+
 def _set_path(data: dict[str, Any], keys: list[str], value: Any, origin: str) -> None:
     node = data
     for depth, key in enumerate(keys[:-1]):
-        child = node.setdefault(key, {})
+        child = node.get(key)
+        if child is None:  # an optional section that is off: setting a key turns it on
+            child = node[key] = {}
         if not isinstance(child, dict):
             where = ".".join(keys[: depth + 1])
             raise ConfigError(f"{origin}: {where} holds a value, not a section")
         node = child
+    if keys[-1] == "type" and node.get("type") not in (None, value):
+        node.clear()  # switching a pluggable part: the old kind's settings do not apply
     node[keys[-1]] = value
 
 
@@ -81,6 +95,19 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return data
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merges `update` into `base`; a section that changes its `type` replaces the old one."""
+    for key, value in update.items():
+        current = base.get(key)
+        same_kind = (
+            isinstance(current, dict)
+            and isinstance(value, dict)
+            and value.get("type", current.get("type")) == current.get("type")
+        )
+        base[key] = _merge(current, value) if same_kind else value
+    return base
 
 
 def _describe(error: ValidationError, source: str) -> str:
@@ -109,7 +136,12 @@ def load_config(
     Raises:
         ConfigError: naming the file and each offending key by its dotted path.
     """
-    data = _read_yaml(Path(path)) if path is not None else {}
+    # Start from the defaults so that overriding one key of a section keeps the
+    # section's other defaults (e.g. the evaluation dataset's own seed and size).
+    data = RunConfig().model_dump(mode="json", exclude_none=False)
+    _strip_masked_secrets(data)
+    if path is not None:
+        _merge(data, _read_yaml(Path(path)))
     sources = [str(path) if path is not None else "defaults"]
     env = os.environ if environ is None else environ
     for keys, value, name in env_assignments(env):

@@ -1,0 +1,140 @@
+"""Task sources for the orchestrator: reasoning-gym generators and JSONL/Parquet files.
+
+Every task carries a monotonic `ordinal` (its position in the run's stream of
+prompts), which later accounting (exactly-once training) keys on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollwire.services.config.models import FileDataset, ReasoningGymDataset
+
+
+@dataclass(frozen=True)
+class Task:
+    ordinal: int
+    task_id: str
+    question: str
+    reference: str
+    domain: str
+    source: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def prompt(self, template: str) -> str:
+        """The prompt text: `template` formatted with the question and metadata fields."""
+        try:
+            return template.format(
+                question=self.question,
+                **{k: v for k, v in self.metadata.items() if k != "question"},
+            )
+        except KeyError as error:
+            raise ValueError(
+                f"prompt_template names {error} which task {self.task_id} does not have"
+            ) from None
+
+
+class ReasoningGymTasks(Sequence[Task]):
+    """A reasoning-gym dataset as tasks, generated on access (items are deterministic by index)."""
+
+    def __init__(self, config: ReasoningGymDataset) -> None:
+        import reasoning_gym
+
+        try:
+            self._dataset = reasoning_gym.create_dataset(
+                config.name, size=config.size, seed=config.seed, **config.kwargs
+            )
+            self._dataset[0]
+        except Exception as error:  # reasoning-gym raises assorted types for bad names and kwargs
+            raise ValueError(
+                f"reasoning-gym dataset {config.name!r} with {config.kwargs}: {error}"
+            ) from None
+        self._config = config
+
+    def __len__(self) -> int:
+        return self._config.size
+
+    def __getitem__(self, index: int) -> Task:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        entry = self._dataset[index]
+        name, seed = self._config.name, self._config.seed
+        return Task(
+            index,
+            f"{name}/{seed}/{index}",
+            entry["question"],
+            str(entry["answer"]),
+            "reasoning_gym",
+            name,
+            entry["metadata"],
+        )
+
+
+def load_tasks(config: ReasoningGymDataset | FileDataset) -> Sequence[Task]:
+    """A dataset as a sequence of tasks (ordinals are positions in it)."""
+    if isinstance(config, ReasoningGymDataset):
+        return ReasoningGymTasks(config)
+    rows = list(_read_rows(config.path))
+    tasks = []
+    for index, row in enumerate(rows):
+        if config.prompt_field not in row or config.answer_field not in row:
+            raise ValueError(
+                f"{config.path} row {index}: needs fields {config.prompt_field!r} and {config.answer_field!r}"
+            )
+        metadata = {
+            k: v for k, v in row.items() if k not in (config.prompt_field, config.answer_field)
+        }
+        tasks.append(
+            Task(
+                index,
+                f"{config.path.stem}/{index}",
+                str(row[config.prompt_field]),
+                str(row[config.answer_field]),
+                config.domain,
+                config.path.name,
+                json.loads(json.dumps(metadata, default=str)),
+            )
+        )
+    if not tasks:
+        raise ValueError(f"{config.path} holds no tasks")
+    return tasks
+
+
+def _read_rows(path: Path) -> Iterator[dict[str, Any]]:
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file {path} does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(path).to_pylist()
+    elif path.suffix in (".jsonl", ".json"):
+        with path.open() as lines:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise ValueError(f"{path}:{number}: not JSON: {error}") from None
+    else:
+        raise ValueError(f"dataset file {path} must end in .jsonl or .parquet")
+
+
+def cycle(tasks: Sequence[Task]) -> Iterator[Task]:
+    """Tasks in order, again and again, with ordinals that keep increasing."""
+    epoch = 0
+    while True:
+        for task in tasks:
+            yield Task(
+                task.ordinal + epoch * len(tasks),
+                f"{task.task_id}@{epoch}",
+                task.question,
+                task.reference,
+                task.domain,
+                task.source,
+                task.metadata,
+            )
+        epoch += 1

@@ -1,0 +1,349 @@
+"""The orchestrator: prompts in, scored trajectories out to the buffer.
+
+For each task it samples `rl.group_size` responses from the rollout-servers,
+scores them on a reward-server and sends each as a trajectory to the buffer.
+It launches a group only while
+
+    groups launched < (trainer version + staleness bound + 1) * groups per step
+
+so it never produces what the buffer would have to throw away; with a bound
+of 0 generation waits for each step (the synchronous mode). It evaluates the
+policy on held-out prompts every `eval_every` versions, greedily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc.aio
+import numpy as np
+
+from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rollwire.rollout.datasets import Task, cycle, load_tasks
+from rollwire.services.buffer_client import BufferProducer
+from rollwire.services.client import open_channel, wait_for_serving
+from rollwire.services.config import RunConfig
+from rollwire.services.metrics import COUNTERS
+from rollwire.services.structs import to_struct
+from rollwire.services.wire import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class Orchestrator:
+    def __init__(self, config: RunConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.rl = config.rl
+        self.settings = config.orchestrator
+        self.tokenizer = tokenizer
+        self.trainer_version = 0
+        self.launched = 0
+        self.completed = 0
+        self.failed = 0
+        self.generated_tokens = 0
+        self.dropped_groups = 0
+        endpoints = config.endpoints
+        self.rollout_channels = [open_channel(a, config.client) for a in endpoints.rollout_servers]
+        self.reward_channels = [open_channel(a, config.client) for a in endpoints.reward_servers]
+        self.rollout = [rollout_pb2_grpc.RolloutServiceStub(c) for c in self.rollout_channels]
+        self.reward = [reward_pb2_grpc.RewardServiceStub(c) for c in self.reward_channels]
+        self._next_rollout = itertools.cycle(range(len(self.rollout)))
+        self._next_reward = itertools.cycle(range(len(self.reward)))
+        self.producer = BufferProducer(endpoints.buffer_producer)
+        self.run_dir = Path(config.run.output_dir)
+        (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        self.eval_log = (self.run_dir / "metrics" / "eval.jsonl").open("a")
+        self.progress_log = (self.run_dir / "metrics" / "orchestrator.jsonl").open("a")
+        self.eos = int(tokenizer.eos_token_id)
+
+    def encode_prompt(self, task: Task) -> list[int]:
+        text = task.prompt(self.settings.prompt_template)
+        if self.settings.use_chat_template:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+                )
+            )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        ids = token_ids[:-1] if token_ids and token_ids[-1] == self.eos else token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def _with_retries(self, call, what: str):
+        for attempt in range(1, self.settings.request_attempts + 1):
+            try:
+                return await call()
+            except grpc.aio.AioRpcError as error:
+                if attempt == self.settings.request_attempts or error.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
+                    raise
+                COUNTERS.inc("orchestrator_retries", call=what)
+                await asyncio.sleep(0.2 * attempt)
+
+    async def generate(
+        self, prompt_ids: list[int], temperature: float, seed: int | None = None
+    ) -> rollout_pb2.GenerateResponse:
+        sampling = rollout_pb2.SamplingParams(
+            temperature=temperature,
+            top_p=self.settings.top_p,
+            max_new_tokens=self.settings.max_new_tokens,
+            stop_token_ids=[self.eos],
+            seed=seed,
+        )
+        request = rollout_pb2.GenerateRequest(
+            request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling=sampling
+        )
+        stub = self.rollout[next(self._next_rollout)]
+        return await self._with_retries(lambda: stub.Generate(request), "generate")
+
+    async def score(self, task: Task, responses: list[str]) -> list[reward_pb2.ScoreResult]:
+        items = [
+            reward_pb2.ScoreItem(
+                item_id=str(i),
+                domain=task.domain,
+                prompt=task.question,
+                response=text,
+                reference=task.reference,
+                metadata=to_struct(task.metadata),
+            )
+            for i, text in enumerate(responses)
+        ]
+        stub = self.reward[next(self._next_reward)]
+        reply = await self._with_retries(
+            lambda: stub.Score(reward_pb2.ScoreRequest(items=items)), "score"
+        )
+        return sorted(reply.results, key=lambda r: int(r.item_id))
+
+    async def run_group(self, task: Task) -> None:
+        started = time.perf_counter()
+        prompt_ids = self.encode_prompt(task)
+        outputs = await asyncio.gather(
+            *(self.generate(prompt_ids, self.rl.temperature) for _ in range(self.rl.group_size))
+        )
+        generated = time.perf_counter()
+        texts = [self.decode(list(o.token_ids)) for o in outputs]
+        scores = await self.score(task, texts)
+        scored = time.perf_counter()
+        for index, (output, result) in enumerate(zip(outputs, scores, strict=True)):
+            response = np.asarray(output.token_ids, np.int32)
+            prompt = np.asarray(prompt_ids, np.int32)
+            trajectory = Trajectory(
+                trajectory_id=f"{task.task_id}/{index}",
+                group_id=task.task_id,
+                task_id=task.task_id,
+                sample_index=index,
+                prompt_ordinal=task.ordinal,
+                source=task.source,
+                domain=task.domain,
+                token_ids=np.concatenate([prompt, response]),
+                loss_mask=np.concatenate(
+                    [np.zeros(len(prompt), np.uint8), np.ones(len(response), np.uint8)]
+                ),
+                behaviour_logprobs=np.concatenate(
+                    [np.zeros(len(prompt), np.float32), np.asarray(output.logprobs, np.float32)]
+                ),
+                policy_versions=np.concatenate(
+                    [
+                        np.full(len(prompt), -1, np.int64),
+                        np.asarray(output.policy_versions, np.int64),
+                    ]
+                ),
+                reward=result.reward,
+                reward_components=dict(result.components),
+                finish_reason=rollout_pb2.FinishReason.Name(output.finish_reason)
+                .removeprefix("FINISH_REASON_")
+                .lower(),
+                timings={"generate": generated - started, "score": scored - generated},
+            )
+            ack = await self.producer.put(trajectory)
+            self.trainer_version = max(self.trainer_version, ack.trainer_version)
+            if not ack.accepted:
+                COUNTERS.inc("orchestrator_refused", reason=ack.reason)
+                log.warning(
+                    "buffer refused a trajectory",
+                    extra={"trajectory_id": trajectory.trajectory_id, "reason": ack.reason},
+                )
+        self.generated_tokens += sum(len(o.token_ids) for o in outputs)
+
+    async def evaluate(self, tasks: Sequence[Task], version: int) -> float:
+        """Greedy accuracy on held-out tasks; logged to metrics/eval.jsonl."""
+
+        # As many requests in flight as training keeps, no more.
+        limit = asyncio.Semaphore(self.settings.max_concurrent_groups * self.rl.group_size)
+
+        async def one(task: Task) -> float:
+            async with limit:
+                output = await self.generate(self.encode_prompt(task), temperature=0.0)
+                (result,) = await self.score(task, [self.decode(list(output.token_ids))])
+                return result.reward
+
+        rewards = await asyncio.gather(*(one(t) for t in tasks))
+        mean = float(np.mean(rewards))
+        self.eval_log.write(
+            json.dumps(
+                {
+                    "policy_version": version,
+                    "eval_reward": mean,
+                    "tasks": len(tasks),
+                    "time": time.time(),
+                }
+            )
+            + "\n"
+        )
+        self.eval_log.flush()
+        log.info("evaluated", extra={"policy_version": version, "eval_reward": round(mean, 4)})
+        return mean
+
+    async def refresh_version(self) -> None:
+        status = await self.producer.status()
+        self.trainer_version = max(self.trainer_version, status["trainer_version"])
+        self.dropped_groups = sum(status["dropped"].values()) // self.rl.group_size
+
+    async def run(self) -> None:
+        for address, channel in zip(
+            self.config.endpoints.rollout_servers + self.config.endpoints.reward_servers,
+            self.rollout_channels + self.reward_channels,
+            strict=True,
+        ):
+            await wait_for_serving(
+                channel, timeout=self.config.client.connect_timeout_seconds, target=address
+            )
+        train_tasks = cycle(load_tasks(self.settings.dataset))
+        eval_tasks = load_tasks(self.settings.eval_dataset) if self.settings.eval_dataset else []
+        staleness, per_step, total_steps = (
+            self.rl.staleness,
+            self.rl.groups_per_step,
+            self.rl.max_steps,
+        )
+        running: set[asyncio.Task[None]] = set()
+        evaluated: set[int] = set()
+        started = time.perf_counter()
+        last_report = started
+        while True:
+            if (
+                eval_tasks
+                and self.trainer_version not in evaluated
+                and (
+                    self.trainer_version % self.settings.eval_every == 0
+                    or self.trainer_version >= total_steps
+                )
+            ):
+                evaluated.add(self.trainer_version)
+                await self.evaluate(eval_tasks, self.trainer_version)
+            if self.trainer_version >= total_steps:
+                break
+            capacity = min(
+                (self.trainer_version + staleness + 1) * per_step, total_steps * per_step + per_step
+            )
+            while self.launched < capacity and len(running) < self.settings.max_concurrent_groups:
+                task = asyncio.ensure_future(self.run_group(next(train_tasks)))
+                running.add(task)
+                self.launched += 1
+            done = set()
+            if running:
+                done, _ = await asyncio.wait(
+                    running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED
+                )
+            else:
+                await asyncio.sleep(0.05)
+            for finished in done:
+                running.discard(finished)
+                if finished.exception() is not None:
+                    self.failed += 1
+                    self.launched -= 1  # the group never reached the buffer: make room for another
+                    COUNTERS.inc("orchestrator_failed_groups")
+                    log.error("group failed: %s", finished.exception())
+                else:
+                    self.completed += 1
+            await self.refresh_version()
+            if time.perf_counter() - last_report > 5:
+                last_report = time.perf_counter()
+                self._report(started)
+        for task in running:
+            task.cancel()
+        self._report(started)
+
+    def _report(self, started: float) -> None:
+        elapsed = time.perf_counter() - started
+        entry = {
+            "time": time.time(),
+            "trainer_version": self.trainer_version,
+            "groups_completed": self.completed,
+            "groups_failed": self.failed,
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_second": self.generated_tokens / max(elapsed, 1e-9),
+        }
+        self.progress_log.write(json.dumps(entry) + "\n")
+        self.progress_log.flush()
+
+    async def close(self) -> None:
+        self.producer.close()
+        self.eval_log.close()
+        self.progress_log.close()
+        for channel in self.rollout_channels + self.reward_channels:
+            await channel.close()
+
+
+def run_orchestrator(config: RunConfig) -> int:
+    """`rollwire orchestrator`: feed the buffer until the trainer reaches rl.max_steps."""
+    import signal
+
+    from transformers import AutoTokenizer
+
+    from rollwire.rollout.tiny import quiet_transformers
+
+    quiet_transformers()
+
+    from rollwire.rollout.server import default_model_path
+    from rollwire.services.telemetry import configure_logging
+
+    configure_logging("orchestrator", config.telemetry.log_level, config.telemetry.log_format)
+    endpoints = config.endpoints
+    if (
+        not endpoints.rollout_servers
+        or not endpoints.reward_servers
+        or not endpoints.buffer_producer
+    ):
+        log.error(
+            "the orchestrator needs endpoints.rollout_servers, endpoints.reward_servers and endpoints.buffer_producer"
+        )
+        return 1
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.rollout_server.model_path or default_model_path()
+    )
+
+    async def main() -> int:
+        orchestrator = Orchestrator(config, tokenizer)
+        work = asyncio.ensure_future(orchestrator.run())
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, work.cancel)
+        try:
+            await work
+        except asyncio.CancelledError:
+            log.info("stopped by signal")
+        finally:
+            await orchestrator.close()
+        return 0
+
+    try:
+        return asyncio.run(main())
+    except (OSError, ValueError, TimeoutError, grpc.aio.AioRpcError) as error:
+        detail = (
+            f"{error.code().name}: {error.details()}"
+            if isinstance(error, grpc.aio.AioRpcError)
+            else str(error)
+        )
+        log.error("orchestrator stopped: %s", detail)
+        return 1

@@ -1,0 +1,212 @@
+"""`rollwire up` and `rollwire train`: every service as a local process on loopback.
+
+The launcher prepares the model (the built-in tiny one and an optional
+supervised warm-up), starts the reward-server, rollout-server and buffer on
+ports the OS picks, waits until each is ready, writes their addresses into
+the run's resolved config, then starts the trainer and the orchestrator.
+It shows progress while training, and stops every process it started — on
+success, on failure of any one of them, and on Ctrl-C — by process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from rollwire.services.config import RunConfig
+
+SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
+
+
+class LaunchError(RuntimeError):
+    """A service could not be started or died; the message names it and shows its log."""
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    ready_file: Path | None
+    log_handle: IO[str] = field(repr=False, default=None)
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+class Stack:
+    """The processes of one run; stops them all, by process group, whatever happens."""
+
+    def __init__(self, run_dir: Path, config_path: Path, threads: dict[str, int]) -> None:
+        self.run_dir = run_dir
+        self.config_path = config_path
+        self.threads = threads
+        self.services: list[Service] = []
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def start(self, command: str, ready: bool = True) -> Service:
+        ready_file = self.run_dir / "logs" / f"{command}.ready" if ready else None
+        if ready_file is not None and ready_file.exists():
+            ready_file.unlink()
+        argv = [sys.executable, "-m", "rollwire.services.cli", command, "-c", str(self.config_path)]
+        if ready_file is not None:
+            argv += ["--ready-file", str(ready_file)]
+        threads = str(self.threads.get(command, 1))
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        log_path = self.run_dir / "logs" / f"{command}.log"
+        handle = log_path.open("a")
+        process = subprocess.Popen(
+            argv, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        service = Service(command, process, log_path, ready_file, handle)
+        self.services.append(service)
+        return service
+
+    def wait_ready(self, service: Service, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        assert service.ready_file is not None
+        while time.monotonic() < deadline:
+            if service.ready_file.exists() and service.ready_file.read_text().strip():
+                return service.ready_file.read_text().strip()
+            if service.process.poll() is not None:
+                raise LaunchError(
+                    f"{service.name} exited with code {service.process.returncode} while starting; "
+                    f"its log ({service.log_path}) ends:\n{service.tail()}"
+                )
+            time.sleep(0.05)
+        raise LaunchError(
+            f"{service.name} was not ready within {timeout:g}s; its log ({service.log_path}) ends:\n{service.tail()}"
+        )
+
+    def check(self, expected_to_finish: tuple[str, ...] = ()) -> None:
+        """Raises LaunchError if a service died (or finished when it should not have)."""
+        for service in self.services:
+            code = service.process.poll()
+            if code is None:
+                continue
+            if service.name in expected_to_finish and code == 0:
+                continue
+            raise LaunchError(
+                f"{service.name} exited with code {code}; its log ({service.log_path}) ends:\n{service.tail()}"
+            )
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM in reverse start order, then SIGKILL whatever is left of each process group."""
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(service.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for service in reversed(self.services):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            # SIGKILL the whole group: it also ends worker processes the service spawned.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(service.process.pid, signal.SIGKILL)
+            service.process.wait(timeout=10)
+            service.log_handle.close()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ROLLWIRE_CACHE_DIR") or Path.home() / ".cache" / "rollwire")
+
+
+def prepare_model(config: RunConfig, progress: bool = True) -> Path:
+    """The model every service starts from: the configured one, or the tiny one (warmed up if asked)."""
+    if config.rollout_server.model_path is not None:
+        path = Path(config.rollout_server.model_path)
+        if not (path / "config.json").exists():
+            raise LaunchError(
+                f"rollout_server.model_path {path} is not a Hugging Face model folder (no config.json)"
+            )
+        return path
+    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
+
+    spec = TinySpec(**config.run.tiny_model)
+    base = ensure_tiny_model(_cache_dir() / f"tiny-{_digest(spec.__dict__)}", spec)
+    warmup = config.warmup
+    if warmup.steps == 0:
+        return base
+    from rollwire.rollout.datasets import load_tasks
+    from rollwire.trainer.sft import warm_up
+
+    dataset = config.orchestrator.dataset.model_copy(
+        update={"seed": warmup.seed, "size": warmup.dataset_size}
+    )
+    key = _digest(
+        {
+            "spec": spec.__dict__,
+            "warmup": warmup.model_dump(mode="json"),
+            "dataset": dataset.model_dump(mode="json"),
+            "template": config.orchestrator.prompt_template,
+        }
+    )
+    target = _cache_dir() / f"warm-{key}"
+    if (target / "config.json").exists():
+        return target
+    tasks = load_tasks(dataset)
+    staging = target.with_name(f".{target.name}.{os.getpid()}")
+    warm_up(
+        base,
+        staging,
+        tasks,
+        config.orchestrator.prompt_template,
+        warmup.response_template,
+        warmup.steps,
+        batch_size=warmup.batch_size,
+        learning_rate=warmup.learning_rate,
+        seed=warmup.seed,
+        threads=max(1, os.cpu_count() or 1),
+        progress=progress,
+    )
+    os.replace(staging, target)
+    return target
+
+
+def _digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def start_servers(config: RunConfig, stack: Stack, timeout: float = 120.0) -> RunConfig:
+    """Starts the reward-server, rollout-server and buffer; returns the config with their endpoints."""
+    started = {name: stack.start(name) for name in SERVER_COMMANDS}
+    addresses = {name: stack.wait_ready(service, timeout) for name, service in started.items()}
+    buffer = json.loads(addresses["buffer"])
+    endpoints = config.endpoints.model_copy(
+        update={
+            "reward_servers": [addresses["reward-server"]],
+            "rollout_servers": [addresses["rollout-server"]],
+            "buffer_producer": buffer["producer"],
+            "buffer_trainer": buffer["trainer"],
+        }
+    )
+    return config.model_copy(update={"endpoints": endpoints})
+
+
+def thread_budget(config: RunConfig) -> dict[str, int]:
+    """Threads per process, from the config (each defaults to 1 so two cores are not oversubscribed)."""
+    return {
+        "rollout-server": config.rollout_server.threads,
+        "trainer": config.trainer.threads,
+        "reward-server": 1,
+        "buffer": 1,
+        "orchestrator": 1,
+    }

@@ -1,0 +1,213 @@
+"""`rollwire train` and `rollwire up` on one machine.
+
+rollwire train                 # the built-in default: tiny model, chain_sum, CPU
+rollwire train -c run.yaml     # any configuration
+rollwire up -c run.yaml        # the servers only, until Ctrl-C
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+from rollwire.services.config import RunConfig, write_resolved_config
+from rollwire.services.launcher import (
+    LaunchError,
+    Stack,
+    prepare_model,
+    start_servers,
+    thread_budget,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being written right now
+    return rows
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops a run the way Ctrl-C does: every service is stopped, nothing is orphaned."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
+    run_dir = Path(config.run.output_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("trainer.jsonl", "eval.jsonl", "orchestrator.jsonl"):
+        (run_dir / "metrics" / stale).unlink(missing_ok=True)
+    print(f"run directory: {run_dir}")
+    model = prepare_model(config)
+    print(f"model: {model}")
+    config = config.model_copy(
+        update={
+            "run": config.run.model_copy(update={"output_dir": run_dir}),
+            "rollout_server": config.rollout_server.model_copy(update={"model_path": model}),
+            "trainer": config.trainer.model_copy(update={"model_path": model}),
+        }
+    )
+    return config, run_dir
+
+
+def run_up(config: RunConfig) -> int:
+    """Starts the servers of a run and keeps them up until Ctrl-C."""
+    _stop_on_sigterm()
+    config, run_dir = _prepare(config)
+    stack = Stack(run_dir, write_resolved_config(config, run_dir), thread_budget(config))
+    try:
+        config = start_servers(config, stack)
+        path = write_resolved_config(config, run_dir)
+        print(json.dumps(config.endpoints.model_dump(mode="json"), indent=2))
+        print(f"resolved config with these endpoints: {path}\nCtrl-C stops everything.")
+        while True:
+            stack.check()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0
+    except LaunchError as error:
+        print(f"rollwire up: {error}")
+        return 1
+    finally:
+        stack.stop()
+
+
+def run_train(config: RunConfig) -> int:
+    """Runs training end to end; returns the exit code."""
+    _stop_on_sigterm()
+    started = time.perf_counter()
+    try:
+        config, run_dir = _prepare(config)
+    except (LaunchError, ValueError, OSError) as error:
+        print(f"rollwire train: {error}")
+        return 1
+    stack = Stack(run_dir, write_resolved_config(config, run_dir), thread_budget(config))
+    interrupted = False
+    try:
+        config = start_servers(config, stack)
+        write_resolved_config(config, run_dir)
+        stack.start("trainer", ready=False)
+        stack.start("orchestrator", ready=False)
+        _follow(config, stack, run_dir)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: stopping every service")
+    except LaunchError as error:
+        print(f"\nrollwire train: {error}")
+        return 1
+    finally:
+        stack.stop()
+    summary = summarise(run_dir, time.perf_counter() - started)
+    print(summary)
+    return 130 if interrupted else 0
+
+
+def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
+    """Shows progress until the trainer finishes and the orchestrator's final evaluation is in."""
+    from tqdm import tqdm
+
+    total = config.rl.max_steps
+    bar = tqdm(total=total, desc="training", unit="step", dynamic_ncols=True)
+    trainer = next(s for s in stack.services if s.name == "trainer")
+    orchestrator = next(s for s in stack.services if s.name == "orchestrator")
+    shown = 0
+    try:
+        while True:
+            stack.check(expected_to_finish=("trainer", "orchestrator"))
+            rows = _read_jsonl(run_dir / "metrics" / "trainer.jsonl")
+            evals = _read_jsonl(run_dir / "metrics" / "eval.jsonl")
+            if rows and rows[-1]["step"] > shown:
+                last = rows[-1]
+                bar.update(last["step"] - shown)
+                shown = last["step"]
+                postfix = {
+                    "reward": f"{last['reward_mean']:.2f}",
+                    "staleness": f"{last.get('staleness_mean', 0):.1f}",
+                    "traj/s": f"{last['trajectories_per_second']:.1f}",
+                }
+                if evals:
+                    postfix["eval"] = f"{evals[-1]['eval_reward']:.2f}"
+                bar.set_postfix(postfix)
+            if trainer.process.poll() == 0 and orchestrator.process.poll() is not None:
+                return
+            if trainer.process.poll() == 0 and evals and evals[-1]["policy_version"] >= total:
+                return
+            time.sleep(0.5)
+    finally:
+        bar.close()
+
+
+def summarise(run_dir: Path, seconds: float) -> str:
+    """Writes the reward-curve plot and returns a short report of the run."""
+    rows = _read_jsonl(run_dir / "metrics" / "trainer.jsonl")
+    evals = _read_jsonl(run_dir / "metrics" / "eval.jsonl")
+    lines = [f"wall time {seconds:.0f}s, {len(rows)} steps"]
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(
+            f"held-out eval reward: {first['eval_reward']:.3f} (version {first['policy_version']}) -> "
+            f"{last['eval_reward']:.3f} (version {last['policy_version']})"
+        )
+    if rows:
+        lines.append(
+            f"trainer idle fraction {rows[-1]['trainer_idle_fraction']:.2f}, "
+            f"{rows[-1]['trajectories_per_second']:.1f} trajectories/s"
+        )
+    plot = plot_rewards(run_dir, rows, evals)
+    if plot is not None:
+        lines.append(f"reward curve: {plot}")
+    lines.append(
+        f"metrics: {run_dir / 'metrics'}, logs: {run_dir / 'logs'}, checkpoints: {run_dir / 'checkpoints'}"
+    )
+    return "\n".join(lines)
+
+
+def plot_rewards(run_dir: Path, rows: list[dict], evals: list[dict]) -> Path | None:
+    if not rows and not evals:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axis = plt.subplots(figsize=(7, 4))
+    if rows:
+        axis.plot(
+            [r["step"] for r in rows],
+            [r["reward_mean"] for r in rows],
+            label="training reward (sampled)",
+            alpha=0.6,
+        )
+    if evals:
+        axis.plot(
+            [e["policy_version"] for e in evals],
+            [e["eval_reward"] for e in evals],
+            "o-",
+            label="held-out eval (greedy)",
+        )
+    axis.set_xlabel("policy version (optimizer steps)")
+    axis.set_ylabel("reward")
+    axis.set_ylim(0, 1.05)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    path = run_dir / "reward_curve.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,250 @@
+"""The trainer process: take a batch, step, publish weights, acknowledge, repeat.
+
+    rollwire trainer -c run.yaml
+
+The loop below is the whole of training; everything else is set-up and the
+TrainerService that reports on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc.aio
+
+from rollwire.proto.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from rollwire.rollout.weights import iter_weight_chunks
+from rollwire.services.buffer_client import BufferTrainerClient
+from rollwire.services.client import open_channel, wait_for_serving
+from rollwire.services.config import RunConfig
+from rollwire.services.server import Registration, ServiceRuntime
+from rollwire.trainer.policy import Policy
+
+log = logging.getLogger(__name__)
+
+
+class TrainerState:
+    """What the TrainerService reports, updated by the loop."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.version = 0
+        self.state = "starting"
+        self.trained = 0
+        self.last_checkpoint = ""
+        self.last_metrics: dict[str, float] = {}
+        self.checkpoint_requests: list[asyncio.Future[str]] = []
+        self.stop_requested = False
+
+
+class MetricsLog:
+    """Metrics as JSON lines and, when tensorboard is installed, TensorBoard events."""
+
+    def __init__(self, run_dir: Path) -> None:
+        (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        self._file = (run_dir / "metrics" / "trainer.jsonl").open("a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._board = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:
+            log.warning("tensorboard is not installed; metrics go to JSON lines only")
+            self._board = None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self._file.flush()
+        if self._board is not None:
+            for key, value in metrics.items():
+                self._board.add_scalar(f"train/{key}", value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._board is not None:
+            self._board.close()
+
+
+async def publish(
+    stubs: list[Any], policy: Policy, version: int, chunk_bytes: int, timeout: float = 120.0
+) -> float:
+    """Sends the weights to every rollout-server at once; returns the seconds it took."""
+    started = time.perf_counter()
+    named = policy.named_weights()
+    replies = await asyncio.gather(
+        *(
+            stub.UpdateWeights(iter_weight_chunks(named, version, chunk_bytes), timeout=timeout)
+            for stub in stubs
+        )
+    )
+    assert all(reply.version == version for reply in replies)
+    return time.perf_counter() - started
+
+
+async def train(
+    config: RunConfig,
+    policy: Policy,
+    state: TrainerState,
+    rollout_stubs: list[Any],
+    buffer: BufferTrainerClient,
+) -> None:
+    rl, trainer = config.rl, config.trainer
+    run_dir = Path(config.run.output_dir)
+    metrics_log = MetricsLog(run_dir)
+    idle_seconds, started = 0.0, time.perf_counter()
+    try:
+        while state.step < rl.max_steps and not state.stop_requested:
+            state.state = "waiting_for_batch"
+            waited_from = time.perf_counter()
+            batch = None
+            while batch is None and not state.stop_requested:
+                batch = await asyncio.to_thread(
+                    buffer.get_batch, state.version, rl.groups_per_step, 1.0
+                )
+                if (
+                    batch is None
+                    and time.perf_counter() - waited_from > trainer.batch_timeout_seconds
+                ):
+                    raise TimeoutError(
+                        f"no batch for {trainer.batch_timeout_seconds:g}s at version {state.version}: "
+                        "check that the orchestrator runs and that rl.group_size matches its groups"
+                    )
+            if batch is None:
+                break
+            idle_seconds += time.perf_counter() - waited_from
+            state.state = "training"
+            metrics = await asyncio.to_thread(policy.train_step, batch.trajectories, state.version)
+            state.version += 1
+            state.step += 1
+            state.state = "publishing"
+            metrics["publish_seconds"] = await publish(
+                rollout_stubs, policy, state.version, trainer.weight_chunk_bytes
+            )
+            await asyncio.to_thread(buffer.ack, batch.batch_id, state.version)
+            state.trained += len(batch.trajectories)
+            elapsed = time.perf_counter() - started
+            metrics.update(
+                policy_version=float(state.version),
+                trainer_idle_fraction=idle_seconds / elapsed,
+                trajectories_per_second=state.trained / elapsed,
+                elapsed_seconds=elapsed,
+            )
+            state.last_metrics = metrics
+            metrics_log.write(state.step, metrics)
+            due = trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0
+            if due or state.checkpoint_requests:
+                await checkpoint(policy, state, run_dir)
+        await checkpoint(policy, state, run_dir)
+    finally:
+        metrics_log.close()
+        state.state = "done"
+
+
+async def checkpoint(policy: Policy, state: TrainerState, run_dir: Path) -> str:
+    state.state = "checkpointing"
+    folder = run_dir / "checkpoints" / f"step_{state.step:06d}"
+    path = str(await asyncio.to_thread(policy.save_checkpoint, folder, state.step, state.version))
+    state.last_checkpoint = path
+    log.info("checkpoint written", extra={"path": path, "step": state.step})
+    for request in state.checkpoint_requests:
+        if not request.done():
+            request.set_result(path)
+    state.checkpoint_requests.clear()
+    return path
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, state: TrainerState) -> None:
+        self.state = state
+
+    async def GetStatus(self, request, context) -> trainer_pb2.TrainerStatus:
+        s = self.state
+        return trainer_pb2.TrainerStatus(
+            step=s.step,
+            policy_version=s.version,
+            state=s.state,
+            trained_trajectories=s.trained,
+            last_checkpoint=s.last_checkpoint,
+            last_metrics=s.last_metrics,
+        )
+
+    async def GetVersion(self, request, context) -> trainer_pb2.VersionResponse:
+        return trainer_pb2.VersionResponse(policy_version=self.state.version)
+
+    async def Checkpoint(self, request, context) -> trainer_pb2.CheckpointResponse:
+        if self.state.state in ("done", "stopping"):
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the trainer is stopping; its last checkpoint is in GetStatus",
+            )
+        future = asyncio.get_running_loop().create_future()
+        self.state.checkpoint_requests.append(future)
+        path = await asyncio.wait_for(future, timeout=context.time_remaining() or 600)
+        return trainer_pb2.CheckpointResponse(
+            path=path, step=self.state.step, policy_version=self.state.version
+        )
+
+
+async def run(config: RunConfig, model_path: Path) -> int:
+    endpoints = config.endpoints
+    if endpoints.buffer_trainer is None or not endpoints.rollout_servers:
+        raise ValueError("the trainer needs endpoints.buffer_trainer and endpoints.rollout_servers")
+    state = TrainerState()
+    runtime = ServiceRuntime("trainer", config.trainer.server)
+    await runtime.start(
+        [
+            Registration(
+                trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
+                TrainerServicer(state),
+                "rollwire.v1.TrainerService",
+            )
+        ]
+    )
+    channels = [open_channel(address, config.client) for address in endpoints.rollout_servers]
+    buffer = BufferTrainerClient(endpoints.buffer_trainer)
+    try:
+        for address, channel in zip(endpoints.rollout_servers, channels, strict=True):
+            await wait_for_serving(
+                channel, timeout=config.client.connect_timeout_seconds, target=address
+            )
+        policy = await asyncio.to_thread(Policy, model_path, config.trainer, config.rl)
+        stubs = [rollout_pb2_grpc.RolloutServiceStub(channel) for channel in channels]
+        loop = asyncio.get_running_loop()
+
+        def request_stop() -> None:
+            state.stop_requested = True
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, request_stop)
+        await train(config, policy, state, stubs, buffer)
+        log.info("training finished", extra={"steps": state.step, "policy_version": state.version})
+        return 0
+    finally:
+        buffer.close()
+        for channel in channels:
+            await channel.close()
+        await runtime.stop(grace=1)
+
+
+def run_trainer(config: RunConfig) -> int:
+    """`rollwire trainer`: train until rl.max_steps (or SIGTERM), checkpoint, exit 0."""
+    from rollwire.rollout.server import default_model_path
+    from rollwire.services.telemetry import configure_logging
+
+    configure_logging("trainer", config.telemetry.log_level, config.telemetry.log_format)
+    model_path = config.trainer.model_path or default_model_path()
+    try:
+        return asyncio.run(run(config, Path(model_path)))
+    except (OSError, ValueError, TimeoutError, grpc.aio.AioRpcError) as error:
+        detail = (
+            f"{error.code().name}: {error.details()}"
+            if isinstance(error, grpc.aio.AioRpcError)
+            else str(error)
+        )
+        log.error("trainer stopped: %s", detail)
+        return 1

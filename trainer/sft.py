@@ -1,0 +1,96 @@
+"""Supervised warm-up: teach a fresh model the answer format before RL.
+
+A randomly initialised model never produces a correct answer, so RL on it has
+no signal. A short supervised stage on (prompt, reference answer) pairs gives
+it a starting accuracy that RL can then improve; the stage is kept short on
+purpose so there is something left to improve.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rollwire.rollout.datasets import Task
+
+log = logging.getLogger(__name__)
+
+
+def warm_up(
+    model_path: Path,
+    output_path: Path,
+    tasks: Sequence[Task],
+    prompt_template: str,
+    response_template: str,
+    steps: int,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    seed: int = 0,
+    threads: int = 1,
+    progress: bool = True,
+) -> Path:
+    """Trains on prompt -> response_template.format(answer=...) + eos; loss on the response only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollwire.rollout.tiny import quiet_transformers
+
+    quiet_transformers()
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 20) * max(0.0, 1 - step / steps)
+    )
+    rng = random.Random(seed)
+    pad = int(tokenizer.pad_token_id)
+    eos = int(tokenizer.eos_token_id)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc="warm-up (supervised)", unit="step", leave=False)
+    started = time.perf_counter()
+    for _step in range(steps):
+        rows = []
+        for task in rng.sample(tasks, batch_size):
+            prompt = tokenizer(task.prompt(prompt_template), add_special_tokens=False)["input_ids"]
+            response = tokenizer(
+                response_template.format(answer=task.reference), add_special_tokens=False
+            )["input_ids"] + [eos]
+            rows.append((prompt, response))
+        length = max(len(p) + len(r) for p, r in rows)
+        ids = torch.full((batch_size, length), pad, dtype=torch.long)
+        labels = torch.full((batch_size, length), -100, dtype=torch.long)
+        attention = torch.zeros((batch_size, length), dtype=torch.long)
+        for row, (prompt, response) in enumerate(rows):
+            sequence = prompt + response
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            attention[row, : len(sequence)] = 1
+            labels[row, len(prompt) : len(sequence)] = torch.tensor(response)
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    if bar is not None:
+        bar.close()
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_path)
+    tokenizer.save_pretrained(output_path)
+    log.info(
+        "warm-up finished",
+        extra={"steps": steps, "seconds": round(time.perf_counter() - started, 1)},
+    )
+    return output_path
