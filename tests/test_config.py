@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -170,3 +171,10 @@ def test_switching_a_pluggable_part_drops_the_old_kinds_settings(tmp_path) -> No
     path = tmp_path / "run.yaml"
     path.write_text("orchestrator:\n  dataset:\n    type: file\n    path: /d.parquet\n")
     assert load_config(path, environ={}).orchestrator.dataset.domain == "math"
+
+
+@pytest.mark.parametrize(
+    "example", sorted(str(p) for p in (Path(__file__).parent.parent / "examples").glob("*.yaml"))
+)
+def test_examples_are_valid_configs(example: str) -> None:
+    load_config(example, environ={})

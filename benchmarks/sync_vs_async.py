@@ -1,0 +1,88 @@
+"""The same run in synchronous and asynchronous mode, side by side.
+
+    .venv/bin/python benchmarks/sync_vs_async.py [--set key=value ...]
+
+Runs `rollwire train` twice (rl.mode=sync, then rl.mode=async), each with a
+fresh run directory, and prints wall time, trajectories/s, the fraction of
+time the trainer sat idle waiting for data, and the held-out eval reward.
+Extra `--set` options apply to both runs (e.g. --set rl.max_steps=50).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run(mode: str, overrides: list[str], root: Path, config: str | None) -> dict[str, float]:
+    run_dir = root / mode
+    command = [
+        sys.executable,
+        "-m",
+        "rollwire.services.cli",
+        "train",
+        "--set",
+        f"run.output_dir={run_dir}",
+        "--set",
+        f"rl.mode={mode}",
+    ]
+    if config:
+        command += ["-c", config]
+    for item in overrides:
+        command += ["--set", item]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"{mode} run failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    steps = [
+        json.loads(line)
+        for line in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines()
+    ]
+    evals = [
+        json.loads(line) for line in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()
+    ]
+    return {
+        "wall_seconds": wall,
+        "training_seconds": steps[-1]["elapsed_seconds"],
+        "trajectories_per_second": steps[-1]["trajectories_per_second"],
+        "trainer_idle_fraction": steps[-1]["trainer_idle_fraction"],
+        "eval_start": evals[0]["eval_reward"],
+        "eval_end": evals[-1]["eval_reward"],
+        "staleness_mean": sum(s.get("staleness_mean", 0) for s in steps) / len(steps),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-c", "--config", help="run configuration for both runs")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rollwire-bench-") as root:
+        results = {
+            mode: run(mode, args.overrides, Path(root), args.config) for mode in ("sync", "async")
+        }
+    sync, asynchronous = results["sync"], results["async"]
+    print(f"{'':<26}{'sync':>10}{'async':>10}{'async/sync':>12}")
+    for key, fmt in (
+        ("wall_seconds", "{:.1f}"),
+        ("training_seconds", "{:.1f}"),
+        ("trajectories_per_second", "{:.1f}"),
+        ("trainer_idle_fraction", "{:.2f}"),
+        ("staleness_mean", "{:.2f}"),
+        ("eval_start", "{:.3f}"),
+        ("eval_end", "{:.3f}"),
+    ):
+        ratio = asynchronous[key] / sync[key] if sync[key] else float("nan")
+        print(
+            f"{key:<26}{fmt.format(sync[key]):>10}{fmt.format(asynchronous[key]):>10}{ratio:>11.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""`rollwire train` through every real process: a few asynchronous steps, then a clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+SHORT_RUN = [
+    "--set",
+    "rl.max_steps=4",
+    "--set",
+    "rl.groups_per_step=4",
+    "--set",
+    "rl.group_size=4",
+    "--set",
+    "rl.max_staleness=1",
+    "--set",
+    "warmup.steps=20",
+    "--set",
+    "orchestrator.eval_every=2",
+    "--set",
+    "orchestrator.eval_dataset.size=16",
+    "--set",
+    "run.tiny_model={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2}",
+]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains `text` (the run's unique folder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "rollwire.services.cli",
+        "train",
+        "--set",
+        f"run.output_dir={run_dir}",
+        *SHORT_RUN,
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=540, env=env, start_new_session=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "held-out eval reward" in result.stdout
+
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    # The staleness bound held on every trained token.
+    assert max(s["staleness_max"] for s in steps) <= 1
+    assert [s["policy_version"] for s in steps] == [1.0, 2.0, 3.0, 4.0]
+
+    # Weights reached the rollout-server at every version.
+    rollout_log = [
+        json.loads(line)
+        for line in (run_dir / "logs" / "rollout-server.log").read_text().splitlines()
+        if line.startswith("{")
+    ]
+    assert [e["version"] for e in rollout_log if e["msg"] == "weights updated"] == [1, 2, 3, 4]
+
+    # Trajectories flowed through the buffer: at least the 4 x 4 x 4 that were trained.
+    buffer_log = [
+        json.loads(line)
+        for line in (run_dir / "logs" / "buffer.log").read_text().splitlines()
+        if line.startswith("{")
+    ]
+    (stopped,) = [e for e in buffer_log if e["msg"] == "stopped"]
+    assert stopped["status"]["served_trajectories"] == 64 and stopped["status"]["accepted"] >= 64
+
+    evals = jsonl(run_dir / "metrics" / "eval.jsonl")
+    assert evals[0]["policy_version"] == 0 and evals[-1]["policy_version"] == 4
+    checkpoint = run_dir / "checkpoints" / "step_000004"
+    assert (checkpoint / "model.safetensors").exists() and (
+        checkpoint / "trainer_state.pt"
+    ).exists()
+    assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["endpoints"][
+        "rollout_servers"
+    ]
+
+    # Every process of the run has exited.
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_checkpoint_loads_with_from_pretrained(tmp_path) -> None:
+    """A trainer checkpoint is a Hugging Face folder: the model and tokenizer load as they are."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.config import RLSection, TrainerConfig
+    from rollwire.trainer.policy import Policy
+
+    base = ensure_tiny_model(
+        tmp_path / "tiny", TinySpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    )
+    policy = Policy(base, TrainerConfig(), RLSection(group_size=2))
+    folder = policy.save_checkpoint(tmp_path / "ckpt", step=3, version=3)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.decode(tokenizer("12 + 3 =")["input_ids"]) == "12 + 3 ="
+    import torch
+
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            model.state_dict().values(), policy.model.state_dict().values(), strict=True
+        )
+    )
+
+
+def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -> None:
+    import numpy as np
+    import torch
+
+    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.config import RLSection, TrainerConfig
+    from rollwire.services.wire import Trajectory
+    from rollwire.trainer.policy import Policy, collate
+
+    base = ensure_tiny_model(
+        tmp_path / "tiny", TinySpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    )
+    policy = Policy(base, TrainerConfig(learning_rate=1e-2), RLSection(group_size=2))
+    prompt, good, bad = [20, 3, 14, 3, 21, 3, 32], [99, 22, 100, 1], [99, 23, 100, 1]
+
+    def sequence_logprob(response: list[int]) -> float:
+        batch = collate([make(response, 0.0)], policy.pad_token_id)
+        with torch.no_grad():
+            logprobs = policy._logprobs(policy.model, batch, slice(0, 1))
+        return float((logprobs * batch.mask).sum())
+
+    def make(response: list[int], reward: float) -> Trajectory:
+        ids = np.array(prompt + response, np.int32)
+        mask = np.array([0] * len(prompt) + [1] * len(response), np.uint8)
+        return Trajectory(
+            trajectory_id=str(response),
+            group_id="g",
+            task_id="g",
+            sample_index=int(reward),
+            prompt_ordinal=0,
+            source="test",
+            domain="test",
+            token_ids=ids,
+            loss_mask=mask,
+            behaviour_logprobs=np.zeros(len(ids), np.float32),
+            policy_versions=np.where(mask == 1, 0, -1).astype(np.int64),
+            reward=reward,
+        )
+
+    def on_policy(trajectory: Trajectory) -> Trajectory:
+        batch = collate([trajectory], policy.pad_token_id)
+        with torch.no_grad():
+            logprobs = policy._logprobs(policy.model, batch, slice(0, 1))[0].numpy()
+        trajectory.behaviour_logprobs = (
+            np.concatenate([[0.0], logprobs]).astype(np.float32) * trajectory.loss_mask
+        )
+        return trajectory
+
+    before_good, before_bad = sequence_logprob(good), sequence_logprob(bad)
+    for version in range(5):
+        metrics = policy.train_step(
+            [on_policy(make(bad, 0.0)), on_policy(make(good, 1.0))], version
+        )
+    assert metrics["sequences_with_signal"] == 2 and metrics["ratio_mean"] == pytest.approx(
+        1.0, abs=1e-4
+    )
+    assert sequence_logprob(good) > before_good + 0.5
+    assert sequence_logprob(bad) < before_bad - 0.5
+    # A group whose rewards are all equal carries no signal and changes nothing.
+    frozen = {n: p.clone() for n, p in policy.model.named_parameters()}
+    assert policy.train_step([make(good, 1.0), make(bad, 1.0)], 5)["sequences_with_signal"] == 0
+    assert all(torch.equal(p, frozen[n]) for n, p in policy.model.named_parameters())
