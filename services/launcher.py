@@ -176,6 +176,7 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
         seed=warmup.seed,
         threads=max(1, os.cpu_count() or 1),
         progress=progress,
+        off_by_one_rate=warmup.off_by_one_rate,
     )
     os.replace(staging, target)
     return target

@@ -178,3 +178,8 @@ def test_switching_a_pluggable_part_drops_the_old_kinds_settings(tmp_path) -> No
 )
 def test_examples_are_valid_configs(example: str) -> None:
     load_config(example, environ={})
+
+
+def test_the_default_example_is_the_default() -> None:
+    example = load_config(Path(__file__).parent.parent / "examples" / "default.yaml", environ={})
+    assert example == load_config(environ={})

@@ -21,6 +21,10 @@ from rollwire.rollout.datasets import Task
 log = logging.getLogger(__name__)
 
 
+def _is_int(text: str) -> bool:
+    return text.lstrip("-").isdigit()
+
+
 def warm_up(
     model_path: Path,
     output_path: Path,
@@ -33,6 +37,7 @@ def warm_up(
     seed: int = 0,
     threads: int = 1,
     progress: bool = True,
+    off_by_one_rate: float = 0.0,
 ) -> Path:
     """Trains on prompt -> response_template.format(answer=...) + eos; loss on the response only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,9 +67,11 @@ def warm_up(
         rows = []
         for task in rng.sample(tasks, batch_size):
             prompt = tokenizer(task.prompt(prompt_template), add_special_tokens=False)["input_ids"]
-            response = tokenizer(
-                response_template.format(answer=task.reference), add_special_tokens=False
-            )["input_ids"] + [eos]
+            answer = task.reference
+            if off_by_one_rate and rng.random() < off_by_one_rate and _is_int(answer):
+                answer = str(int(answer) + 1)
+            text = response_template.format(answer=answer)
+            response = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
             rows.append((prompt, response))
         length = max(len(p) + len(r) for p, r in rows)
         ids = torch.full((batch_size, length), pad, dtype=torch.long)

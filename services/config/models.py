@@ -300,14 +300,14 @@ class OrchestratorConfig(StrictModel):
     """Where training prompts come from."""
     eval_dataset: DatasetConfig | None = ReasoningGymDataset(seed=10_000, size=200)
     """Held-out prompts, scored greedily; None disables evaluation."""
-    eval_every: int = Field(10, ge=1)
+    eval_every: int = Field(20, ge=1)
     """Policy versions between evaluations (also at the start and the end)."""
     prompt_template: str = "{expression} ="
     """Python format string over the task's fields (`question` and its metadata keys; chain_sum
     has `expression`)."""
     use_chat_template: bool = False
     """Wrap the prompt in the tokenizer's chat template as one user turn."""
-    max_new_tokens: int = Field(12, ge=1)
+    max_new_tokens: int = Field(10, ge=1)
     """Longest response."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling; keep 1 for RL so behaviour logprobs are of the full softmax."""
@@ -344,7 +344,7 @@ class RLSection(StrictModel):
     """With trainer version v, no token generated before version v - max_staleness is trained on."""
     group_size: int = Field(8, ge=1)
     """Responses sampled per prompt (the group of group-relative advantages)."""
-    groups_per_step: int = Field(16, ge=1)
+    groups_per_step: int = Field(32, ge=1)
     """Prompts (groups) per optimizer step."""
     max_steps: int = Field(100, ge=1)
     """Optimizer steps in the run."""
@@ -360,7 +360,7 @@ class RLSection(StrictModel):
 class WarmupConfig(StrictModel):
     """A short supervised stage before RL, on the training dataset with another seed."""
 
-    steps: int = Field(0, ge=0)
+    steps: int = Field(300, ge=0)
     """Optimizer steps; 0 skips the stage."""
     batch_size: int = Field(64, ge=1)
     """Examples per step."""
@@ -372,6 +372,10 @@ class WarmupConfig(StrictModel):
     """Dataset seed of the warm-up examples (keep it apart from the evaluation seed)."""
     dataset_size: int = Field(20_000, ge=1)
     """Examples generated for the stage."""
+    off_by_one_rate: float = Field(0.6, ge=0, le=1)
+    """Fraction of integer answers taught as reference + 1: a deliberately flawed
+    starting point, like a model tuned on noisy demonstrations, whose systematic
+    mistake the reward can reveal and RL can undo."""
 
 
 class RunSection(StrictModel):
