@@ -249,12 +249,12 @@ class HFEngine:
             input_ids[row, longest - len(pending.prompt_ids) :] = torch.tensor(pending.prompt_ids)
             attention[row, longest - len(pending.prompt_ids) :] = 1
         specs = [p.spec for p in batch]
-        generators = []
+        generators: list[torch.Generator | None] = []
         for pending in batch:
-            generator = torch.Generator()
-            generator.manual_seed(
-                pending.spec.seed if pending.spec.seed is not None else int(torch.seed())
-            )
+            generator = None
+            if pending.spec.seed is not None:
+                generator = torch.Generator()
+                generator.manual_seed(pending.spec.seed)
             generators.append(generator)
         outputs: list[list[int]] = [[] for _ in batch]
         logprobs: list[list[float]] = [[] for _ in batch]

@@ -55,16 +55,22 @@ def processed_logprobs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch
 
 
 def sample_next(
-    logits: torch.Tensor, specs: list[SamplingSpec], generators: list[torch.Generator]
+    logits: torch.Tensor, specs: list[SamplingSpec], generators: list[torch.Generator | None]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draws one token per row; returns (tokens [B], their logprobs [B])."""
+    """Draws one token per row; returns (tokens [B], their logprobs [B]).
+
+    Rows with a seed draw from their own generator (reproducible); the others
+    are drawn together in one call.
+    """
     logprobs = processed_logprobs(logits, specs)
-    tokens = torch.empty(len(specs), dtype=torch.long)
+    tokens = logprobs.argmax(dim=1)
+    sampled = [row for row, spec in enumerate(specs) if spec.temperature > 0]
+    shared = [row for row in sampled if generators[row] is None]
     probs = logprobs.exp()
-    for row, (spec, generator) in enumerate(zip(specs, generators, strict=True)):
-        if spec.temperature <= 0:
-            tokens[row] = int(logprobs[row].argmax())
-        else:
-            tokens[row] = int(torch.multinomial(probs[row], 1, generator=generator))
+    if shared:
+        tokens[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
+    for row in sampled:
+        if generators[row] is not None:
+            tokens[row] = int(torch.multinomial(probs[row], 1, generator=generators[row]))
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return tokens, chosen
