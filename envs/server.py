@@ -22,7 +22,7 @@ from rollwire.envs.base import Env, InvalidAction
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
 from rollwire.services.config import EnvServerConfig
 from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration
+from rollwire.services.server import Registration, reject
 from rollwire.services.structs import from_struct, to_struct
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,7 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
     async def _reject(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
     ) -> None:
-        COUNTERS.inc("env_rejected", reason=reason)
-        await context.abort(code, message)
+        await reject(context, "env", code, reason, message)
 
     def _sweep(self, force: bool = False) -> None:
         """Closes sessions idle past the limit; runs at most every few seconds unless forced."""

@@ -20,7 +20,7 @@ from rollwire.reward.pool import ScorerFailed, ScoringPool
 from rollwire.reward.scorers import ScoreInput, scorer_table
 from rollwire.services.config import RewardServerConfig
 from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration
+from rollwire.services.server import Registration, reject
 from rollwire.services.structs import from_struct
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def _reject(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
     ) -> None:
-        COUNTERS.inc("reward_rejected", reason=reason)
-        await context.abort(code, message)
+        await reject(context, "reward", code, reason, message)
 
     async def ListScorers(
         self, request: reward_pb2.ListScorersRequest, context: grpc.aio.ServicerContext

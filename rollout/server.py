@@ -16,7 +16,7 @@ from rollwire.rollout.sampling import SamplingSpec
 from rollwire.rollout.weights import WeightAssembler, WeightStreamError
 from rollwire.services.config import RolloutServerConfig
 from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration
+from rollwire.services.server import Registration, reject
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
@@ -54,8 +54,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def _reject(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
     ) -> None:
-        COUNTERS.inc("rollout_rejected", reason=reason)
-        await context.abort(code, message)
+        await reject(context, "rollout", code, reason, message)
 
     async def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -55,6 +55,21 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+async def reject(
+    context: grpc.aio.ServicerContext,
+    service: str,
+    code: grpc.StatusCode,
+    reason: str,
+    message: str,
+) -> None:
+    """Refuses a call: counts `<service>_rejected{reason}` and aborts with `code` and `message`.
+
+    Raises (as `context.abort` does), so code after it runs only for good input.
+    """
+    COUNTERS.inc(f"{service}_rejected", reason=reason)
+    await context.abort(code, message)
+
+
 def _connectable_host(host: str) -> str:
     """The host a local client should dial for a server bound to `host`."""
     return {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
