@@ -91,21 +91,36 @@ class Orchestrator:
                 COUNTERS.inc("orchestrator_retries", call=what)
                 await asyncio.sleep(0.2 * attempt)
 
-    async def generate(
-        self, prompt_ids: list[int], temperature: float, seed: int | None = None
-    ) -> rollout_pb2.GenerateResponse:
-        sampling = rollout_pb2.SamplingParams(
+    def _sampling(self, temperature: float) -> rollout_pb2.SamplingParams:
+        return rollout_pb2.SamplingParams(
             temperature=temperature,
             top_p=self.settings.top_p,
             max_new_tokens=self.settings.max_new_tokens,
             stop_token_ids=[self.eos],
-            seed=seed,
         )
+
+    async def generate(
+        self, prompt_ids: list[int], temperature: float
+    ) -> rollout_pb2.GenerateResponse:
         request = rollout_pb2.GenerateRequest(
-            request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling=sampling
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt_ids,
+            sampling=self._sampling(temperature),
         )
         stub = self.rollout[next(self._next_rollout)]
         return await self._with_retries(lambda: stub.Generate(request), "generate")
+
+    async def generate_group(self, prompt_ids: list[int]) -> list[rollout_pb2.GenerateResponse]:
+        """`rl.group_size` samples of one prompt, in one call, batched on one rollout-server."""
+        request = rollout_pb2.GenerateGroupRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt_ids,
+            sampling=self._sampling(self.rl.temperature),
+            num_samples=self.rl.group_size,
+        )
+        stub = self.rollout[next(self._next_rollout)]
+        reply = await self._with_retries(lambda: stub.GenerateGroup(request), "generate")
+        return list(reply.samples)
 
     async def score(self, task: Task, responses: list[str]) -> list[reward_pb2.ScoreResult]:
         items = [
@@ -128,9 +143,7 @@ class Orchestrator:
     async def run_group(self, task: Task) -> None:
         started = time.perf_counter()
         prompt_ids = self.encode_prompt(task)
-        outputs = await asyncio.gather(
-            *(self.generate(prompt_ids, self.rl.temperature) for _ in range(self.rl.group_size))
-        )
+        outputs = await self.generate_group(prompt_ids)
         generated = time.perf_counter()
         texts = [self.decode(list(o.token_ids)) for o in outputs]
         scores = await self.score(task, texts)
@@ -266,7 +279,9 @@ class Orchestrator:
                     log.error("group failed: %s", finished.exception())
                 else:
                     self.completed += 1
-            await self.refresh_version()
+            # Acks carry the trainer version; ask the buffer only when that is all we wait for.
+            if self.launched >= capacity or not running:
+                await self.refresh_version()
             if time.perf_counter() - last_report > 5:
                 last_report = time.perf_counter()
                 self._report(started)

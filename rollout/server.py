@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -56,17 +57,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> None:
         await reject(context, "rollout", code, reason, message)
 
-    async def Generate(
-        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    async def _generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        spec: SamplingSpec,
+        context: grpc.aio.ServicerContext,
     ) -> rollout_pb2.GenerateResponse:
         if not self._started:
-            await self.engine.start()
             self._started = True
-        spec = sampling_spec(request.sampling)
+            await self.engine.start()
         try:
-            result = await self.engine.generate(
-                request.request_id, list(request.prompt_token_ids), spec
-            )
+            result = await self.engine.generate(request_id, prompt, spec)
         except ContextTooLong as error:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "context", str(error))
         except RequestError as error:
@@ -75,7 +77,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "shutting_down", str(error))
         COUNTERS.inc("rollout_generated_tokens", amount=len(result.token_ids))
         return rollout_pb2.GenerateResponse(
-            request_id=request.request_id,
+            request_id=request_id,
             token_ids=result.token_ids,
             logprobs=result.logprobs,
             policy_versions=result.policy_versions,
@@ -84,6 +86,33 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             queue_seconds=result.queue_seconds,
             generate_seconds=result.generate_seconds,
         )
+
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateResponse:
+        spec = sampling_spec(request.sampling)
+        return await self._generate(
+            request.request_id, list(request.prompt_token_ids), spec, context
+        )
+
+    async def GenerateGroup(
+        self, request: rollout_pb2.GenerateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateGroupResponse:
+        if not 1 <= request.num_samples <= 1024:
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "bad_request",
+                "num_samples must lie in [1, 1024]",
+            )
+        prompt, spec = list(request.prompt_token_ids), sampling_spec(request.sampling)
+        samples = await asyncio.gather(
+            *(
+                self._generate(f"{request.request_id}/{i}", prompt, spec, context)
+                for i in range(request.num_samples)
+            )
+        )
+        return rollout_pb2.GenerateGroupResponse(samples=samples)
 
     async def Abort(
         self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -343,3 +343,29 @@ def test_rollout_server_process(spawn, tmp_path, tiny_model_path) -> None:
         "no Hugging Face model at" in missing.stderr
         and "rollout_server.model_path" in missing.stderr
     )
+
+
+@pytest.mark.integration
+async def test_generate_group_samples_a_prompt_n_times(rollout_stub) -> None:
+    stub, engine = rollout_stub
+    params = rollout_pb2.SamplingParams(temperature=1.0, max_new_tokens=5)
+    reply = await stub.GenerateGroup(
+        rollout_pb2.GenerateGroupRequest(
+            request_id="g", prompt_token_ids=[5, 6], sampling=params, num_samples=6
+        )
+    )
+    assert [s.request_id for s in reply.samples] == [f"g/{i}" for i in range(6)]
+    assert all(len(s.token_ids) == len(s.logprobs) == 5 for s in reply.samples)
+    assert len({tuple(s.token_ids) for s in reply.samples}) > 1  # independent samples, not copies
+    for sample in reply.samples:
+        assert list(sample.logprobs) == pytest.approx(
+            reference_logprobs(engine.model, [5, 6], list(sample.token_ids)), abs=1e-4
+        )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.GenerateGroup(
+            rollout_pb2.GenerateGroupRequest(request_id="z", prompt_token_ids=[5], sampling=params)
+        )
+    assert (
+        caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        and "num_samples" in caught.value.details()
+    )

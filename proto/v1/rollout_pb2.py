@@ -24,33 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollwire/proto/v1/rollout.proto\x12\x0brollwire.v1\"\x8f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"n\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.rollwire.v1.SamplingParams\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x03\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rollwire.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x15\n\rqueue_seconds\x18\x07 \x01(\x01\x12\x18\n\x10generate_seconds\x18\x08 \x01(\x01\"0\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"}\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\"h\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\x0f\n\x07tensors\x18\x03 \x01(\x05\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\"\x16\n\x14RolloutStatusRequest\"\x94\x01\n\rRolloutStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x05 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb6\x02\n\x0eRolloutService\x12G\n\x08Generate\x12\x1c.rollwire.v1.GenerateRequest\x1a\x1d.rollwire.v1.GenerateResponse\x12>\n\x05\x41\x62ort\x12\x19.rollwire.v1.AbortRequest\x1a\x1a.rollwire.v1.AbortResponse\x12O\n\rUpdateWeights\x12\x18.rollwire.v1.WeightChunk\x1a\".rollwire.v1.UpdateWeightsResponse(\x01\x12J\n\tGetStatus\x12!.rollwire.v1.RolloutStatusRequest\x1a\x1a.rollwire.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollwire/proto/v1/rollout.proto\x12\x0brollwire.v1\"\x8f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"n\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.rollwire.v1.SamplingParams\"\x88\x01\n\x14GenerateGroupRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.rollwire.v1.SamplingParams\x12\x13\n\x0bnum_samples\x18\x04 \x01(\x05\"G\n\x15GenerateGroupResponse\x12.\n\x07samples\x18\x01 \x03(\x0b\x32\x1d.rollwire.v1.GenerateResponse\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x03\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.rollwire.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x15\n\rqueue_seconds\x18\x07 \x01(\x01\x12\x18\n\x10generate_seconds\x18\x08 \x01(\x01\"0\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x05\"}\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\"h\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\x0f\n\x07tensors\x18\x03 \x01(\x05\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\"\x16\n\x14RolloutStatusRequest\"\x94\x01\n\rRolloutStatus\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x05 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8e\x03\n\x0eRolloutService\x12G\n\x08Generate\x12\x1c.rollwire.v1.GenerateRequest\x1a\x1d.rollwire.v1.GenerateResponse\x12V\n\rGenerateGroup\x12!.rollwire.v1.GenerateGroupRequest\x1a\".rollwire.v1.GenerateGroupResponse\x12>\n\x05\x41\x62ort\x12\x19.rollwire.v1.AbortRequest\x1a\x1a.rollwire.v1.AbortResponse\x12O\n\rUpdateWeights\x12\x18.rollwire.v1.WeightChunk\x1a\".rollwire.v1.UpdateWeightsResponse(\x01\x12J\n\tGetStatus\x12!.rollwire.v1.RolloutStatusRequest\x1a\x1a.rollwire.v1.RolloutStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollwire.proto.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1024
-  _globals['_FINISHREASON']._serialized_end=1144
+  _globals['_FINISHREASON']._serialized_start=1236
+  _globals['_FINISHREASON']._serialized_end=1356
   _globals['_SAMPLINGPARAMS']._serialized_start=49
   _globals['_SAMPLINGPARAMS']._serialized_end=192
   _globals['_GENERATEREQUEST']._serialized_start=194
   _globals['_GENERATEREQUEST']._serialized_end=304
-  _globals['_GENERATERESPONSE']._serialized_start=307
-  _globals['_GENERATERESPONSE']._serialized_end=530
-  _globals['_ABORTREQUEST']._serialized_start=532
-  _globals['_ABORTREQUEST']._serialized_end=580
-  _globals['_ABORTRESPONSE']._serialized_start=582
-  _globals['_ABORTRESPONSE']._serialized_end=614
-  _globals['_WEIGHTCHUNK']._serialized_start=616
-  _globals['_WEIGHTCHUNK']._serialized_end=741
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=743
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=847
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=849
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=871
-  _globals['_ROLLOUTSTATUS']._serialized_start=874
-  _globals['_ROLLOUTSTATUS']._serialized_end=1022
-  _globals['_ROLLOUTSERVICE']._serialized_start=1147
-  _globals['_ROLLOUTSERVICE']._serialized_end=1457
+  _globals['_GENERATEGROUPREQUEST']._serialized_start=307
+  _globals['_GENERATEGROUPREQUEST']._serialized_end=443
+  _globals['_GENERATEGROUPRESPONSE']._serialized_start=445
+  _globals['_GENERATEGROUPRESPONSE']._serialized_end=516
+  _globals['_GENERATERESPONSE']._serialized_start=519
+  _globals['_GENERATERESPONSE']._serialized_end=742
+  _globals['_ABORTREQUEST']._serialized_start=744
+  _globals['_ABORTREQUEST']._serialized_end=792
+  _globals['_ABORTRESPONSE']._serialized_start=794
+  _globals['_ABORTRESPONSE']._serialized_end=826
+  _globals['_WEIGHTCHUNK']._serialized_start=828
+  _globals['_WEIGHTCHUNK']._serialized_end=953
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=955
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1059
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=1061
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=1083
+  _globals['_ROLLOUTSTATUS']._serialized_start=1086
+  _globals['_ROLLOUTSTATUS']._serialized_end=1234
+  _globals['_ROLLOUTSERVICE']._serialized_start=1359
+  _globals['_ROLLOUTSERVICE']._serialized_end=1757
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,24 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
+class GenerateGroupRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "num_samples")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    num_samples: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ...) -> None: ...
+
+class GenerateGroupResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    def __init__(self, samples: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "policy_versions", "finish_reason", "policy_version", "queue_seconds", "generate_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

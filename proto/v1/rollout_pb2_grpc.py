@@ -39,6 +39,11 @@ class RolloutServiceStub:
                 request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateGroup = channel.unary_unary(
+                '/rollwire.v1.RolloutService/GenerateGroup',
+                request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateGroupRequest.SerializeToString,
+                response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateGroupResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/rollwire.v1.RolloutService/Abort',
                 request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.AbortRequest.SerializeToString,
@@ -64,6 +69,16 @@ class RolloutServiceServicer:
         empty prompt, out-of-vocabulary ids or bad sampling parameters;
         RESOURCE_EXHAUSTED when the prompt plus max_new_tokens exceeds the
         engine's context; UNAVAILABLE while the server is shutting down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateGroup(self, request, context):
+        """Samples `num_samples` continuations of one prompt (a GRPO group) in one
+        call; they are batched together on the engine. Sample i can be aborted
+        as "<request_id>/<i>". Same errors as Generate; INVALID_ARGUMENT for
+        num_samples outside [1, 1024].
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -101,6 +116,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateGroup,
+                    request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateGroupRequest.FromString,
+                    response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateGroupResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -145,6 +165,33 @@ class RolloutService:
             '/rollwire.v1.RolloutService/Generate',
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.RolloutService/GenerateGroup',
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateGroupRequest.SerializeToString,
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
