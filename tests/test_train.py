@@ -230,3 +230,51 @@ def test_default_run_learns(tmp_path) -> None:
     assert evals[-1]["policy_version"] == 40
     # Measured 0.155 -> 0.465 by version 20 in the default run; the margin here is wide.
     assert end >= 1.5 * start and end >= start + 0.1, f"eval reward {start:.3f} -> {end:.3f}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_service_that_fails_stops_the_run_with_its_log(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "rollwire.services.cli",
+        "train",
+        "--set",
+        f"run.output_dir={run_dir}",
+        *SHORT_RUN,
+        "--set",
+        "orchestrator.eval_dataset.name=no_such_task",
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=240, env=env, start_new_session=True
+    )
+    assert result.returncode == 1
+    assert "orchestrator exited with code 1" in result.stdout
+    assert "reasoning-gym dataset 'no_such_task'" in result.stdout  # the tail of its log is shown
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.multiproc
+def test_a_missing_model_path_is_named(tmp_path) -> None:
+    missing = tmp_path / "nowhere"
+    command = [
+        sys.executable,
+        "-m",
+        "rollwire.services.cli",
+        "train",
+        "--set",
+        f"run.output_dir={tmp_path / 'run'}",
+        "--set",
+        f"rollout_server.model_path={missing}",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert (
+        f"rollout_server.model_path {missing} is not a Hugging Face model folder" in result.stdout
+    )
