@@ -13,21 +13,13 @@ import pytest
 import yaml
 
 SHORT_RUN = [
-    "--set",
     "rl.max_steps=4",
-    "--set",
     "rl.groups_per_step=4",
-    "--set",
     "rl.group_size=4",
-    "--set",
     "rl.max_staleness=1",
-    "--set",
     "warmup.steps=20",
-    "--set",
     "orchestrator.eval_every=2",
-    "--set",
     "orchestrator.eval_dataset.size=16",
-    "--set",
     "run.tiny_model={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2}",
 ]
 
@@ -49,9 +41,10 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(600)
-def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
+def rollwire_train(
+    tmp_path: Path, *overrides: str, timeout: float = 540
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """Runs `rollwire train` in its own session with a private cache; returns (run dir, result)."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     command = [
@@ -61,11 +54,26 @@ def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
         "train",
         "--set",
         f"run.output_dir={run_dir}",
-        *SHORT_RUN,
     ]
+    for item in overrides:
+        command += ["--set", item]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=540, env=env, start_new_session=True
+        command, capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True
     )
+    return run_dir, result
+
+
+def assert_no_process_left(run_dir: Path) -> None:
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
+    run_dir, result = rollwire_train(tmp_path, *SHORT_RUN)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "held-out eval reward" in result.stdout
 
@@ -104,10 +112,7 @@ def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
     ]
 
     # Every process of the run has exited.
-    deadline = time.monotonic() + 10
-    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_mentioning(str(run_dir)) == []
+    assert_no_process_left(run_dir)
 
 
 @pytest.mark.multiproc
@@ -206,22 +211,8 @@ def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -
 @pytest.mark.timeout(900)
 def test_default_run_learns(tmp_path) -> None:
     """A shortened default run: the held-out greedy reward must rise clearly."""
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache")}
-    command = [
-        sys.executable,
-        "-m",
-        "rollwire.services.cli",
-        "train",
-        "--set",
-        f"run.output_dir={run_dir}",
-        "--set",
-        "rl.max_steps=40",
-        "--set",
-        "orchestrator.eval_every=20",
-    ]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=840, env=env, start_new_session=True
+    run_dir, result = rollwire_train(
+        tmp_path, "rl.max_steps=40", "orchestrator.eval_every=20", timeout=840
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     evals = jsonl(run_dir / "metrics" / "eval.jsonl")
@@ -235,45 +226,19 @@ def test_default_run_learns(tmp_path) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_service_that_fails_stops_the_run_with_its_log(tmp_path) -> None:
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "rollwire.services.cli",
-        "train",
-        "--set",
-        f"run.output_dir={run_dir}",
-        *SHORT_RUN,
-        "--set",
-        "orchestrator.eval_dataset.name=no_such_task",
-    ]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, env=env, start_new_session=True
+    run_dir, result = rollwire_train(
+        tmp_path, *SHORT_RUN, "orchestrator.eval_dataset.name=no_such_task", timeout=240
     )
     assert result.returncode == 1
     assert "orchestrator exited with code 1" in result.stdout
     assert "reasoning-gym dataset 'no_such_task'" in result.stdout  # the tail of its log is shown
-    deadline = time.monotonic() + 10
-    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_mentioning(str(run_dir)) == []
+    assert_no_process_left(run_dir)
 
 
 @pytest.mark.multiproc
 def test_a_missing_model_path_is_named(tmp_path) -> None:
     missing = tmp_path / "nowhere"
-    command = [
-        sys.executable,
-        "-m",
-        "rollwire.services.cli",
-        "train",
-        "--set",
-        f"run.output_dir={tmp_path / 'run'}",
-        "--set",
-        f"rollout_server.model_path={missing}",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    _, result = rollwire_train(tmp_path, f"rollout_server.model_path={missing}", timeout=120)
     assert result.returncode == 1
     assert (
         f"rollout_server.model_path {missing} is not a Hugging Face model folder" in result.stdout
