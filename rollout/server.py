@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from rollwire.rollout.hf_engine import ContextTooLong, HFEngine, RequestError
 from rollwire.rollout.sampling import SamplingSpec
 from rollwire.rollout.weights import WeightAssembler, WeightStreamError
 from rollwire.services.config import RolloutServerConfig
+from rollwire.services.files import cache_dir
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.server import Registration, reject
 
@@ -30,8 +30,7 @@ FINISH_REASONS = {
 
 def default_model_path() -> Path:
     """Where the built-in tiny model lives: $ROLLWIRE_CACHE_DIR or ~/.cache/rollwire, then tiny-model."""
-    root = os.environ.get("ROLLWIRE_CACHE_DIR") or Path.home() / ".cache" / "rollwire"
-    return Path(root) / "tiny-model"
+    return cache_dir() / "tiny-model"
 
 
 def sampling_spec(params: rollout_pb2.SamplingParams) -> SamplingSpec:

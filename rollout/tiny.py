@@ -12,10 +12,10 @@ models (`AutoModelForCausalLM.from_pretrained`) can load it.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from rollwire.services.files import staged_directory
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 ANSWER_TAGS = ("<answer>", "</answer>")
@@ -86,13 +86,10 @@ def build_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
         model = LlamaForCausalLM(config)
     finally:
         torch.random.set_rng_state(generator_state)
-    staging = folder.with_name(f".{folder.name}.{os.getpid()}.building")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    (staging / BUILD_MARKER).write_text(json.dumps(asdict(spec)))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(staging, folder)
+    with staged_directory(folder) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / BUILD_MARKER).write_text(json.dumps(asdict(spec)))
     return folder
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollwire.services.config import RunConfig
+from rollwire.services.files import cache_dir, staged_directory
 
 SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
 
@@ -125,10 +126,6 @@ class Stack:
             service.log_handle.close()
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("ROLLWIRE_CACHE_DIR") or Path.home() / ".cache" / "rollwire")
-
-
 def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     """The model every service starts from: the configured one, or the tiny one (warmed up if asked)."""
     if config.rollout_server.model_path is not None:
@@ -141,7 +138,7 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
 
     spec = TinySpec(**config.run.tiny_model)
-    base = ensure_tiny_model(_cache_dir() / f"tiny-{_digest(spec.__dict__)}", spec)
+    base = ensure_tiny_model(cache_dir() / f"tiny-{_digest(spec.__dict__)}", spec)
     warmup = config.warmup
     if warmup.steps == 0:
         return base
@@ -159,26 +156,25 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
             "template": config.orchestrator.prompt_template,
         }
     )
-    target = _cache_dir() / f"warm-{key}"
+    target = cache_dir() / f"warm-{key}"
     if (target / "config.json").exists():
         return target
     tasks = load_tasks(dataset)
-    staging = target.with_name(f".{target.name}.{os.getpid()}")
-    warm_up(
-        base,
-        staging,
-        tasks,
-        config.orchestrator.prompt_template,
-        warmup.response_template,
-        warmup.steps,
-        batch_size=warmup.batch_size,
-        learning_rate=warmup.learning_rate,
-        seed=warmup.seed,
-        threads=max(1, os.cpu_count() or 1),
-        progress=progress,
-        off_by_one_rate=warmup.off_by_one_rate,
-    )
-    os.replace(staging, target)
+    with staged_directory(target) as staging:
+        warm_up(
+            base,
+            staging,
+            tasks,
+            config.orchestrator.prompt_template,
+            warmup.response_template,
+            warmup.steps,
+            batch_size=warmup.batch_size,
+            learning_rate=warmup.learning_rate,
+            seed=warmup.seed,
+            threads=max(1, os.cpu_count() or 1),
+            progress=progress,
+            off_by_one_rate=warmup.off_by_one_rate,
+        )
     return target
 
 

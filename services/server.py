@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,6 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from opentelemetry import trace
 
 from rollwire.services.config import ServerConfig
+from rollwire.services.files import write_atomically
 from rollwire.services.interceptors import ServerInterceptor
 from rollwire.services.metrics import COUNTERS
 
@@ -75,14 +74,6 @@ def _connectable_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Writes `text` so that readers see either nothing or all of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 class ServiceRuntime:
     """A grpc.aio server with health, auth, tracing, limits and a ready file."""
 
@@ -98,9 +89,10 @@ class ServiceRuntime:
         self.address: str | None = None
         self._service_names: list[str] = []
         self._stopped = asyncio.Event()
+        self._token = config.auth.resolve_token()  # read once: it may come from a file
         interceptor = ServerInterceptor(
             name,
-            token=config.auth.resolve_token(),
+            token=self._token,
             exempt_health=config.auth.exempt_health,
             tracer_provider=tracer_provider,
         )
@@ -145,7 +137,7 @@ class ServiceRuntime:
                 "address": self.address,
                 "services": self._service_names,
                 "tls": self.config.tls is not None,
-                "auth": self.config.auth.resolve_token() is not None,
+                "auth": self._token is not None,
             },
         )
         return self.address

@@ -5,8 +5,6 @@ Runs on a worker thread of the trainer process; knows nothing of gRPC or ZeroMQ.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +13,7 @@ import numpy as np
 import torch
 
 from rollwire.services.config import RLSection, TrainerConfig
+from rollwire.services.files import staged_directory
 from rollwire.services.wire import Trajectory
 from rollwire.trainer.algorithms import group_advantages, policy_loss, token_logprobs
 
@@ -177,14 +176,13 @@ class Policy:
         from transformers import AutoTokenizer
 
         folder = Path(folder)
-        staging = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        self.model.save_pretrained(staging)
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(staging)
-        torch.save(
-            {"optimizer": self.optimizer.state_dict(), "step": step, "policy_version": version},
-            staging / "trainer_state.pt",
-        )
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)
+        with staged_directory(folder) as staging:
+            self.model.save_pretrained(staging)
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(staging)
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "step": step,
+                "policy_version": version,
+            }
+            torch.save(state, staging / "trainer_state.pt")
         return folder

@@ -18,6 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from rollwire.services.config.models import RunConfig
+from rollwire.services.files import write_atomically
 
 ENV_PREFIX = "ROLLWIRE__"
 RESOLVED_NAME = "resolved_config.yaml"
@@ -162,8 +163,5 @@ def write_resolved_config(config: RunConfig, run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / RESOLVED_NAME
-    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, target)
+    write_atomically(target, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     return target
