@@ -29,7 +29,7 @@ import numpy as np
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.datasets import Task, cycle, load_tasks
 from rollwire.services.buffer_client import BufferProducer
-from rollwire.services.client import open_channel, wait_for_serving
+from rollwire.services.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.config import RunConfig
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.structs import to_struct
@@ -123,6 +123,7 @@ class Orchestrator:
         return list(reply.samples)
 
     async def score(self, task: Task, responses: list[str]) -> list[reward_pb2.ScoreResult]:
+        metadata = to_struct(task.metadata)  # once per group, not once per response
         items = [
             reward_pb2.ScoreItem(
                 item_id=str(i),
@@ -130,7 +131,7 @@ class Orchestrator:
                 prompt=task.question,
                 response=text,
                 reference=task.reference,
-                metadata=to_struct(task.metadata),
+                metadata=metadata,
             )
             for i, text in enumerate(responses)
         ]
@@ -355,10 +356,5 @@ def run_orchestrator(config: RunConfig) -> int:
     try:
         return asyncio.run(main())
     except (OSError, ValueError, TimeoutError, grpc.aio.AioRpcError) as error:
-        detail = (
-            f"{error.code().name}: {error.details()}"
-            if isinstance(error, grpc.aio.AioRpcError)
-            else str(error)
-        )
-        log.error("orchestrator stopped: %s", detail)
+        log.error("orchestrator stopped: %s", describe_error(error))
         return 1

@@ -138,7 +138,12 @@ def _health(args: argparse.Namespace) -> int:
 
     import grpc.aio
 
-    from rollwire.services.client import check_health, open_channel, wait_for_serving
+    from rollwire.services.client import (
+        check_health,
+        describe_error,
+        open_channel,
+        wait_for_serving,
+    )
 
     config = _load(args)
 
@@ -154,12 +159,7 @@ def _health(args: argparse.Namespace) -> int:
     try:
         status = asyncio.run(probe())
     except (grpc.aio.AioRpcError, TimeoutError) as error:
-        detail = (
-            f"{error.code().name}: {error.details()}"
-            if isinstance(error, grpc.aio.AioRpcError)
-            else str(error)
-        )
-        print(f"{args.address}: {detail}", file=sys.stderr)
+        print(f"{args.address}: {describe_error(error)}", file=sys.stderr)
         return 1
     print(status)
     return 0 if status == "SERVING" else 1

@@ -15,6 +15,13 @@ from rollwire.services.config import ClientConfig
 from rollwire.services.interceptors import ClientInterceptor
 
 
+def describe_error(error: BaseException) -> str:
+    """One line for a person: "CODE: details" for an RPC error, the message otherwise."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
+
+
 def channel_credentials(config: ClientConfig) -> grpc.ChannelCredentials | None:
     """TLS credentials for a client; presents a certificate when one is configured (mTLS)."""
     if config.tls is None:

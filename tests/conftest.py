@@ -24,8 +24,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rollwire.services.config import ServerConfig
 from rollwire.services.server import Registration, ServiceRuntime
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture
 def tracing() -> tuple[TracerProvider, InMemorySpanExporter]:

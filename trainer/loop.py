@@ -21,7 +21,7 @@ import grpc.aio
 from rollwire.proto.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from rollwire.rollout.weights import iter_weight_chunks
 from rollwire.services.buffer_client import BufferTrainerClient
-from rollwire.services.client import open_channel, wait_for_serving
+from rollwire.services.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.config import RunConfig
 from rollwire.services.server import Registration, ServiceRuntime
 from rollwire.trainer.policy import Policy
@@ -241,10 +241,5 @@ def run_trainer(config: RunConfig) -> int:
     try:
         return asyncio.run(run(config, Path(model_path)))
     except (OSError, ValueError, TimeoutError, grpc.aio.AioRpcError) as error:
-        detail = (
-            f"{error.code().name}: {error.details()}"
-            if isinstance(error, grpc.aio.AioRpcError)
-            else str(error)
-        )
-        log.error("trainer stopped: %s", detail)
+        log.error("trainer stopped: %s", describe_error(error))
         return 1
