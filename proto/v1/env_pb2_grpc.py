@@ -54,6 +54,11 @@ class EnvServiceStub:
                 request_serializer=rollwire_dot_proto_dot_v1_dot_env__pb2.CloseRequest.SerializeToString,
                 response_deserializer=rollwire_dot_proto_dot_v1_dot_env__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.Multiplex = channel.stream_stream(
+                '/rollwire.v1.EnvService/Multiplex',
+                request_serializer=rollwire_dot_proto_dot_v1_dot_env__pb2.EnvCallBatch.SerializeToString,
+                response_deserializer=rollwire_dot_proto_dot_v1_dot_env__pb2.EnvReplyBatch.FromString,
+                _registered_method=True)
 
 
 class EnvServiceServicer:
@@ -92,6 +97,19 @@ class EnvServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Multiplex(self, request_iterator, context):
+        """Many sessions' Reset/Step/Close calls multiplexed on one stream, in
+        batches. The server answers every call exactly once, matched by call_id,
+        in any order and batched as it likes; a call that fails is answered with
+        its status code and message (the same codes as the unary calls) and the
+        stream carries on. Sessions are the same as the unary calls' sessions.
+        Optional: a server may answer UNIMPLEMENTED, and clients then fall back
+        to the unary calls.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EnvServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +132,11 @@ def add_EnvServiceServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=rollwire_dot_proto_dot_v1_dot_env__pb2.CloseRequest.FromString,
                     response_serializer=rollwire_dot_proto_dot_v1_dot_env__pb2.CloseResponse.SerializeToString,
+            ),
+            'Multiplex': grpc.stream_stream_rpc_method_handler(
+                    servicer.Multiplex,
+                    request_deserializer=rollwire_dot_proto_dot_v1_dot_env__pb2.EnvCallBatch.FromString,
+                    response_serializer=rollwire_dot_proto_dot_v1_dot_env__pb2.EnvReplyBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +247,33 @@ class EnvService:
             '/rollwire.v1.EnvService/Close',
             rollwire_dot_proto_dot_v1_dot_env__pb2.CloseRequest.SerializeToString,
             rollwire_dot_proto_dot_v1_dot_env__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Multiplex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/rollwire.v1.EnvService/Multiplex',
+            rollwire_dot_proto_dot_v1_dot_env__pb2.EnvCallBatch.SerializeToString,
+            rollwire_dot_proto_dot_v1_dot_env__pb2.EnvReplyBatch.FromString,
             options,
             channel_credentials,
             insecure,
