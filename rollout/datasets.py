@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollwire.services.config.models import FileDataset, ReasoningGymDataset
+from rollwire.services.config.models import EnvDataset, FileDataset, ReasoningGymDataset
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,41 @@ class ReasoningGymTasks(Sequence[Task]):
         )
 
 
-def load_tasks(config: ReasoningGymDataset | FileDataset) -> Sequence[Task]:
+class EnvTasks(Sequence[Task]):
+    """Seeds of an environment as tasks: task i is an episode from seed `seed + i`.
+
+    The env id and kwargs travel in the task's metadata (`env_id`, `env_kwargs`,
+    `env_seed`); question and reference stay empty, the env supplies both.
+    """
+
+    def __init__(self, config: EnvDataset) -> None:
+        self._config = config
+
+    def __len__(self) -> int:
+        return self._config.size
+
+    def __getitem__(self, index: int) -> Task:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        config = self._config
+        seed = config.seed + index
+        return Task(
+            index,
+            f"{config.env_id}/{seed}",
+            "",
+            "",
+            "",
+            config.env_id,
+            {"env_id": config.env_id, "env_kwargs": dict(config.env_kwargs), "env_seed": seed},
+        )
+
+
+def load_tasks(config: ReasoningGymDataset | FileDataset | EnvDataset) -> Sequence[Task]:
     """A dataset as a sequence of tasks (ordinals are positions in it)."""
     if isinstance(config, ReasoningGymDataset):
         return ReasoningGymTasks(config)
+    if isinstance(config, EnvDataset):
+        return EnvTasks(config)
     rows = list(_read_rows(config.path))
     tasks = []
     for index, row in enumerate(rows):

@@ -108,6 +108,12 @@ class Trajectory:
     """Named parts of the final reward, for logging."""
     step_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     """float32 [turns]: reward of each turn, for step-level advantages."""
+    turn_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    """int32 [T] or empty: the turn each generated token belongs to, -1 on every other
+    token; empty for a single-turn episode."""
+    turn_keys: list[str] = field(default_factory=list)
+    """One key per turn naming the state the policy acted in (a digest of what it had
+    seen); turns of one group with equal keys are compared by step-level advantages."""
     finish_reason: str = "stop"
     """Why the episode ended: "stop", "length", "abort", "terminated", "truncated", "error"."""
     timings: dict[str, float] = field(default_factory=dict)
@@ -167,6 +173,8 @@ def _trajectory_body(trajectory: Trajectory) -> dict[str, Any]:
     for name, dtype in _TOKEN_ARRAYS.items():
         body[name] = encode_array(getattr(trajectory, name), dtype)
     body["step_rewards"] = encode_array(trajectory.step_rewards, "<f4")
+    body["turn_ids"] = encode_array(trajectory.turn_ids, "<i4")
+    body["turn_keys"] = [str(key) for key in trajectory.turn_keys]
     body["reward"] = float(trajectory.reward)
     body["reward_components"] = {str(k): float(v) for k, v in trajectory.reward_components.items()}
     body["timings"] = {str(k): float(v) for k, v in trajectory.timings.items()}
@@ -230,6 +238,17 @@ def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
     step_rewards = decode_array(body["step_rewards"], f"{where}.step_rewards", "<f4", ndim=1)
     if not np.all(np.isfinite(step_rewards)):
         raise WireError(f"{where}.step_rewards: not finite")
+    turn_ids = decode_array(body["turn_ids"], f"{where}.turn_ids", "<i4", ndim=1)
+    turn_keys = body["turn_keys"]
+    if not isinstance(turn_keys, list) or not all(isinstance(k, str) for k in turn_keys):
+        raise WireError(f"{where}.turn_keys: expected a list of strings")
+    if turn_ids.size:
+        if turn_ids.shape[0] != mask.shape[0]:
+            raise WireError(
+                f"{where}.turn_ids: {turn_ids.shape[0]} entries for {mask.shape[0]} tokens"
+            )
+        if turn_ids.min() < -1 or turn_ids.max() >= max(len(turn_keys), 1):
+            raise WireError(f"{where}.turn_ids: a turn id outside [-1, {len(turn_keys)})")
     trace = body["trace_context"]
     if not isinstance(trace, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in trace.items()
@@ -241,6 +260,8 @@ def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
         reward=float(reward),
         reward_components=_float_map(body["reward_components"], f"{where}.reward_components"),
         step_rewards=step_rewards,
+        turn_ids=turn_ids,
+        turn_keys=list(turn_keys),
         timings=_float_map(body["timings"], f"{where}.timings"),
         trace_context=dict(trace),
     )

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from rollwire.trainer.algorithms import (
+    discounted_returns,
     group_advantages,
     kl_k3,
     masked_mean,
     policy_loss,
+    step_advantages,
     token_logprobs,
 )
 
@@ -30,6 +32,38 @@ def test_group_advantages_by_hand() -> None:
     assert unscaled.tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, 2, -1, -1, 0])
     with pytest.raises(ValueError, match="groups of 5"):
         group_advantages(rewards, 5)
+
+
+def test_discounted_returns_by_hand() -> None:
+    assert discounted_returns([0.0, 0.0, 1.0], 0.5) == [0.25, 0.5, 1.0]
+    assert discounted_returns([1.0, -1.0], 1.0) == [0.0, -1.0]
+    assert discounted_returns([], 0.9) == []
+
+
+def test_step_advantages_by_hand() -> None:
+    # One group of three episodes from the same seed. All start in state "a".
+    # Episodes 0 and 1 then both reach "b"; episode 2 reaches "c" (no peer there).
+    keys = [["a", "b"], ["a", "b"], ["a", "c"]]
+    rewards = [[0.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
+    episode = torch.tensor([1.0, -0.5, -0.5])
+    out = step_advantages(episode, keys, rewards, group_size=3, gamma=0.5, weight=2.0)
+    # Returns: ep0 [0.5, 1], ep1 [0, 0], ep2 [0, 0].
+    # State "a": values [0.5, 0, 0], mean 1/6, population std sqrt(1/18).
+    std_a = math.sqrt(((1 / 3) ** 2 + 2 * (1 / 6) ** 2) / 3)
+    a0, a_other = (0.5 - 1 / 6) / std_a, (-1 / 6) / std_a
+    # State "b": values [1, 0] -> +1, -1. State "c": alone -> 0.
+    assert out[0].tolist() == pytest.approx([1 + 2 * a0, 1 + 2 * 1.0], abs=1e-4)
+    assert out[1].tolist() == pytest.approx([-0.5 + 2 * a_other, -0.5 - 2.0], abs=1e-4)
+    assert out[2].tolist() == pytest.approx([-0.5 + 2 * a_other, -0.5], abs=1e-4)
+    # Groups are separate: the same key in another group is no peer.
+    two_groups = step_advantages(
+        torch.zeros(2), [["s"], ["s"]], [[1.0], [0.0]], group_size=1, weight=1.0
+    )
+    assert [t.tolist() for t in two_groups] == [[0.0], [0.0]]
+    with pytest.raises(ValueError, match="2 turn keys but 1 step rewards"):
+        step_advantages(torch.zeros(1), [["a", "b"]], [[1.0]], group_size=1)
+    with pytest.raises(ValueError, match="do not form groups of 2"):
+        step_advantages(torch.zeros(3), [[]] * 3, [[]] * 3, group_size=2)
 
 
 def tokens(*values: float) -> torch.Tensor:

@@ -54,6 +54,10 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
         reward=draw(finite),
         reward_components=draw(st.dictionaries(names, finite, max_size=3)),
         step_rewards=np.array(draw(st.lists(finite, max_size=5)), np.float32),
+        turn_ids=np.where(mask == 1, 1, -1).astype(np.int32)
+        if draw(st.booleans())
+        else np.zeros(0, np.int32),
+        turn_keys=["first", "second"],
         finish_reason=draw(st.sampled_from(["stop", "length", "abort", "terminated"])),
         timings=draw(st.dictionaries(names, st.floats(0, 1e4), max_size=3)),
         trace_context=draw(st.dictionaries(names, names, max_size=2)),
@@ -77,6 +81,8 @@ def sample(length: int = 6) -> Trajectory:
         reward=1.0,
         reward_components={"correct": 1.0},
         step_rewards=np.array([0.0, 1.0], np.float32),
+        turn_ids=np.array([-1, -1, 0, 0, -1, 1][:length], np.int32),
+        turn_keys=["s0", "s1"],
         finish_reason="stop",
         timings={"generate": 0.25},
         trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
@@ -192,6 +198,15 @@ def _frame(mutate) -> bytes:
             "not finite on a generated token",
         ),
         (lambda e: e.update(body=[1, 2]), "expected a map"),
+        (lambda e: e["body"].update(turn_keys=["a", 2]), "turn_keys: expected a list of strings"),
+        (
+            lambda e: e["body"]["turn_ids"].update(shape=[2], data=b"\0" * 8),
+            "turn_ids: 2 entries for 6 tokens",
+        ),
+        (
+            lambda e: e["body"]["turn_ids"].update(data=np.full(6, 2, "<i4").tobytes()),
+            r"turn_ids: a turn id outside \[-1, 2\)",
+        ),
     ],
 )
 def test_schema_violations_are_named(mutate, message: str) -> None:

@@ -9,6 +9,8 @@ samples (B = G * N, samples of one group adjacent).
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +39,77 @@ def group_advantages(
     if scale:
         centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
     return centred.reshape(-1).to(rewards.dtype)
+
+
+def discounted_returns(step_rewards: Sequence[float], gamma: float) -> list[float]:
+    """Return of each turn: its reward plus `gamma` times the next turn's return."""
+    returns = [0.0] * len(step_rewards)
+    running = 0.0
+    for turn in range(len(step_rewards) - 1, -1, -1):
+        running = float(step_rewards[turn]) + gamma * running
+        returns[turn] = running
+    return returns
+
+
+def step_advantages(
+    episode_advantages: torch.Tensor,
+    turn_keys: Sequence[Sequence[str]],
+    step_rewards: Sequence[Sequence[float]],
+    group_size: int,
+    gamma: float = 0.95,
+    weight: float = 1.0,
+    scale: bool = True,
+    eps: float = 1e-6,
+) -> list[torch.Tensor]:
+    """Per-turn advantages in the manner of GiGPO: episode-level plus step-level.
+
+    Within one group (episodes of the same seed), the turns taken in the same
+    state — equal `turn_keys` — form a step group; each such turn's discounted
+    return (`discounted_returns`) is compared with the others of its step group
+    (minus the mean, divided by the std when `scale`). A state visited only once
+    has no peers and adds nothing. The result for turn t of episode i is
+    `episode_advantages[i] + weight * step_advantage[i, t]`.
+
+    Args:
+        episode_advantages: [B] advantages of whole episodes (`group_advantages`).
+        turn_keys: B lists, one key per turn.
+        step_rewards: B lists of per-turn rewards, as long as the episode's keys.
+    Returns:
+        B tensors of shape [turns] (empty for an episode without turns).
+    """
+    size = episode_advantages.shape[0]
+    if len(turn_keys) != size or len(step_rewards) != size or size % group_size:
+        raise ValueError(
+            f"{size} episode advantages, {len(turn_keys)} key lists and {len(step_rewards)} "
+            f"reward lists do not form groups of {group_size}"
+        )
+    returns = []
+    for index, (keys, rewards) in enumerate(zip(turn_keys, step_rewards, strict=True)):
+        if len(keys) != len(rewards):
+            raise ValueError(
+                f"episode {index} has {len(keys)} turn keys but {len(rewards)} step rewards"
+            )
+        returns.append(discounted_returns(rewards, gamma))
+    step = [[0.0] * len(keys) for keys in turn_keys]
+    for first in range(0, size, group_size):
+        peers: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for episode in range(first, first + group_size):
+            for turn, key in enumerate(turn_keys[episode]):
+                peers[key].append((episode, turn))
+        for members in peers.values():
+            if len(members) < 2:
+                continue
+            values = torch.tensor([returns[e][t] for e, t in members], dtype=torch.float64)
+            centred = values - values.mean()
+            if scale:
+                centred = centred / (values.std(unbiased=False) + eps)
+            for (episode, turn), value in zip(members, centred.tolist(), strict=True):
+                step[episode][turn] = value
+    base = episode_advantages.to(torch.float64)
+    return [
+        (base[i] + weight * torch.tensor(step[i], dtype=torch.float64)).to(episode_advantages.dtype)
+        for i in range(size)
+    ]
 
 
 def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,12 @@ import torch
 from rollwire.services.config import RLSection, TrainerConfig
 from rollwire.services.files import staged_directory
 from rollwire.services.wire import Trajectory
-from rollwire.trainer.algorithms import group_advantages, policy_loss, token_logprobs
+from rollwire.trainer.algorithms import (
+    group_advantages,
+    policy_loss,
+    step_advantages,
+    token_logprobs,
+)
 
 
 @dataclass
@@ -56,6 +61,26 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TokenBatch:
         behaviour_logprobs=as_tensor(behaviour[:, 1:].copy()),
         policy_versions=as_tensor(versions[:, 1:].copy()),
     )
+
+
+def per_token_advantages(
+    trajectories: list[Trajectory],
+    episode: torch.Tensor,
+    per_turn: list[torch.Tensor],
+    width: int,
+) -> torch.Tensor:
+    """[B, width] advantages aligned with `collate`'s targets: each generated token gets
+    its turn's advantage, and a trajectory without turn ids its episode's."""
+    out = episode[:, None].repeat(1, width).to(torch.float32)
+    for row, (trajectory, turns) in enumerate(zip(trajectories, per_turn, strict=True)):
+        ids = trajectory.turn_ids
+        if not ids.size or not turns.numel():
+            continue
+        targets = torch.from_numpy(ids[1:].astype(np.int64))  # token t+1 is target t
+        generated = targets >= 0
+        values = out[row, : targets.shape[0]]
+        values[generated] = turns.to(torch.float32)[targets[generated]]
+    return out
 
 
 class Policy:
@@ -105,14 +130,36 @@ class Policy:
         advantages = group_advantages(
             rewards, self.rl.group_size, scale=self.config.loss.scale_advantages
         )
+        per_turn: list[torch.Tensor] | None = None
+        if self.config.loss.advantage == "step":
+            per_turn = step_advantages(
+                advantages,
+                [t.turn_keys for t in trajectories],
+                [t.step_rewards.tolist() for t in trajectories],
+                self.rl.group_size,
+                gamma=self.config.loss.gamma,
+                weight=self.config.loss.step_advantage_weight,
+                scale=self.config.loss.scale_advantages,
+            )
         # Sequences with zero advantage carry no gradient: leave them out entirely.
-        keep = [i for i in range(len(trajectories)) if float(advantages[i]) != 0.0]
+        keep = [
+            i
+            for i in range(len(trajectories))
+            if float(advantages[i]) != 0.0
+            or (per_turn is not None and bool(per_turn[i].abs().sum() > 0))
+        ]
         metrics = {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
             "sequences": float(len(trajectories)),
             "sequences_with_signal": float(len(keep)),
         }
+        if per_turn is not None:
+            step_parts = [turns - advantages[i] for i, turns in enumerate(per_turn)]
+            nonempty = [part for part in step_parts if part.numel()]
+            metrics["step_advantage_abs_mean"] = (
+                float(torch.cat(nonempty).abs().mean()) if nonempty else 0.0
+            )
         generated = np.concatenate([t.policy_versions[t.loss_mask == 1] for t in trajectories])
         if generated.size:
             metrics["staleness_mean"] = float(trainer_version - generated.mean())
@@ -122,7 +169,15 @@ class Policy:
             metrics.update(loss=0.0, grad_norm=0.0, step_seconds=time.perf_counter() - started)
             return metrics
         batch = collate([trajectories[i] for i in keep], self.pad_token_id)
-        advantages = advantages[keep].to(self.device)
+        if per_turn is None:
+            advantages = advantages[keep].to(self.device)
+        else:
+            advantages = per_token_advantages(
+                [trajectories[i] for i in keep],
+                advantages[keep],
+                [per_turn[i] for i in keep],
+                batch.mask.shape[1],
+            ).to(self.device)
         total_tokens = float(batch.mask.sum())
         size = len(keep)
         micro = self.config.micro_batch_size

@@ -10,9 +10,11 @@ from rollwire.services.config.loader import (
     write_resolved_config,
 )
 from rollwire.services.config.models import (
+    AgentConfig,
     AuthConfig,
     BufferConfig,
     ClientConfig,
+    EnvDataset,
     EnvServerConfig,
     OrchestratorConfig,
     RewardServerConfig,
@@ -27,10 +29,12 @@ from rollwire.services.config.models import (
 )
 
 __all__ = [
+    "AgentConfig",
     "AuthConfig",
     "BufferConfig",
     "ClientConfig",
     "ConfigError",
+    "EnvDataset",
     "EnvServerConfig",
     "OrchestratorConfig",
     "RLSection",

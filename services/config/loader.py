@@ -9,6 +9,7 @@ both overrides are parsed as YAML scalars or flow collections, so `1e-4`,
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -141,6 +142,7 @@ def load_config(
     # section's other defaults (e.g. the evaluation dataset's own seed and size).
     data = RunConfig().model_dump(mode="json", exclude_none=False)
     _strip_masked_secrets(data)
+    default_eval = copy.deepcopy(data["orchestrator"]["eval_dataset"])
     if path is not None:
         _merge(data, _read_yaml(Path(path)))
     sources = [str(path) if path is not None else "defaults"]
@@ -152,6 +154,16 @@ def load_config(
         keys, value = parse_assignment(text)
         _set_path(data, keys, value, origin=f"override {text!r}")
         sources.append(f"--set {text}")
+    orchestrator = data.get("orchestrator")
+    if (
+        isinstance(orchestrator, dict)
+        and isinstance(orchestrator.get("dataset"), dict)
+        and orchestrator["dataset"].get("type") == "env"
+        and orchestrator.get("eval_dataset") == default_eval
+    ):
+        # Training on an environment with the default (reasoning-gym) evaluation left in
+        # place: let the model evaluate on held-out seeds of that environment instead.
+        del orchestrator["eval_dataset"]
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:

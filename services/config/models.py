@@ -216,6 +216,14 @@ class LossConfig(StrictModel):
     """Weight of the k3 KL penalty to the initial model; 0 loads no reference model."""
     scale_advantages: bool = True
     """Divide group-centred rewards by the group's std (GRPO); False is Dr. GRPO."""
+    advantage: Literal["episode", "step"] = "episode"
+    """`episode`: one return per episode, normalised within its group (GRPO, StarPO for
+    multi-turn episodes). `step`: adds step-level advantages (GiGPO): turns of one group
+    that acted in the same state are compared by their discounted returns."""
+    step_advantage_weight: float = Field(1.0, ge=0)
+    """Weight of the step-level advantage added to the episode one (`advantage: step`)."""
+    gamma: float = Field(0.95, ge=0, le=1)
+    """Discount of later turns' rewards in a turn's return (`advantage: step`)."""
 
 
 class TrainerConfig(StrictModel):
@@ -280,6 +288,20 @@ class FileDataset(StrictModel):
     """Reward domain to score with (see `rollwire reward-server` ListScorers)."""
 
 
+class EnvDataset(StrictModel):
+    """Episodes of an environment (agentic, multi-turn): one group of episodes per seed."""
+
+    type: Literal["env"] = "env"
+    env_id: str = "tool_use"
+    """Registered env id (see `rollwire env-server` ListEnvs or `rollwire env-check`)."""
+    env_kwargs: dict[str, Any] = {}
+    """Constructor arguments of the environment."""
+    size: int = Field(100_000, ge=1)
+    """Distinct seeds; the run cycles through seed, seed + 1, ..., seed + size - 1."""
+    seed: int = 0
+    """First episode seed; use different seeds for training and evaluation."""
+
+
 def _dataset_type(value: Any) -> str | None:
     # A section without `type` (e.g. only `--set orchestrator.dataset.kwargs=...`) means reasoning_gym.
     if isinstance(value, dict):
@@ -288,9 +310,33 @@ def _dataset_type(value: Any) -> str | None:
 
 
 DatasetConfig = Annotated[
-    Annotated[ReasoningGymDataset, Tag("reasoning_gym")] | Annotated[FileDataset, Tag("file")],
+    Annotated[ReasoningGymDataset, Tag("reasoning_gym")]
+    | Annotated[FileDataset, Tag("file")]
+    | Annotated[EnvDataset, Tag("env")],
     Discriminator(_dataset_type),
 ]
+
+
+class AgentConfig(StrictModel):
+    """Multi-turn episodes (an `env` dataset): how turns become tokens and when episodes end."""
+
+    max_turns: int = Field(8, ge=1)
+    """Turns after which an episode is cut (truncated) even if the env would go on."""
+    max_episode_tokens: int = Field(512, ge=16)
+    """Prompt, actions and observations together; an episode that would exceed it is truncated."""
+    observation_template: str = "{observation}\n"
+    """How an observation is written into the context when the chat template is off."""
+    system_prompt: str | None = None
+    """A system message before the first observation (chat template only)."""
+    invalid_action: Literal["end", "feedback"] = "feedback"
+    """An action the env rejects (INVALID_ARGUMENT): `feedback` shows the env's message as
+    the next observation and goes on; `end` ends the episode."""
+    invalid_action_reward: float = 0.0
+    """Reward of a turn whose action the env rejected."""
+    episode_attempts: int = Field(3, ge=1)
+    """Starts of one episode, from the same seed, when its env-server is lost mid-episode."""
+    env_call_timeout_seconds: float = Field(60.0, gt=0)
+    """Longest wait for one Reset or Step."""
 
 
 class OrchestratorConfig(StrictModel):
@@ -315,6 +361,23 @@ class OrchestratorConfig(StrictModel):
     """Groups being generated and scored at once."""
     request_attempts: int = Field(3, ge=1)
     """Tries of a failing Generate or Score call before its group is given up (and counted)."""
+    agent: AgentConfig = AgentConfig()
+    """Multi-turn episodes, for an `env` dataset."""
+
+    @model_validator(mode="after")
+    def _evaluate_like_training(self) -> OrchestratorConfig:
+        training_env = self.dataset.type == "env"
+        if training_env and "eval_dataset" not in self.model_fields_set:
+            # Not set: held-out seeds of the same environment.
+            self.eval_dataset = self.dataset.model_copy(update={"seed": 1 << 32, "size": 64})
+            return self
+        if self.eval_dataset is not None and (self.eval_dataset.type == "env") != training_env:
+            raise ValueError(
+                "eval_dataset must be an env dataset exactly when dataset is one "
+                f"(dataset.type={self.dataset.type}, eval_dataset.type={self.eval_dataset.type}); "
+                "set eval_dataset: null to turn evaluation off"
+            )
+        return self
 
 
 class EndpointsConfig(StrictModel):
@@ -325,7 +388,9 @@ class EndpointsConfig(StrictModel):
     reward_servers: list[str] = []
     """Reward-server addresses (host:port)."""
     env_servers: list[str] = []
-    """Env-server addresses (host:port)."""
+    """Env-server addresses (host:port); a `dns:///name:port` entry stands for every
+    address the name resolves to. Empty with an `env` dataset: environments run inside the
+    orchestrator."""
     buffer_producer: str | None = None
     """Buffer endpoint for producers, e.g. tcp://127.0.0.1:5555."""
     buffer_trainer: str | None = None
@@ -372,6 +437,9 @@ class WarmupConfig(StrictModel):
     """Dataset seed of the warm-up examples (keep it apart from the evaluation seed)."""
     dataset_size: int = Field(20_000, ge=1)
     """Examples generated for the stage."""
+    demo_kwargs: dict[str, Any] = {}
+    """For an `env` dataset: arguments of the env's scripted demonstrator, whose episodes
+    are the warm-up examples (see `rollwire.rollout.demos`)."""
     off_by_one_rate: float = Field(0.6, ge=0, le=1)
     """Fraction of integer answers taught as reference + 1: a deliberately flawed
     starting point, like a model tuned on noisy demonstrations, whose systematic
@@ -387,6 +455,9 @@ class RunSection(StrictModel):
     """Run directory: resolved config, logs, checkpoints, the buffer's log."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
+    local_env_servers: int = Field(1, ge=1)
+    """Env-servers `rollwire train` starts for an `env` dataset when `endpoints.env_servers`
+    is empty."""
     tiny_model: dict[str, int] = {}
     """Shape overrides of the built-in tiny model (fields of `rollwire.rollout.tiny.TinySpec`)."""
 
