@@ -51,12 +51,44 @@ def list_specs() -> list[EnvSpec]:
 
 
 def _register_builtins() -> None:
-    from rollwire.envs.games import GuessTheNumber
+    from rollwire.envs.games import FrozenLake, GuessTheNumber, Sokoban
+    from rollwire.envs.gem import GemEnv
+    from rollwire.envs.tasks import ReasoningGymEnv
+    from rollwire.envs.tools import ToolUse
 
     register(
         "guess_the_number",
         GuessTheNumber,
         "Guess a hidden integer; each guess is answered 'higher' or 'lower'.",
+    )
+    register(
+        "frozen_lake",
+        FrozenLake,
+        "Walk a seeded ice grid to the goal without falling into a hole; moves up/down/left/right.",
+    )
+    register(
+        "sokoban",
+        Sokoban,
+        "Push every box onto a target in a small seeded room; moves up/down/left/right.",
+    )
+    register(
+        "tool_use",
+        ToolUse,
+        "Arithmetic questions answered with <answer>, after <calc> or sandboxed <python> calls.",
+        domain="tool",
+    )
+    register(
+        "reasoning_gym",
+        ReasoningGymEnv,
+        "One reasoning-gym question per episode; the reward-server scores the answer.",
+        domain="reasoning_gym",
+        gives_reward=False,
+    )
+    register(
+        "gem",
+        GemEnv,
+        "A GEM environment by its GEM id (gem_env_id=...); needs the gem extra.",
+        domain="gem",
     )
 
 
