@@ -30,7 +30,7 @@ from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_
 from rollwire.rollout.datasets import Task, cycle, load_tasks
 from rollwire.services.buffer_client import BufferProducer
 from rollwire.services.client import describe_error, open_channel, wait_for_serving
-from rollwire.services.config import RunConfig
+from rollwire.services.config import EnvDataset, RunConfig
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.structs import to_struct
 from rollwire.services.wire import Trajectory
@@ -63,6 +63,96 @@ class Orchestrator:
         self.eval_log = (self.run_dir / "metrics" / "eval.jsonl").open("a")
         self.progress_log = (self.run_dir / "metrics" / "orchestrator.jsonl").open("a")
         self.eos = int(tokenizer.eos_token_id)
+        self.agentic = isinstance(self.settings.dataset, EnvDataset)
+        self.pool = None
+        self.episodes = None  # the EpisodeRunner, once the env-servers have answered
+        if self.agentic:
+            from rollwire.envs.pool import EnvPool
+
+            self.pool = EnvPool.from_config(endpoints.env_servers, config.client, config.env_server)
+
+    async def start_episodes(self) -> None:
+        """Asks the env-servers what they offer (waiting for them to come up) and sets up
+        the episode runner."""
+        from rollwire.envs.client import EnvServerLost
+        from rollwire.rollout.agent import EpisodeRunner
+
+        deadline = time.monotonic() + self.config.client.connect_timeout_seconds
+        while True:
+            try:
+                specs = await self.pool.specs()
+                break
+            except EnvServerLost as error:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no env-server of {self.config.endpoints.env_servers} answered within "
+                        f"{self.config.client.connect_timeout_seconds:g}s: {error}"
+                    ) from None
+                await asyncio.sleep(0.2)
+        self.episodes = EpisodeRunner(
+            self.pool,
+            specs,
+            self.tokenizer,
+            self.settings.agent,
+            self.settings.max_new_tokens,
+            self.settings.use_chat_template,
+            self._generate_turn,
+            self._score_episode,
+        )
+        env_id = self.settings.dataset.env_id
+        spec = self.episodes.spec(env_id)
+        if not spec.gives_reward and not self.reward:
+            raise ValueError(
+                f"env {env_id!r} does not give rewards itself; set endpoints.reward_servers"
+            )
+
+    async def _generate_turn(
+        self, prompt_ids: list[int], max_new_tokens: int, temperature: float
+    ) -> rollout_pb2.GenerateResponse:
+        request = rollout_pb2.GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt_ids,
+            sampling=rollout_pb2.SamplingParams(
+                temperature=temperature,
+                top_p=self.settings.top_p,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=[self.eos],
+            ),
+        )
+        stub = self.rollout[next(self._next_rollout)]
+        return await self._with_retries(lambda: stub.Generate(request), "generate")
+
+    async def _score_episode(
+        self, spec: Any, prompt: str, response: str, info: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
+        """Reward-server score of an episode whose env gives no reward of its own."""
+        reference = str(info.get("reference", ""))
+        metadata = info.get("metadata") if isinstance(info.get("metadata"), dict) else {}
+        task = Task(0, "", prompt, reference, spec.domain, spec.env_id, metadata)
+        (result,) = await self.score(task, [response])
+        return result.reward, dict(result.components)
+
+    async def run_env_group(self, task: Task) -> None:
+        """`rl.group_size` episodes from one seed, each on its own; sent once all have ended."""
+        episodes = await asyncio.gather(
+            *(
+                self.episodes.run(task, index, self.rl.temperature)
+                for index in range(self.rl.group_size)
+            )
+        )
+        for trajectory in episodes:
+            await self._put(trajectory)
+        self.generated_tokens += sum(int(t.loss_mask.sum()) for t in episodes)
+
+    async def _put(self, trajectory: Trajectory) -> None:
+        ack = await self.producer.put(trajectory)
+        self.trainer_version = max(self.trainer_version, ack.trainer_version)
+        if not ack.accepted:
+            COUNTERS.inc("orchestrator_refused", reason=ack.reason)
+            log.warning(
+                "buffer refused a trajectory",
+                extra={"trajectory_id": trajectory.trajectory_id, "reason": ack.reason},
+            )
 
     def encode_prompt(self, task: Task) -> list[int]:
         text = task.prompt(self.settings.prompt_template)
@@ -142,6 +232,9 @@ class Orchestrator:
         return sorted(reply.results, key=lambda r: int(r.item_id))
 
     async def run_group(self, task: Task) -> None:
+        if self.agentic:
+            await self.run_env_group(task)
+            return
         started = time.perf_counter()
         prompt_ids = self.encode_prompt(task)
         outputs = await self.generate_group(prompt_ids)
@@ -180,14 +273,7 @@ class Orchestrator:
                 .lower(),
                 timings={"generate": generated - started, "score": scored - generated},
             )
-            ack = await self.producer.put(trajectory)
-            self.trainer_version = max(self.trainer_version, ack.trainer_version)
-            if not ack.accepted:
-                COUNTERS.inc("orchestrator_refused", reason=ack.reason)
-                log.warning(
-                    "buffer refused a trajectory",
-                    extra={"trajectory_id": trajectory.trajectory_id, "reason": ack.reason},
-                )
+            await self._put(trajectory)
         self.generated_tokens += sum(len(o.token_ids) for o in outputs)
 
     async def evaluate(self, tasks: Sequence[Task], version: int) -> float:
@@ -198,6 +284,8 @@ class Orchestrator:
 
         async def one(task: Task) -> float:
             async with limit:
+                if self.agentic:
+                    return (await self.episodes.run(task, 0, temperature=0.0)).reward
                 output = await self.generate(self.encode_prompt(task), temperature=0.0)
                 (result,) = await self.score(task, [self.decode(list(output.token_ids))])
                 return result.reward
@@ -233,6 +321,8 @@ class Orchestrator:
             await wait_for_serving(
                 channel, timeout=self.config.client.connect_timeout_seconds, target=address
             )
+        if self.agentic:
+            await self.start_episodes()
         train_tasks = cycle(load_tasks(self.settings.dataset))
         eval_tasks = load_tasks(self.settings.eval_dataset) if self.settings.eval_dataset else []
         staleness, per_step, total_steps = (
@@ -300,6 +390,9 @@ class Orchestrator:
             "generated_tokens": self.generated_tokens,
             "tokens_per_second": self.generated_tokens / max(elapsed, 1e-9),
         }
+        if self.episodes is not None:
+            entry["episode_restarts"] = self.episodes.restarts
+            entry["env_servers_lost"] = self.pool.lost_count
         self.progress_log.write(json.dumps(entry) + "\n")
         self.progress_log.flush()
 
@@ -307,6 +400,8 @@ class Orchestrator:
         self.producer.close()
         self.eval_log.close()
         self.progress_log.close()
+        if self.pool is not None:
+            await self.pool.aclose()
         for channel in self.rollout_channels + self.reward_channels:
             await channel.close()
 
@@ -326,13 +421,15 @@ def run_orchestrator(config: RunConfig) -> int:
 
     configure_logging("orchestrator", config.telemetry.log_level, config.telemetry.log_format)
     endpoints = config.endpoints
+    agentic = isinstance(config.orchestrator.dataset, EnvDataset)
     if (
         not endpoints.rollout_servers
-        or not endpoints.reward_servers
+        or not (endpoints.reward_servers or agentic)
         or not endpoints.buffer_producer
     ):
         log.error(
-            "the orchestrator needs endpoints.rollout_servers, endpoints.reward_servers and endpoints.buffer_producer"
+            "the orchestrator needs endpoints.rollout_servers, endpoints.reward_servers "
+            "(unless an env gives the rewards) and endpoints.buffer_producer"
         )
         return 1
     tokenizer = AutoTokenizer.from_pretrained(

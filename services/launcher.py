@@ -39,6 +39,9 @@ class Service:
     log_path: Path
     ready_file: Path | None
     log_handle: IO[str] = field(repr=False, default=None)
+    replica_of: str | None = None
+    """Set for one of several replicas (env-servers): the run goes on while one of them lives."""
+    reported: bool = False
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -58,8 +61,12 @@ class Stack:
         self.services: list[Service] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def start(self, command: str, ready: bool = True) -> Service:
-        ready_file = self.run_dir / "logs" / f"{command}.ready" if ready else None
+    def start(
+        self, command: str, ready: bool = True, name: str | None = None, replica: bool = False
+    ) -> Service:
+        """Starts `rollwire COMMAND` in its own process group; `name` tells replicas apart."""
+        name = name or command
+        ready_file = self.run_dir / "logs" / f"{name}.ready" if ready else None
         if ready_file is not None and ready_file.exists():
             ready_file.unlink()
         argv = [sys.executable, "-m", "rollwire.services.cli", command, "-c", str(self.config_path)]
@@ -72,12 +79,15 @@ class Stack:
             "MKL_NUM_THREADS": threads,
             "TOKENIZERS_PARALLELISM": "false",
         }
-        log_path = self.run_dir / "logs" / f"{command}.log"
+        log_path = self.run_dir / "logs" / f"{name}.log"
         handle = log_path.open("a")
         process = subprocess.Popen(
             argv, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-        service = Service(command, process, log_path, ready_file, handle)
+        (self.run_dir / "logs" / f"{name}.pid").write_text(f"{process.pid}\n")
+        service = Service(
+            name, process, log_path, ready_file, handle, replica_of=command if replica else None
+        )
         self.services.append(service)
         return service
 
@@ -104,6 +114,17 @@ class Stack:
             if code is None:
                 continue
             if service.name in expected_to_finish and code == 0:
+                continue
+            if service.replica_of is not None and any(
+                other.replica_of == service.replica_of and other.process.poll() is None
+                for other in self.services
+            ):
+                if not service.reported:
+                    service.reported = True
+                    print(
+                        f"\n{service.name} exited with code {code}; the run goes on with the "
+                        f"other {service.replica_of}s (log: {service.log_path})"
+                    )
                 continue
             raise LaunchError(
                 f"{service.name} exited with code {code}; its log ({service.log_path}) ends:\n{service.tail()}"
@@ -142,12 +163,13 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     warmup = config.warmup
     if warmup.steps == 0:
         return base
+    dataset = config.orchestrator.dataset
+    if dataset.type == "env":
+        return _warm_up_agent(config, base, spec, progress)
     from rollwire.rollout.datasets import load_tasks
     from rollwire.trainer.sft import warm_up
 
-    dataset = config.orchestrator.dataset.model_copy(
-        update={"seed": warmup.seed, "size": warmup.dataset_size}
-    )
+    dataset = dataset.model_copy(update={"seed": warmup.seed, "size": warmup.dataset_size})
     key = _digest(
         {
             "spec": spec.__dict__,
@@ -178,23 +200,88 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     return target
 
 
+def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> Path:
+    """Warm-up on episodes a scripted demonstrator plays in the run's environment."""
+    from transformers import AutoTokenizer
+
+    from rollwire.rollout.agent import ChatTurns, PlainTurns
+    from rollwire.rollout.demos import demo_batches
+    from rollwire.trainer.sft import warm_up_on
+
+    warmup, dataset, orchestrator = config.warmup, config.orchestrator.dataset, config.orchestrator
+    agent = orchestrator.agent
+    key = _digest(
+        {
+            "spec": spec.__dict__,
+            "warmup": warmup.model_dump(mode="json"),
+            "env": [dataset.env_id, dataset.env_kwargs],
+            "agent": agent.model_dump(mode="json"),
+            "chat": orchestrator.use_chat_template,
+        }
+    )
+    target = cache_dir() / f"warm-{key}"
+    if (target / "config.json").exists():
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(base)
+
+    def make_turns() -> ChatTurns | PlainTurns:
+        if orchestrator.use_chat_template:
+            return ChatTurns(tokenizer, agent.system_prompt)
+        return PlainTurns(tokenizer, agent.observation_template)
+
+    # Warm-up seeds lie past the training and evaluation ones.
+    first = warmup.seed * 1_000_000_007 % (1 << 40) + (1 << 41)
+    batches = demo_batches(
+        dataset.env_id,
+        dataset.env_kwargs,
+        range(first, first + warmup.dataset_size),
+        tokenizer,
+        make_turns,
+        warmup.demo_kwargs,
+        agent.max_turns,
+        agent.max_episode_tokens,
+    )
+    with staged_directory(target) as staging:
+        warm_up_on(
+            base,
+            staging,
+            batches,
+            warmup.steps,
+            batch_size=warmup.batch_size,
+            learning_rate=warmup.learning_rate,
+            seed=warmup.seed,
+            threads=max(1, os.cpu_count() or 1),
+            progress=progress,
+        )
+    return target
+
+
 def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def start_servers(config: RunConfig, stack: Stack, timeout: float = 120.0) -> RunConfig:
-    """Starts the reward-server, rollout-server and buffer; returns the config with their endpoints."""
+    """Starts the reward-server, rollout-server and buffer, and for an `env` dataset the
+    env-servers (unless the config names some); returns the config with their endpoints."""
     started = {name: stack.start(name) for name in SERVER_COMMANDS}
+    env_servers = []
+    if config.orchestrator.dataset.type == "env" and not config.endpoints.env_servers:
+        count = config.run.local_env_servers
+        env_servers = [
+            stack.start("env-server", name=f"env-server-{i}", replica=count > 1)
+            for i in range(count)
+        ]
     addresses = {name: stack.wait_ready(service, timeout) for name, service in started.items()}
     buffer = json.loads(addresses["buffer"])
-    endpoints = config.endpoints.model_copy(
-        update={
-            "reward_servers": [addresses["reward-server"]],
-            "rollout_servers": [addresses["rollout-server"]],
-            "buffer_producer": buffer["producer"],
-            "buffer_trainer": buffer["trainer"],
-        }
-    )
+    update = {
+        "reward_servers": [addresses["reward-server"]],
+        "rollout_servers": [addresses["rollout-server"]],
+        "buffer_producer": buffer["producer"],
+        "buffer_trainer": buffer["trainer"],
+    }
+    if env_servers:
+        update["env_servers"] = [stack.wait_ready(s, timeout) for s in env_servers]
+    endpoints = config.endpoints.model_copy(update=update)
     return config.model_copy(update={"endpoints": endpoints})
 
 
@@ -204,6 +291,7 @@ def thread_budget(config: RunConfig) -> dict[str, int]:
         "rollout-server": config.rollout_server.threads,
         "trainer": config.trainer.threads,
         "reward-server": 1,
+        "env-server": 1,
         "buffer": 1,
         "orchestrator": 1,
     }

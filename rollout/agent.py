@@ -1,0 +1,317 @@
+"""Multi-turn episodes: the policy acts, the environment answers, until the episode ends.
+
+One episode is one token sequence. It starts with the first observation
+rendered as a prompt; each turn appends the tokens the policy generated (loss
+mask 1, with the engine's logprobs and policy versions) and then the
+environment's answer rendered as context (loss mask 0). Token ids are kept as
+generated, never re-tokenised from text, so the trainer scores exactly what
+the engine sampled.
+
+Every episode runs as its own coroutine: a slow environment holds up only
+its own episode. An episode lives on one env-server; if that server is lost
+mid-episode the episode starts again on another, from the same seed, and the
+restart is counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollwire.envs.base import EnvSpec
+from rollwire.envs.client import EnvBackend, EnvServerLost
+from rollwire.envs.host import EnvCallError
+from rollwire.envs.pool import EnvPool
+from rollwire.proto.v1 import rollout_pb2
+from rollwire.rollout.datasets import Task
+from rollwire.services.config import AgentConfig
+from rollwire.services.metrics import COUNTERS
+from rollwire.services.wire import Trajectory
+
+log = logging.getLogger(__name__)
+
+# (prompt token ids, max new tokens, temperature) -> the engine's answer
+Generate = Callable[[list[int], int, float], Awaitable[rollout_pb2.GenerateResponse]]
+# (spec, first observation, last action, last info) -> (reward, components)
+Score = Callable[[EnvSpec, str, str, dict[str, Any]], Awaitable[tuple[float, dict[str, float]]]]
+
+
+class EpisodeFailed(RuntimeError):
+    """An episode could not be completed (its env failed, or every start was lost)."""
+
+
+# ---------------------------------------------------------------- turns as tokens
+
+
+class PlainTurns:
+    """Observations written with a format string; the policy's turns end with its stop token."""
+
+    def __init__(self, tokenizer: Any, template: str) -> None:
+        self.tokenizer, self.template = tokenizer, template
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def first(self, observation: str) -> list[int]:
+        return self._encode(self.template.format(observation=observation))
+
+    def then(self, action_text: str, stopped: bool, observation: str) -> list[int]:
+        return self._encode(self.template.format(observation=observation))
+
+
+class ChatTurns:
+    """Observations as user turns and actions as assistant turns of the tokenizer's chat template.
+
+    The tokens of a new observation are the text the template adds when the
+    observation is appended (rendered both ways and subtracted), so whatever
+    the template writes between turns is in the context exactly once.
+    """
+
+    def __init__(self, tokenizer: Any, system_prompt: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.messages: list[dict[str, str]] = []
+        if system_prompt:
+            self.messages.append({"role": "system", "content": system_prompt})
+        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token else ""
+
+    def _render(self, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            self.messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def first(self, observation: str) -> list[int]:
+        self.messages.append({"role": "user", "content": observation})
+        return list(self.tokenizer(self._render(True), add_special_tokens=False)["input_ids"])
+
+    def then(self, action_text: str, stopped: bool, observation: str) -> list[int]:
+        self.messages.append({"role": "assistant", "content": action_text})
+        closed = self._render(False)
+        self.messages.append({"role": "user", "content": observation})
+        opened = self._render(True)
+        if not opened.startswith(closed):
+            raise ValueError("the chat template rewrites earlier turns; use the plain format")
+        # What the template writes after the action's text; the stop token the
+        # policy generated already stands for its first part.
+        closing = closed[closed.rfind(action_text) + len(action_text) :] if action_text else ""
+        if stopped and self.eos_text and closing.startswith(self.eos_text):
+            closing = closing[len(self.eos_text) :]
+        text = closing + opened[len(closed) :]
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ---------------------------------------------------------------- one episode
+
+
+@dataclass
+class _Tokens:
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+
+    def context(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.turns += [-1] * len(ids)
+
+    def generated(self, output: rollout_pb2.GenerateResponse, turn: int) -> None:
+        n = len(output.token_ids)
+        self.ids += list(output.token_ids)
+        self.mask += [1] * n
+        self.logprobs += list(output.logprobs)
+        self.versions += list(output.policy_versions)
+        self.turns += [turn] * n
+
+
+def _finish_reason(output: rollout_pb2.GenerateResponse) -> str:
+    return (
+        rollout_pb2.FinishReason.Name(output.finish_reason).removeprefix("FINISH_REASON_").lower()
+    )
+
+
+class EpisodeRunner:
+    """Runs episodes of env tasks against a pool of env backends and a policy."""
+
+    def __init__(
+        self,
+        pool: EnvPool,
+        specs: dict[str, EnvSpec],
+        tokenizer: Any,
+        settings: AgentConfig,
+        max_new_tokens: int,
+        use_chat_template: bool,
+        generate: Generate,
+        score: Score,
+    ) -> None:
+        self.pool, self.specs, self.tokenizer = pool, specs, tokenizer
+        self.settings = settings
+        self.max_new_tokens = max_new_tokens
+        self.use_chat_template = use_chat_template
+        self.generate, self.score = generate, score
+        self.eos = int(tokenizer.eos_token_id)
+        self.restarts = 0
+
+    def spec(self, env_id: str) -> EnvSpec:
+        try:
+            return self.specs[env_id]
+        except KeyError:
+            offered = ", ".join(sorted(self.specs)) or "none"
+            raise EpisodeFailed(
+                f"env id {env_id!r} is not offered by the env-servers; they offer: {offered}"
+            ) from None
+
+    def _turns(self) -> PlainTurns | ChatTurns:
+        if self.use_chat_template:
+            return ChatTurns(self.tokenizer, self.settings.system_prompt)
+        return PlainTurns(self.tokenizer, self.settings.observation_template)
+
+    def decode(self, ids: list[int]) -> str:
+        if ids and ids[-1] == self.eos:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def run(self, task: Task, sample_index: int, temperature: float) -> Trajectory:
+        """One episode of `task`; restarted from its seed on another backend if one is lost."""
+        spec = self.spec(task.metadata["env_id"])
+        attempts = self.settings.episode_attempts
+        for attempt in range(1, attempts + 1):
+            backend = self.pool.pick()
+            try:
+                with self.pool.lease(backend):
+                    return await self._run_on(backend, spec, task, sample_index, temperature)
+            except EnvServerLost as error:
+                self.pool.report_lost(backend, error)
+                if attempt == attempts:
+                    raise EpisodeFailed(
+                        f"episode {task.task_id}/{sample_index}: env-servers lost {attempts} times; "
+                        f"last: {backend.address}: {error}"
+                    ) from None
+                self.restarts += 1
+                COUNTERS.inc("orchestrator_episode_restarts", env_id=spec.env_id)
+                log.warning(
+                    "episode restarts from its seed on another env-server",
+                    extra={"task_id": task.task_id, "lost": backend.address, "attempt": attempt},
+                )
+        raise AssertionError("unreachable")
+
+    async def _run_on(
+        self,
+        backend: EnvBackend,
+        spec: EnvSpec,
+        task: Task,
+        sample_index: int,
+        temperature: float,
+    ) -> Trajectory:
+        settings = self.settings
+        timings = {"generate": 0.0, "env": 0.0, "score": 0.0}
+        started = time.perf_counter()
+        session_id, observation, info = await backend.reset(
+            spec.env_id, task.metadata.get("env_seed"), dict(task.metadata.get("env_kwargs", {}))
+        )
+        timings["env"] += time.perf_counter() - started
+        turns = self._turns()
+        tokens = _Tokens()
+        step_rewards: list[float] = []
+        turn_keys: list[str] = []
+        first_observation, action_text, finish_reason = observation, "", "truncated"
+        components: dict[str, float] = {}
+        try:
+            tokens.context(turns.first(observation))
+            for turn in range(settings.max_turns):
+                budget = min(self.max_new_tokens, settings.max_episode_tokens - len(tokens.ids))
+                if budget < 1:
+                    finish_reason = "length"
+                    break
+                turn_keys.append(self._key(info, tokens.ids))
+                clock = time.perf_counter()
+                output = await self.generate(tokens.ids, budget, temperature)
+                timings["generate"] += time.perf_counter() - clock
+                tokens.generated(output, turn)
+                action_ids = list(output.token_ids)
+                stopped = bool(action_ids) and action_ids[-1] == self.eos
+                action_text = self.decode(action_ids)
+                clock = time.perf_counter()
+                try:
+                    observation, reward, terminated, truncated, info = await backend.step(
+                        session_id, action_text
+                    )
+                except EnvServerLost:
+                    raise
+                except EnvCallError as error:
+                    if error.code == "NOT_FOUND":
+                        # The server forgot the session (restarted, or expired it): start over.
+                        raise EnvServerLost(str(error)) from None
+                    if error.code != "INVALID_ARGUMENT":
+                        raise EpisodeFailed(
+                            f"env {spec.env_id!r} on {backend.address}: {error}"
+                        ) from None
+                    COUNTERS.inc("orchestrator_invalid_actions", env_id=spec.env_id)
+                    reward, info = settings.invalid_action_reward, {}
+                    terminated = settings.invalid_action == "end"
+                    truncated = False
+                    observation = f"invalid action: {error.message}"
+                    if terminated:
+                        finish_reason = "invalid"
+                finally:
+                    timings["env"] += time.perf_counter() - clock
+                step_rewards.append(float(reward))
+                if terminated or truncated:
+                    if finish_reason != "invalid":
+                        finish_reason = "terminated" if terminated else "truncated"
+                    break
+                following = turns.then(action_text, stopped, observation)
+                if len(tokens.ids) + len(following) + 1 > settings.max_episode_tokens:
+                    finish_reason = "length"
+                    break
+                tokens.context(following)
+            if not spec.gives_reward:
+                clock = time.perf_counter()
+                reward, components = await self.score(spec, first_observation, action_text, info)
+                timings["score"] += time.perf_counter() - clock
+                if step_rewards:
+                    step_rewards[-1] += reward
+                else:
+                    step_rewards.append(reward)
+        finally:
+            try:
+                await backend.close(session_id)
+            except EnvCallError as error:  # the episode is over either way
+                log.debug("closing a session failed: %s", error)
+        timings["total"] = time.perf_counter() - started
+        return Trajectory(
+            trajectory_id=f"{task.task_id}/{sample_index}",
+            group_id=task.task_id,
+            task_id=task.task_id,
+            sample_index=sample_index,
+            prompt_ordinal=task.ordinal,
+            source=spec.env_id,
+            domain=spec.domain,
+            token_ids=np.asarray(tokens.ids, np.int32),
+            loss_mask=np.asarray(tokens.mask, np.uint8),
+            behaviour_logprobs=np.asarray(tokens.logprobs, np.float32),
+            policy_versions=np.asarray(tokens.versions, np.int64),
+            reward=float(sum(step_rewards)),
+            reward_components={**components, "turns": float(len(step_rewards))},
+            step_rewards=np.asarray(step_rewards, np.float32),
+            turn_ids=np.asarray(tokens.turns, np.int32),
+            turn_keys=turn_keys,
+            finish_reason=finish_reason,
+            timings=timings,
+        )
+
+    def _key(self, info: dict[str, Any], context: list[int]) -> str:
+        """The state a turn acts in: the env's `state_key` when it gives one, else everything
+        the policy has seen (so turns share a key only when their contexts are equal)."""
+        if "state_key" in info:
+            return str(info["state_key"])
+        digest = hashlib.blake2b(np.asarray(context, np.int32).tobytes(), digest_size=12)
+        return digest.hexdigest()
