@@ -27,12 +27,6 @@ GRPC_SERVICES: dict[str, tuple[str, str, str]] = {
     ),
 }
 
-# Commands whose implementation arrives with later work; they are listed so the
-# command line is complete, and they say plainly that they cannot run yet.
-PLANNED: dict[str, tuple[str, str]] = {
-    "env-check": ("run the conformance suite against an env server at ADDRESS", "#4"),
-}
-
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", metavar="FILE", help="run configuration (YAML)")
@@ -173,16 +167,122 @@ def _show_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _planned(command: str, issue: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        print(
-            f"rollwire {command}: not available in this version; it arrives with issue {issue} "
-            "(see the README's roadmap). Nothing was started.",
-            file=sys.stderr,
-        )
-        return 2
+ENV_CHECK_HELP = "run the conformance suite against an env server at ADDRESS"
+ENV_CHECK_EPILOG = """\
+Checks: health SERVING; ListEnvs; reset determinism by seed; variation across
+seeds; the step contract (done flags, Step after the end is FAILED_PRECONDITION,
+Step after Close is NOT_FOUND); NOT_FOUND for an unknown env or session;
+INVALID_ARGUMENT for an unknown kwarg; an oversized action refused
+(RESOURCE_EXHAUSTED or INVALID_ARGUMENT) without losing the session; Close of an
+unknown session answers existed=false; --sessions interleaved sessions each
+replay what a lone session does; Multiplex (skipped when UNIMPLEMENTED);
+still SERVING after all the bad input.
 
-    return run
+The suite cannot know which actions an env accepts. It steps with candidate
+actions -- by default spread-out numbers (50, 25, 75, 1, 0, ...) and common
+words (left, right, up, down, yes, no, a, b, pass, ...) -- and treats an
+INVALID_ARGUMENT reply as valid behaviour wherever the check is about the
+protocol. Give --action (repeatable, replaces the defaults, tried in order) when
+your env needs other actions to play and finish an episode.
+
+Results: PASS, FAIL, WARN (allowed but probably unintended, e.g. every seed
+gives the same episode), SKIP (could not be judged; the detail says why). Exit
+status: 0 when nothing failed, 1 when a check failed, 2 when the server could
+not be reached (or the arguments were wrong)."""
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _add_env_check(commands: Any) -> None:
+    check = commands.add_parser(
+        "env-check",
+        help=ENV_CHECK_HELP,
+        description=ENV_CHECK_HELP,
+        epilog=ENV_CHECK_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument("address", help="host:port of the env server to check")
+    check.add_argument("--env-id", help="env to exercise (default: the first ListEnvs names)")
+    check.add_argument(
+        "--env-kwargs",
+        metavar="JSON",
+        help="constructor arguments for every Reset, e.g. '{\"high\": 10}'",
+    )
+    check.add_argument(
+        "--action",
+        dest="actions",
+        action="append",
+        metavar="TEXT",
+        help="a candidate action (repeatable; replaces the built-in candidates)",
+    )
+    check.add_argument(
+        "--timeout",
+        type=_positive,
+        default=10.0,
+        metavar="S",
+        help="deadline of every call and of connecting, in seconds (default 10)",
+    )
+    check.add_argument(
+        "--sessions", type=int, default=32, metavar="N", help="sessions played at once (default 32)"
+    )
+    check.add_argument("--token", help="bearer token to send (else client.auth from the config)")
+    check.add_argument("--json", action="store_true", help="print the results as JSON")
+    _add_config_options(check)
+    check.set_defaults(handler=_env_check)
+
+
+def _usage_error(message: str) -> int:
+    print(f"rollwire env-check: {message}", file=sys.stderr)
+    return 2
+
+
+def _env_check(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from rollwire.envs.check import (
+        DEFAULT_ACTIONS,
+        CheckOptions,
+        ServerUnreachable,
+        format_table,
+        run_checks,
+    )
+    from rollwire.services.config import AuthConfig
+
+    client = _load(args).client
+    if args.token is not None:
+        client = client.model_copy(update={"auth": AuthConfig(token=args.token)})
+    env_kwargs = None
+    if args.env_kwargs is not None:
+        try:
+            env_kwargs = json.loads(args.env_kwargs)
+        except json.JSONDecodeError as error:
+            return _usage_error(f"--env-kwargs is not JSON: {error}")
+        if not isinstance(env_kwargs, dict):
+            return _usage_error("--env-kwargs must be a JSON object")
+    if args.sessions < 1:
+        return _usage_error("--sessions must be at least 1")
+    options = CheckOptions(
+        env_id=args.env_id,
+        env_kwargs=env_kwargs,
+        actions=tuple(args.actions) if args.actions else DEFAULT_ACTIONS,
+        timeout=args.timeout,
+        sessions=args.sessions,
+    )
+    try:
+        report = asyncio.run(run_checks(args.address, options, client))
+    except ServerUnreachable as error:
+        if args.json:
+            print(json.dumps({"address": args.address, "reachable": False, "error": str(error)}))
+        print(f"rollwire env-check: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_table(report))
+    return 0 if report.passed else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,14 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_options(sub)
         sub.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
         sub.set_defaults(handler=_process(command, runner))
-    for command, (help_text, issue) in PLANNED.items():
-        sub = commands.add_parser(
-            command, help=f"{help_text} [not yet available]", description=help_text
-        )
-        _add_config_options(sub)
-        if command == "env-check":
-            sub.add_argument("address", help="host:port of the env server to check")
-        sub.set_defaults(handler=_planned(command, issue))
+    _add_env_check(commands)
     health = commands.add_parser("health", help="ask a service for its gRPC health status")
     health.add_argument("address", help="host:port of the service")
     health.add_argument(

@@ -100,13 +100,6 @@ def test_help_imports_no_torch(service) -> None:
 
 
 @pytest.mark.multiproc
-def test_planned_commands_say_so_and_exit_nonzero() -> None:
-    result = run_cli("env-check", "127.0.0.1:1")
-    assert result.returncode == 2
-    assert "not available in this version" in result.stderr and "issue #" in result.stderr
-
-
-@pytest.mark.multiproc
 def test_top_level_help_lists_every_command() -> None:
     result = run_cli("--help")
     assert result.returncode == 0

@@ -1,0 +1,774 @@
+"""A conformance suite for any server of `rollwire.v1.EnvService`, in any language.
+
+    report = await run_checks("127.0.0.1:50051", CheckOptions(env_id="guess_the_number"))
+    report.passed, report.result("step_contract").outcome
+
+An environment plugs into rollwire by serving proto/v1/env.proto; this suite is
+how its author learns whether it honours the contract before a training run
+depends on it. Every check returns a `CheckResult` instead of raising, so a
+test can assert on one check and a person sees them all at once.
+
+Outcomes: `pass`; `fail` (the contract is broken); `warn` (allowed, but likely
+not what was meant); `skip` (could not be judged, with the reason). Only `fail`
+makes the suite fail.
+
+The suite cannot know which actions an unknown env accepts, so it steps with
+candidate actions (`CheckOptions.actions`). An INVALID_ARGUMENT reply is valid
+behaviour wherever a check is about the protocol (the env may reject "left"),
+and takes part in determinism comparisons like any other reply.
+
+A seed-independent env (every seed gives the same episode) gets a `warn`, not a
+`fail`: the contract only promises that the same seed gives the same episode,
+and a fixed puzzle is a legitimate environment, but an env meant to vary that
+ignores its seed trains on one episode, which deserves a loud note.
+
+When Reset of the env refuses the kwargs (INVALID_ARGUMENT), the first check to
+reset fails saying so and the later ones that need a session skip, rather than
+repeat one cause a dozen times. The session limit and idle expiry are not
+checked: neither can be seen without knowing the server's settings or waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import grpc
+import grpc.aio
+from google.protobuf import json_format
+
+from rollwire.proto.v1 import env_pb2, env_pb2_grpc
+from rollwire.services.client import check_health, describe_error, open_channel
+from rollwire.services.config import ClientConfig
+from rollwire.services.structs import to_struct
+
+Outcome = Literal["pass", "fail", "warn", "skip"]
+ENV_SERVICE = "rollwire.v1.EnvService"
+# Spread-out numbers first (a number game answers them differently for
+# different seeds), then the words grid, text and choice envs commonly take.
+DEFAULT_ACTIONS: tuple[str, ...] = (
+    "50", "left", "25", "right", "75", "up", "down", "1", "0", "yes",
+    "no", "a", "b", "10", "90", "2", "100", "pass", "3", "hello",
+)  # fmt: skip
+UNKNOWN_ENV_ID = "rollwire-env-check-no-such-env"
+SEED_VARIATION_SEEDS = tuple(range(2, 8))  # with seeds 0 and 1 from the determinism check
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check's verdict; `detail` says what was seen, in a line a person can act on."""
+
+    name: str
+    outcome: Outcome
+    detail: str
+    duration_ms: float
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """Every check run against one server, in order."""
+
+    address: str
+    env_id: str | None
+    results: list[CheckResult]
+
+    @property
+    def passed(self) -> bool:
+        """True when no check failed (warnings and skips do not fail the suite)."""
+        return all(result.outcome != "fail" for result in self.results)
+
+    def result(self, name: str) -> CheckResult:
+        """The result of the check called `name`."""
+        for result in self.results:
+            if result.name == name:
+                return result
+        raise KeyError(f"no check named {name!r}; ran: {[r.name for r in self.results]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary, what `rollwire env-check --json` prints."""
+        return {
+            "address": self.address,
+            "env_id": self.env_id,
+            "passed": self.passed,
+            "results": [asdict(result) for result in self.results],
+        }
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """What to check and how hard."""
+
+    env_id: str | None = None
+    """Env to exercise; the first one ListEnvs names when unset."""
+    env_kwargs: dict[str, Any] | None = None
+    """Constructor arguments sent with every Reset of that env."""
+    actions: tuple[str, ...] = DEFAULT_ACTIONS
+    """Candidate actions, stepped in this order; rejected ones are fine."""
+    timeout: float = 10.0
+    """Deadline of every call, and of connecting, in seconds."""
+    sessions: int = 32
+    """Sessions played at once by the concurrency check."""
+    oversized_action_bytes: int = 1024 * 1024
+    """Size of the action that must be refused; far above any sensible action limit."""
+    max_steps: int = 200
+    """Steps the step-contract check takes while waiting for an episode to end."""
+
+
+class ServerUnreachable(Exception):
+    """Nothing answers at the address; no check could run."""
+
+
+class CheckFailed(Exception):
+    """The server broke the contract."""
+
+
+class CheckWarning(Exception):
+    """Allowed by the contract but probably unintended."""
+
+
+class CheckSkipped(Exception):
+    """The check could not be judged; the message says why."""
+
+
+@dataclass
+class Reply:
+    """One Step answer, reduced to what determinism is judged on."""
+
+    code: str  # "OK" or the status code's name
+    observation: str = ""
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.code == "OK" and (self.terminated or self.truncated)
+
+    @classmethod
+    def from_step(cls, step: env_pb2.StepResponse) -> Reply:
+        return cls(
+            "OK", step.observation, step.reward, step.terminated, step.truncated, _info(step.info)
+        )
+
+    def brief(self) -> str:
+        if self.code != "OK":
+            return self.code
+        text = self.observation if len(self.observation) <= 40 else self.observation[:37] + "..."
+        return f"{text!r} r={self.reward:g} term={self.terminated} trunc={self.truncated}"
+
+
+def _info(struct: Any) -> dict[str, Any]:
+    return json_format.MessageToDict(struct)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _code_name(number: int) -> str:
+    """The name of a status code number as CallError carries it ("5" -> "NOT_FOUND")."""
+    return next((code.name for code in grpc.StatusCode if code.value[0] == number), str(number))
+
+
+class _Suite:
+    """The checks, sharing one channel and what earlier checks learned."""
+
+    def __init__(
+        self, channel: grpc.aio.Channel, options: CheckOptions, token: str | None = None
+    ) -> None:
+        self.channel = channel
+        # grpc.aio files a channel interceptor under the first call kind it
+        # implements only, so streaming calls must carry the token themselves.
+        self.stream_metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.stub = env_pb2_grpc.EnvServiceStub(channel)
+        self.options = options
+        self.timeout = options.timeout
+        self.env_id = options.env_id
+        # Transcripts of one session played alone, by seed: the reference that
+        # determinism and concurrency are judged against.
+        self.transcripts: dict[int, list[Reply]] = {}
+        self.accepted_action: str | None = None
+        self.reset_refused = False
+
+    # ---------------------------------------------------------------- helpers
+
+    def _need_env(self) -> str:
+        if self.env_id is None:
+            raise CheckSkipped("no env id to exercise (ListEnvs named none); pass --env-id")
+        return self.env_id
+
+    def _reset_request(self, seed: int) -> env_pb2.ResetRequest:
+        request = env_pb2.ResetRequest(env_id=self._need_env(), seed=seed)
+        if self.options.env_kwargs:
+            request.env_kwargs.CopyFrom(to_struct(self.options.env_kwargs))
+        return request
+
+    async def _reset(self, seed: int) -> tuple[str, Reply]:
+        try:
+            reply = await self.stub.Reset(self._reset_request(seed), timeout=self.timeout)
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                # Most likely the env needs kwargs we were not given: say so once,
+                # and let the checks after it skip rather than repeat the failure.
+                if self.reset_refused:
+                    raise CheckSkipped(
+                        "Reset refuses these kwargs (see the first failure)"
+                    ) from None
+                self.reset_refused = True
+                kwargs = self.options.env_kwargs or {}
+                raise CheckFailed(
+                    f"Reset of {self.env_id!r} with kwargs {kwargs} refused: "
+                    f"{describe_error(error)}; pass --env-kwargs with what this env needs"
+                ) from None
+            raise CheckFailed(f"Reset of {self.env_id!r} failed: {describe_error(error)}") from None
+        if not reply.session_id:
+            raise CheckFailed("Reset answered an empty session_id")
+        return reply.session_id, Reply("OK", reply.observation, info=_info(reply.info))
+
+    def _raw_step(self, session_id: str, action: str) -> Awaitable[env_pb2.StepResponse]:
+        request = env_pb2.StepRequest(session_id=session_id, action=action)
+        return self.stub.Step(request, timeout=self.timeout)
+
+    async def _step(self, session_id: str, action: str) -> Reply:
+        """A Step reply; INVALID_ARGUMENT is a reply too, any other error fails the check."""
+        try:
+            reply = await self._raw_step(session_id, action)
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                return Reply("INVALID_ARGUMENT")
+            raise CheckFailed(
+                f"Step {action[:40]!r} on a live session failed: {describe_error(error)}"
+            ) from None
+        if not math.isfinite(reply.reward):
+            raise CheckFailed(f"Step {action[:40]!r} answered a non-finite reward {reply.reward}")
+        if self.accepted_action is None:
+            self.accepted_action = action
+        return Reply.from_step(reply)
+
+    async def _close(self, session_id: str) -> bool:
+        request = env_pb2.CloseRequest(session_id=session_id)
+        try:
+            return (await self.stub.Close(request, timeout=self.timeout)).existed
+        except grpc.aio.AioRpcError as error:
+            raise CheckFailed(f"Close failed: {describe_error(error)}") from None
+
+    async def _expect_error(
+        self, call: Awaitable[Any], allowed: Sequence[grpc.StatusCode], what: str
+    ) -> grpc.StatusCode:
+        """Awaits a call that must fail with one of `allowed`; returns the code it gave."""
+        names = " or ".join(code.name for code in allowed)
+        try:
+            await call
+        except grpc.aio.AioRpcError as error:
+            if error.code() in allowed:
+                return error.code()
+            raise CheckFailed(f"{what}: expected {names}, got {describe_error(error)}") from None
+        raise CheckFailed(f"{what}: expected {names}, got OK")
+
+    async def _play_alone(self, seed: int) -> list[Reply]:
+        """Reset with `seed`, then every candidate action once, until the episode ends."""
+        session_id, first = await self._reset(seed)
+        transcript = [first]
+        try:
+            for action in self.options.actions:
+                reply = await self._step(session_id, action)
+                transcript.append(reply)
+                if reply.done:
+                    break
+        finally:
+            await self._close(session_id)
+        return transcript
+
+    # ---------------------------------------------------------------- checks
+
+    async def health(self) -> str:
+        try:
+            status = await check_health(self.channel, "", timeout=self.timeout)
+        except grpc.aio.AioRpcError as error:
+            raise CheckFailed(f"grpc.health.v1 Check failed: {describe_error(error)}") from None
+        if status != "SERVING":
+            raise CheckFailed(f"the server reports {status}, not SERVING")
+        try:
+            named = await check_health(self.channel, ENV_SERVICE, timeout=self.timeout)
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.NOT_FOUND:
+                return "SERVING ('' only; no per-service status for EnvService)"
+            raise CheckFailed(f"health of {ENV_SERVICE}: {describe_error(error)}") from None
+        if named != "SERVING":
+            raise CheckFailed(f"the server is SERVING but reports {ENV_SERVICE} as {named}")
+        return f"SERVING ('' and {ENV_SERVICE})"
+
+    async def list_envs(self) -> str:
+        try:
+            reply = await self.stub.ListEnvs(env_pb2.ListEnvsRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as error:
+            raise CheckFailed(f"ListEnvs failed: {describe_error(error)}") from None
+        ids = [spec.env_id for spec in reply.envs]
+        if not ids:
+            raise CheckFailed("ListEnvs named no environment")
+        problems = [f"an env with an empty env_id (#{i})" for i, e in enumerate(ids) if not e]
+        problems += [f"{e!r} listed twice" for e in sorted({e for e in ids if ids.count(e) > 1})]
+        problems += [f"{e!r} has whitespace in its id" for e in ids if e != "".join(e.split())]
+        problems += [f"{s.env_id!r} has no domain" for s in reply.envs if not s.domain]
+        if self.env_id is not None and self.env_id not in ids:
+            problems.append(f"--env-id {self.env_id!r} is not among them")
+        if self.env_id is None and ids[0]:
+            self.env_id = ids[0]
+        if problems:
+            raise CheckFailed("; ".join(problems))
+        if undescribed := [s.env_id for s in reply.envs if not s.description]:
+            raise CheckWarning(f"{len(ids)} env(s); no description for {undescribed}")
+        return f"{len(ids)} env(s): {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}"
+
+    async def reset_determinism(self) -> str:
+        """Two sessions per seed, stepped alternately: the same seed must give the same replies."""
+        self._need_env()
+        for seed in (0, 1):
+            first_id, first = await self._reset(seed)
+            second_id = ""
+            try:
+                second_id, second = await self._reset(seed)
+                if first != second:
+                    raise CheckFailed(
+                        f"seed {seed}: two Resets differ: {first.brief()} {first.info} vs "
+                        f"{second.brief()} {second.info}"
+                    )
+                transcript = [first]
+                for action in self.options.actions:
+                    one = await self._step(first_id, action)
+                    two = await self._step(second_id, action)
+                    if one != two:
+                        raise CheckFailed(
+                            f"seed {seed}, step {len(transcript)} (action {action!r}): "
+                            f"{one.brief()} {one.info} vs {two.brief()} {two.info}"
+                        )
+                    transcript.append(one)
+                    if one.done:
+                        break
+            finally:
+                for session_id in filter(None, (first_id, second_id)):
+                    await self._close(session_id)
+            self.transcripts[seed] = transcript
+        steps = len(self.transcripts[0]) - 1
+        rejected = sum(r.code != "OK" for r in self.transcripts[0])
+        return f"seeds 0 and 1 replayed identically ({_count(steps, 'step')}, {rejected} rejected)"
+
+    async def seed_variation(self) -> str:
+        if len(self.transcripts) < 2:
+            raise CheckSkipped("needs reset_determinism to pass first")
+        for seed in SEED_VARIATION_SEEDS:
+            self.transcripts[seed] = await self._play_alone(seed)
+        seeds = sorted(self.transcripts)
+        distinct = {repr(self.transcripts[seed]) for seed in seeds}
+        if len(distinct) == 1:
+            raise CheckWarning(
+                f"seeds {seeds[0]}..{seeds[-1]} all gave the same episode for these actions; "
+                "fine for a fixed env, wrong if it should vary by seed (try --action)"
+            )
+        return f"{len(distinct)} distinct episodes over seeds {seeds[0]}..{seeds[-1]}"
+
+    async def step_contract(self) -> str:
+        session_id, _ = await self._reset(seed=0)
+        closed = False
+        try:
+            steps = rejected = 0
+            reply = Reply("INVALID_ARGUMENT")
+            while steps < self.options.max_steps and not reply.done:
+                action = self.options.actions[steps % len(self.options.actions)]
+                reply = await self._step(session_id, action)
+                steps += 1
+                rejected += reply.code != "OK"
+                if rejected == steps == len(self.options.actions):
+                    raise CheckSkipped(
+                        f"all {steps} candidate actions were rejected (INVALID_ARGUMENT); "
+                        "pass --action with one this env accepts"
+                    )
+            if not reply.done:
+                raise CheckWarning(
+                    f"no episode end within {steps} steps, so step-after-done was not checked; "
+                    "pass --action values that finish an episode"
+                )
+            how = "terminated" if reply.terminated else "truncated"
+            action = self.accepted_action or ""
+            await self._expect_error(
+                self._raw_step(session_id, action),
+                [grpc.StatusCode.FAILED_PRECONDITION],
+                f"Step after the episode {how}",
+            )
+            if not await self._close(session_id):
+                raise CheckFailed("Close of a finished but open session answered existed=false")
+            closed = True
+            await self._expect_error(
+                self._raw_step(session_id, action),
+                [grpc.StatusCode.NOT_FOUND],
+                "Step on a closed session",
+            )
+            if await self._close(session_id):
+                raise CheckFailed("a second Close of the same session answered existed=true")
+        finally:
+            if not closed:
+                await self._close(session_id)
+        return (
+            f"{_count(steps, 'step')} ({rejected} rejected), {how} with reward {reply.reward:g}; "
+            "after done FAILED_PRECONDITION; after Close NOT_FOUND"
+        )
+
+    async def unknown_env(self) -> str:
+        request = env_pb2.ResetRequest(env_id=UNKNOWN_ENV_ID, seed=0)
+        try:
+            reply = await self.stub.Reset(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.NOT_FOUND:
+                return "NOT_FOUND"
+            raise CheckFailed(f"expected NOT_FOUND, got {describe_error(error)}") from None
+        await self._close(reply.session_id)
+        raise CheckFailed(f"Reset of env id {UNKNOWN_ENV_ID!r} succeeded; expected NOT_FOUND")
+
+    async def unknown_session(self) -> str:
+        step = self._raw_step(uuid.uuid4().hex, self.options.actions[0])
+        await self._expect_error(step, [grpc.StatusCode.NOT_FOUND], "Step on an unknown session")
+        return "NOT_FOUND"
+
+    async def bad_kwargs(self) -> str:
+        request = env_pb2.ResetRequest(env_id=self._need_env(), seed=0)
+        request.env_kwargs.CopyFrom(to_struct({"rollwire_env_check_no_such_kwarg": 1}))
+        try:
+            reply = await self.stub.Reset(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                return "INVALID_ARGUMENT for an unknown kwarg"
+            raise CheckFailed(
+                f"an unknown kwarg: expected INVALID_ARGUMENT, got {describe_error(error)}"
+            ) from None
+        await self._close(reply.session_id)
+        raise CheckWarning("an unknown kwarg was accepted; fine only if the env ignores extras")
+
+    async def oversized_action(self) -> str:
+        session_id, _ = await self._reset(seed=0)
+        try:
+            size = self.options.oversized_action_bytes
+            # A valid action at the end: a server with no size limit would accept it.
+            tail = " " + (self.accepted_action or self.options.actions[0])
+            action = "x" * max(size - len(tail.encode()), 0) + tail
+            code = await self._expect_error(
+                self._raw_step(session_id, action),
+                [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT],
+                f"an action of {size} bytes",
+            )
+            # Refusing it must leave the session as it was: a lost session fails here.
+            after = await self._step(session_id, tail.strip())
+        finally:
+            await self._close(session_id)
+        return f"{code.name} for {size} bytes; the session lived on ({after.code})"
+
+    async def close_unknown(self) -> str:
+        if await self._close(uuid.uuid4().hex):
+            raise CheckFailed("Close of a session id never issued answered existed=true")
+        return "existed=false"
+
+    async def concurrent_sessions(self) -> str:
+        """Many sessions stepped at once must each replay what one session alone does."""
+        references = {seed: self.transcripts[seed] for seed in (0, 1) if seed in self.transcripts}
+        if len(references) < 2:
+            raise CheckSkipped("needs reset_determinism to pass first: it gives the reference")
+        count = self.options.sessions
+        seeds = [index % 2 for index in range(count)]
+        opened = await asyncio.gather(
+            *(self._reset(seed) for seed in seeds), return_exceptions=True
+        )
+        ids = [item[0] for item in opened if isinstance(item, tuple)]
+        try:
+            if failure := next((item for item in opened if isinstance(item, Exception)), None):
+                raise failure
+            if len(set(ids)) != count:
+                raise CheckFailed(f"{count} Resets gave only {len(set(ids))} distinct session ids")
+            transcripts = [[reply] for _, reply in opened]  # type: ignore[misc]
+            order = random.Random(0)
+            for action in self.options.actions:
+                live = [i for i in range(count) if not transcripts[i][-1].done]
+                if not live:
+                    break
+                order.shuffle(live)
+                replies = await asyncio.gather(*(self._step(ids[i], action) for i in live))
+                for index, reply in zip(live, replies, strict=True):
+                    transcripts[index].append(reply)
+            for index, transcript in enumerate(transcripts):
+                expected = references[seeds[index]]
+                if transcript != expected:
+                    at = next(
+                        (
+                            i
+                            for i, (a, b) in enumerate(zip(transcript, expected, strict=False))
+                            if a != b
+                        ),
+                        min(len(transcript), len(expected)),
+                    )
+                    got = transcript[at].brief() if at < len(transcript) else "nothing"
+                    want = expected[at].brief() if at < len(expected) else "nothing"
+                    raise CheckFailed(
+                        f"session {index} of {count} (seed {seeds[index]}) differs from the same "
+                        f"seed played without company at reply {at}: {got} vs {want}"
+                    )
+        finally:
+            closed = await asyncio.gather(*(self._close(sid) for sid in ids))
+        if not all(closed):
+            raise CheckFailed(
+                f"{closed.count(False)} of {count} open sessions were unknown to Close"
+            )
+        return f"{count} interleaved sessions each replayed their seed's episode exactly"
+
+    async def multiplex(self) -> str:
+        return await _MultiplexCheck(self).run()
+
+    async def still_serving(self) -> str:
+        detail = await self.health()
+        try:
+            await self.stub.ListEnvs(env_pb2.ListEnvsRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as error:
+            raise CheckFailed(f"ListEnvs after the bad input: {describe_error(error)}") from None
+        return f"{detail.split(' ', 1)[0]} and answering after all the bad input"
+
+
+class _MultiplexCheck:
+    """Batched calls on one stream: each answered once by call_id, errors in-band, stream lives on."""
+
+    def __init__(self, suite: _Suite) -> None:
+        self.suite = suite
+        self.call: Any = None
+        self.answered: set[int] = set()
+
+    async def _exchange(self, calls: list[env_pb2.EnvCall]) -> dict[int, env_pb2.EnvReply]:
+        """Sends one batch and reads until every call in it is answered."""
+        await asyncio.wait_for(
+            self.call.write(env_pb2.EnvCallBatch(calls=calls)), self.suite.timeout
+        )
+        pending = {call.call_id for call in calls}
+        replies: dict[int, env_pb2.EnvReply] = {}
+        while pending:
+            batch = await asyncio.wait_for(self.call.read(), self.suite.timeout)
+            if batch is grpc.aio.EOF:
+                raise CheckFailed(f"the stream ended with calls {sorted(pending)} unanswered")
+            for reply in batch.replies:
+                if reply.call_id in self.answered:
+                    raise CheckFailed(f"call_id {reply.call_id} was answered twice")
+                if reply.call_id not in pending:
+                    raise CheckFailed(f"a reply for call_id {reply.call_id}, which was never sent")
+                self.answered.add(reply.call_id)
+                pending.discard(reply.call_id)
+                replies[reply.call_id] = reply
+        return replies
+
+    @staticmethod
+    def _expect(
+        reply: env_pb2.EnvReply, kind: str, what: str, code: grpc.StatusCode | None = None
+    ) -> None:
+        got = reply.WhichOneof("reply")
+        if got != kind:
+            detail = (
+                f" {_code_name(reply.error.code)}: {reply.error.message}" if got == "error" else ""
+            )
+            raise CheckFailed(f"{what}: expected a {kind} reply, got {got}{detail}")
+        if code is not None and reply.error.code != code.value[0]:
+            raise CheckFailed(
+                f"{what}: expected error {code.name}, got {_code_name(reply.error.code)}: "
+                f"{reply.error.message}"
+            )
+
+    async def _unary_step(self, session_id: str, action: str) -> str:
+        """Steps a session opened through Multiplex with unary Step: it must be known there."""
+        try:
+            await self.suite._raw_step(session_id, action)
+        except grpc.aio.AioRpcError as error:
+            allowed = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+            if error.code() in allowed:
+                return error.code().name
+            raise CheckFailed(
+                f"unary Step on a session opened through Multiplex: {describe_error(error)}"
+            ) from None
+        return "OK"
+
+    async def run(self) -> str:
+        suite = self.suite
+        suite._need_env()
+        not_found = grpc.StatusCode.NOT_FOUND
+        unary_id, _ = await suite._reset(seed=1)
+        mux_id = ""
+        self.call = suite.stub.Multiplex(timeout=suite.timeout * 6, metadata=suite.stream_metadata)
+        try:
+            first = await self._exchange(
+                [
+                    env_pb2.EnvCall(call_id=1, reset=suite._reset_request(0)),
+                    env_pb2.EnvCall(
+                        call_id=2, reset=env_pb2.ResetRequest(env_id=UNKNOWN_ENV_ID, seed=0)
+                    ),
+                    env_pb2.EnvCall(
+                        call_id=3, step=env_pb2.StepRequest(session_id=uuid.uuid4().hex)
+                    ),
+                    env_pb2.EnvCall(
+                        call_id=4, close=env_pb2.CloseRequest(session_id=uuid.uuid4().hex)
+                    ),
+                    env_pb2.EnvCall(call_id=2**64 - 1),  # carries no call: must still be answered
+                ]
+            )
+            self._expect(first[1], "reset", "Reset in a batch")
+            mux_id = first[1].reset.session_id
+            self._expect(first[2], "error", "Reset of an unknown env in a batch", not_found)
+            self._expect(first[3], "error", "Step on an unknown session in a batch", not_found)
+            self._expect(first[4], "close", "Close of an unknown session in a batch")
+            if first[4].close.existed:
+                raise CheckFailed("Close of an unknown session in a batch answered existed=true")
+            self._expect(first[2**64 - 1], "error", "an EnvCall carrying no call")
+            action = suite.options.actions[0]
+            second = await self._exchange(
+                [
+                    env_pb2.EnvCall(
+                        call_id=10, step=env_pb2.StepRequest(session_id=mux_id, action=action)
+                    ),
+                    env_pb2.EnvCall(
+                        call_id=11, step=env_pb2.StepRequest(session_id=unary_id, action=action)
+                    ),
+                ]
+            )
+            for call_id, what in ((10, "a Multiplex session"), (11, "a unary session")):
+                reply = second[call_id]
+                if reply.WhichOneof("reply") == "error":
+                    if reply.error.code != grpc.StatusCode.INVALID_ARGUMENT.value[0]:
+                        raise CheckFailed(
+                            f"Step on {what} in a batch: {_code_name(reply.error.code)}: "
+                            f"{reply.error.message}"
+                        )
+                else:
+                    self._expect(reply, "step", f"Step on {what} in a batch")
+            reference = suite.transcripts.get(0)
+            if reference is not None and len(reference) > 1:
+                step = second[10]
+                is_error = step.WhichOneof("reply") == "error"
+                got = Reply("INVALID_ARGUMENT") if is_error else Reply.from_step(step.step)
+                if got != reference[1]:
+                    raise CheckFailed(
+                        f"seed 0 through Multiplex: {got.brief()} vs unary {reference[1].brief()}"
+                    )
+            unary_step = await self._unary_step(mux_id, action)
+            third = await self._exchange(
+                [
+                    env_pb2.EnvCall(call_id=20, close=env_pb2.CloseRequest(session_id=mux_id)),
+                    env_pb2.EnvCall(call_id=21, close=env_pb2.CloseRequest(session_id=unary_id)),
+                ]
+            )
+            for call_id in (20, 21):
+                self._expect(third[call_id], "close", "Close in a batch")
+                if not third[call_id].close.existed:
+                    raise CheckFailed("Close in a batch of an open session answered existed=false")
+            mux_id = unary_id = ""
+            await asyncio.wait_for(self.call.done_writing(), suite.timeout)
+            tail = await asyncio.wait_for(self.call.read(), suite.timeout)
+            if tail is not grpc.aio.EOF:
+                raise CheckFailed("the server sent replies after every call was answered")
+            code = await asyncio.wait_for(self.call.code(), suite.timeout)
+            if code is not grpc.StatusCode.OK:
+                raise CheckFailed(f"the stream ended with {code.name} after a clean half-close")
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.UNIMPLEMENTED:
+                raise CheckSkipped(
+                    "Multiplex is UNIMPLEMENTED (optional; clients fall back to unary)"
+                ) from None
+            raise CheckFailed(f"the Multiplex stream failed: {describe_error(error)}") from None
+        except TimeoutError:
+            raise CheckFailed(f"no Multiplex answer within {suite.timeout:g}s") from None
+        finally:
+            self.call.cancel()
+            for session_id in (mux_id, unary_id):
+                if session_id:
+                    await suite._close(session_id)
+        return (
+            f"{len(self.answered)} calls answered once by call_id; errors in-band; sessions shared "
+            f"with unary calls (unary Step on a batch session: {unary_step})"
+        )
+
+
+CHECKS: tuple[tuple[str, Callable[[_Suite], Awaitable[str]]], ...] = (
+    ("health", _Suite.health),
+    ("list_envs", _Suite.list_envs),
+    ("reset_determinism", _Suite.reset_determinism),
+    ("seed_variation", _Suite.seed_variation),
+    ("step_contract", _Suite.step_contract),
+    ("unknown_env", _Suite.unknown_env),
+    ("unknown_session", _Suite.unknown_session),
+    ("bad_kwargs", _Suite.bad_kwargs),
+    ("oversized_action", _Suite.oversized_action),
+    ("close_unknown", _Suite.close_unknown),
+    ("concurrent_sessions", _Suite.concurrent_sessions),
+    ("multiplex", _Suite.multiplex),
+    ("still_serving", _Suite.still_serving),
+)
+"""Every check, in the order it runs; later ones reuse what earlier ones learned."""
+
+
+async def _run_one(name: str, check: Callable[[], Awaitable[str]]) -> CheckResult:
+    started = time.perf_counter()
+    outcome: Outcome
+    try:
+        outcome, detail = "pass", await check()
+    except CheckFailed as error:
+        outcome, detail = "fail", str(error)
+    except CheckWarning as error:
+        outcome, detail = "warn", str(error)
+    except CheckSkipped as error:
+        outcome, detail = "skip", str(error)
+    except grpc.aio.AioRpcError as error:
+        outcome, detail = "fail", describe_error(error)
+    except TimeoutError:
+        outcome, detail = "fail", "a call or read ran past its deadline"
+    except Exception as error:  # a check must report, never take the suite down
+        outcome, detail = "fail", f"the check itself failed: {type(error).__name__}: {error}"
+    return CheckResult(name, outcome, detail, (time.perf_counter() - started) * 1000)
+
+
+async def run_checks(
+    address: str, options: CheckOptions | None = None, client: ClientConfig | None = None
+) -> CheckReport:
+    """Runs every check against the EnvService at `address`.
+
+    Raises:
+        ServerUnreachable: nothing answered at `address` within `options.timeout`.
+    """
+    options = options or CheckOptions()
+    if not options.actions:
+        raise ValueError("CheckOptions.actions needs at least one candidate action")
+    async with open_channel(address, client) as channel:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), options.timeout)
+        except TimeoutError:
+            raise ServerUnreachable(
+                f"cannot connect to {address} within {options.timeout:g}s"
+            ) from None
+        suite = _Suite(channel, options, (client or ClientConfig()).auth.resolve_token())
+        results = []
+        for name, check in CHECKS:
+            results.append(await _run_one(name, lambda check=check: check(suite)))
+        return CheckReport(address, suite.env_id, results)
+
+
+def format_table(report: CheckReport) -> str:
+    """The report as an aligned text table (check, result, detail, ms) and a summary line."""
+    header = ("check", "result", "detail", "ms")
+    rows = [(r.name, r.outcome.upper(), r.detail, f"{r.duration_ms:.0f}") for r in report.results]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
+    lines = [
+        f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:>5}"
+        for row in [header, *rows]
+    ]
+    counts = {
+        o: sum(r.outcome == o for r in report.results) for o in ("pass", "fail", "warn", "skip")
+    }
+    verdict = "PASSED" if report.passed else "FAILED"
+    summary = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+    lines.append(f"{report.address} (env {report.env_id}): {verdict}: {summary}")
+    return "\n".join(lines)
