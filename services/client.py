@@ -52,11 +52,13 @@ def open_channel(
     ]
     credentials = channel_credentials(config)
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=options, interceptors=[interceptor])
+        return grpc.aio.insecure_channel(
+            address, options=options, interceptors=interceptor.interceptors()
+        )
     if config.tls is not None and config.tls.server_name:
         options.append(("grpc.ssl_target_name_override", config.tls.server_name))
     return grpc.aio.secure_channel(
-        address, credentials, options=options, interceptors=[interceptor]
+        address, credentials, options=options, interceptors=interceptor.interceptors()
     )
 
 

@@ -188,13 +188,13 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         return traced
 
 
-class ClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Default deadline, bearer token and a CLIENT span on every outgoing call."""
+class ClientInterceptor:
+    """Default deadline, bearer token and a CLIENT span on every outgoing call.
+
+    grpc.aio files an interceptor under the first call type it implements only,
+    so one object cannot cover all four; `interceptors()` gives one per type,
+    sharing this object's settings.
+    """
 
     def __init__(
         self,
@@ -260,7 +260,36 @@ class ClientInterceptor(
         task.add_done_callback(self._pending.discard)
         return call
 
-    intercept_unary_unary = _intercept
-    intercept_unary_stream = _intercept
-    intercept_stream_unary = _intercept
-    intercept_stream_stream = _intercept
+    def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
+        """One interceptor for each of the four call types, for a channel's `interceptors`."""
+        return [
+            _UnaryUnary(self._intercept),
+            _UnaryStream(self._intercept),
+            _StreamUnary(self._intercept),
+            _StreamStream(self._intercept),
+        ]
+
+
+class _ForwardingInterceptor:
+    def __init__(self, intercept: Callable[..., Any]) -> None:
+        self._intercept = intercept
+
+
+class _UnaryUnary(_ForwardingInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[override]
+        return await self._intercept(continuation, details, request)
+
+
+class _UnaryStream(_ForwardingInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[override]
+        return await self._intercept(continuation, details, request)
+
+
+class _StreamUnary(_ForwardingInterceptor, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, requests):  # type: ignore[override]
+        return await self._intercept(continuation, details, requests)
+
+
+class _StreamStream(_ForwardingInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, requests):  # type: ignore[override]
+        return await self._intercept(continuation, details, requests)

@@ -546,3 +546,26 @@ async def test_host_counts_a_pending_blocking_reset_against_the_limit() -> None:
     finally:
         registry._REGISTRY.pop("client_test_slow_reset")
         host.close_all()
+
+
+@pytest.mark.integration
+async def test_streams_carry_the_token_too(start_service) -> None:
+    """grpc.aio files a channel interceptor under one call type only; streams need their own."""
+    from rollwire.services.config import AuthConfig, ServerConfig
+
+    runtime = await start_service(
+        registrations(CONFIG), ServerConfig(auth=AuthConfig(token="s3cret"))
+    )
+    envs = RemoteEnvs(runtime.address, ClientConfig(auth=AuthConfig(token="s3cret")))
+    try:
+        session, _, _ = await envs.reset("guess_the_number", seed=1)
+        await envs.step(session, "50")
+        assert envs.multiplexing, "the stream was refused and the client fell back to unary"
+    finally:
+        await envs.aclose()
+    refused = RemoteEnvs(runtime.address, ClientConfig(auth=AuthConfig(token="wrong")))
+    try:
+        with pytest.raises(EnvCallError, match="wrong bearer token"):
+            await refused.reset("guess_the_number", seed=1)
+    finally:
+        await refused.aclose()
