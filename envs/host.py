@@ -120,6 +120,7 @@ class SessionHost:
         self._next_sweep = 0.0
         # UTF-8 spends at most 4 bytes a character, so shorter actions skip encoding.
         self._short_action_chars = config.max_action_bytes // 4
+        registry.load_plugins(config.plugins)
         offered = config.envs
         known = {spec.env_id for spec in registry.list_specs()}
         if offered is not None and (missing := sorted(set(offered) - known)):

@@ -45,6 +45,17 @@ def make(env_id: str, **kwargs: Any) -> Env:
     return factory(**kwargs)
 
 
+def load_plugins(modules: list[str]) -> None:
+    """Imports each module so that it can `register` its environments (once per process)."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ValueError(f"env plugin module {name!r} cannot be imported: {error}") from None
+
+
 def list_specs() -> list[EnvSpec]:
     """Every registered environment, sorted by id."""
     return [spec for _, (spec, _) in sorted(_REGISTRY.items())]

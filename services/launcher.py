@@ -204,6 +204,7 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
     """Warm-up on episodes a scripted demonstrator plays in the run's environment."""
     from transformers import AutoTokenizer
 
+    from rollwire.envs.registry import load_plugins
     from rollwire.rollout.agent import ChatTurns, PlainTurns
     from rollwire.rollout.demos import demo_batches
     from rollwire.trainer.sft import warm_up_on
@@ -222,6 +223,7 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
     target = cache_dir() / f"warm-{key}"
     if (target / "config.json").exists():
         return target
+    load_plugins(config.env_server.plugins)  # the demonstrations play the env in this process
     tokenizer = AutoTokenizer.from_pretrained(base)
 
     def make_turns() -> ChatTurns | PlainTurns:

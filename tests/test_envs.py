@@ -217,3 +217,23 @@ async def test_idle_sessions_expire() -> None:
 def test_server_refuses_unregistered_env_ids_in_config() -> None:
     with pytest.raises(ValueError, match=r"unregistered env ids: \['chess'\]"):
         EnvServicer(EnvServerConfig(envs=["guess_the_number", "chess"]))
+
+
+def test_env_plugins_are_imported_and_bad_ones_named(tmp_path, monkeypatch) -> None:
+    from rollwire.envs import registry
+    from rollwire.envs.host import SessionHost
+    from rollwire.services.config import EnvServerConfig
+
+    (tmp_path / "my_envs_plugin.py").write_text(
+        "from rollwire.envs.games import GuessTheNumber\n"
+        "from rollwire.envs.registry import register\n"
+        "register('tiny_guess', lambda: GuessTheNumber(1, 3), 'Guess 1..3.')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        host = SessionHost(EnvServerConfig(plugins=["my_envs_plugin"]))
+        assert "tiny_guess" in {spec.env_id for spec in host.specs()}
+        with pytest.raises(ValueError, match="'no_such_plugin' cannot be imported"):
+            SessionHost(EnvServerConfig(plugins=["no_such_plugin"]))
+    finally:
+        registry._REGISTRY.pop("tiny_guess", None)

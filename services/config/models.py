@@ -142,6 +142,9 @@ class EnvServerConfig(StrictModel):
     """Largest action accepted by Step, in UTF-8 bytes."""
     envs: list[str] | None = None
     """Env ids this server offers; all registered ones when unset."""
+    plugins: list[str] = []
+    """Python modules imported before serving; each registers its envs with
+    `rollwire.envs.registry.register` (e.g. `mypackage.envs`)."""
 
 
 class RewardServerConfig(StrictModel):

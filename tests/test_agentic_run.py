@@ -1,0 +1,105 @@
+"""Agentic runs through every real process: env-servers (Python and Node.js), failover."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import assert_no_process_left, jsonl, rollwire_train
+
+REPO = Path(__file__).resolve().parents[1]
+NODE_SERVER = REPO / "examples" / "node-env" / "server.js"
+
+GUESS_RUN = [
+    "orchestrator.dataset={type: env, env_id: guess_the_number, env_kwargs: {low: 1, high: 8}}",
+    "orchestrator.eval_dataset={type: env, env_id: guess_the_number, "
+    "env_kwargs: {low: 1, high: 8}, seed: 100000, size: 8}",
+    "orchestrator.agent.max_turns=4",
+    "orchestrator.agent.max_episode_tokens=200",
+    "orchestrator.max_new_tokens=4",
+    "orchestrator.eval_every=2",
+    "rl.groups_per_step=4",
+    "rl.group_size=4",
+    "warmup.steps=10",
+    "run.tiny_model={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2}",
+]
+
+
+def train_command(run_dir: Path, *overrides: str) -> list[str]:
+    command = [sys.executable, "-m", "rollwire.services.cli", "train"]
+    for item in (f"run.output_dir={run_dir}", *overrides):
+        command += ["--set", item]
+    return command
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_killing_one_of_two_env_servers_loses_no_episode(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        train_command(
+            run_dir, *GUESS_RUN, "rl.max_steps=10", "run.local_env_servers=2", "rl.max_staleness=1"
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        trainer_log = run_dir / "metrics" / "trainer.jsonl"
+        deadline = time.monotonic() + 300
+        while not (trainer_log.exists() and trainer_log.read_text().strip()):
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no training step within 300 s"
+            time.sleep(0.2)
+        # Mid-run: episodes are running on both servers. Kill one outright.
+        victim = int((run_dir / "logs" / "env-server-0.pid").read_text())
+        os.killpg(victim, signal.SIGKILL)
+        output, _ = process.communicate(timeout=420)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    assert process.returncode == 0, output[-3000:]
+    assert "env-server-0 exited" in output and "the run goes on" in output
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert steps[-1]["step"] == 10
+    progress = jsonl(run_dir / "metrics" / "orchestrator.jsonl")[-1]
+    assert progress["env_servers_lost"] == 1
+    assert progress["groups_failed"] == 0, "an episode was lost with its server"
+    # Every trained group was complete: 4 episodes of 4 groups per step.
+    assert all(row["sequences"] == 16 for row in steps)
+    assert_no_process_left(run_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+@pytest.mark.skipif(
+    not (REPO / "examples" / "node-env" / "node_modules").exists(),
+    reason="examples/node-env/node_modules is missing: run `npm ci` there (.ci/run does)",
+)
+def test_short_agentic_run_on_the_node_env_server(tmp_path, spawn) -> None:
+    ready = tmp_path / "node.ready"
+    server = spawn(["node", str(NODE_SERVER), "--port", "0", "--ready-file", str(ready)])
+    address = server.wait_for_file(ready)
+    run_dir, result = rollwire_train(
+        tmp_path, *GUESS_RUN, "rl.max_steps=3", f"endpoints.env_servers=[{address}]"
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    assert all(row["sequences"] == 16 for row in steps)
+    # The episodes were played on the Node server: no env-server of our own was started.
+    assert not list((run_dir / "logs").glob("env-server*.log"))
+    assert server.process.poll() is None
+    assert_no_process_left(run_dir)
