@@ -240,6 +240,7 @@ class FrozenLake(Env):
             "slippery": self.slippery,
             "max_turns": self.max_turns,
             "shortest_path": shortest_path(self.size, self._holes, self.start, self.goal),
+            "state_key": self.render(),
         }
         return self.render(), info
 
@@ -279,6 +280,7 @@ class FrozenLake(Env):
             "hit_edge": hit_edge,
             "position": list(self._position),
             "turn": self._turns,
+            "state_key": self.render(),
         }
         return f"{message}\n{self.render()}", reward, terminated, truncated, info
 
@@ -418,6 +420,7 @@ class Sokoban(Env):
             "num_boxes": self.num_boxes,
             "max_turns": self.max_turns,
             "boxes_on_target": self.boxes_on_target,
+            "state_key": self.render(),
         }
         return self.render(), info
 
@@ -462,5 +465,6 @@ class Sokoban(Env):
             "pushed": pushed,
             "boxes_on_target": self.boxes_on_target,
             "turn": self._turns,
+            "state_key": self.render(),
         }
         return f"{message}\n{self.render()}", reward, terminated, truncated, info

@@ -635,3 +635,15 @@ def test_tool_env_runs_python_and_survives_tool_errors() -> None:
     question = info["question"]
     assert env.step(f"<python>print({question})</python>")[0] == info["reference"]
     assert env.step(f"<answer>{info['reference']}</answer>")[1:3] == (1.0, True)
+
+
+def test_grid_games_name_their_states_for_step_level_advantages() -> None:
+    """Equal grids are equal states (GiGPO groups turns by `state_key`), whatever the path."""
+    lake = FrozenLake(size=4, num_holes=0)
+    _, start = lake.reset(3)
+    assert lake.step("up")[4]["state_key"] == start["state_key"]  # the edge: still the start
+    right = lake.step("right")[4]["state_key"]
+    assert right != start["state_key"] and lake.step("left")[4]["state_key"] == start["state_key"]
+    room = Sokoban()
+    observation, info = room.reset(5)
+    assert info["state_key"] == observation
