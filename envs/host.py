@@ -47,7 +47,6 @@ ResetResult = tuple[str, str, dict[str, Any]]
 StepResult = tuple[str, float, bool, bool, dict[str, Any]]
 """(observation, reward, terminated, truncated, info)."""
 
-DEFAULT_BLOCKING_WORKERS = 64
 """Threads for blocking envs: each runs one env call at a time, and such calls
 mostly wait on a subprocess, so there can be many more than CPU cores."""
 
@@ -106,11 +105,11 @@ class SessionHost:
         self,
         config: EnvServerConfig,
         clock: Callable[[], float] = time.monotonic,
-        blocking_workers: int = DEFAULT_BLOCKING_WORKERS,
+        blocking_workers: int | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
-        self._blocking_workers = blocking_workers
+        self._blocking_workers = blocking_workers or config.blocking_threads
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}

@@ -38,6 +38,20 @@ from rollwire.services.wire import Trajectory
 log = logging.getLogger(__name__)
 
 
+def launch_capacity(
+    trainer_version: int, staleness: int, per_step: int, total_steps: int, dropped_groups: int
+) -> int:
+    """Groups that may have been launched by now.
+
+    Enough for the steps up to `staleness` versions ahead of the trainer, never
+    more than the run needs; groups the buffer dropped as too stale (a slow
+    episode can outlive the bound) are made up for, or the trainer would wait
+    for groups that never come.
+    """
+    ahead = (trainer_version + staleness + 1) * per_step
+    return min(ahead, (total_steps + 1) * per_step) + dropped_groups
+
+
 class Orchestrator:
     def __init__(self, config: RunConfig, tokenizer: Any) -> None:
         self.config = config
@@ -347,8 +361,8 @@ class Orchestrator:
                 await self.evaluate(eval_tasks, self.trainer_version)
             if self.trainer_version >= total_steps:
                 break
-            capacity = min(
-                (self.trainer_version + staleness + 1) * per_step, total_steps * per_step + per_step
+            capacity = launch_capacity(
+                self.trainer_version, staleness, per_step, total_steps, self.dropped_groups
             )
             while self.launched < capacity and len(running) < self.settings.max_concurrent_groups:
                 task = asyncio.ensure_future(self.run_group(next(train_tasks)))

@@ -357,3 +357,18 @@ def test_env_call_errors_other_than_bad_actions_fail_the_episode(tokenizer) -> N
 
     with pytest.raises(EpisodeFailed, match="INTERNAL: .*env crashed in step"):
         run(go())
+
+
+def test_groups_dropped_as_stale_are_launched_again() -> None:
+    from rollwire.rollout.orchestrator import launch_capacity
+
+    # Version 3, bound 1, 8 groups a step: groups for steps 4 and 5 may exist.
+    assert launch_capacity(3, 1, 8, 100, dropped_groups=0) == 40
+    # Sync mode (bound 0) launches one step's groups at a time.
+    assert launch_capacity(3, 0, 8, 100, dropped_groups=0) == 32
+    # Never more than the run needs ...
+    assert launch_capacity(99, 2, 8, 100, dropped_groups=0) == 808
+    # ... except to make up for groups the buffer threw away: a slow episode can
+    # outlive the bound, and without a replacement the trainer would wait forever.
+    assert launch_capacity(99, 2, 8, 100, dropped_groups=3) == 811
+    assert launch_capacity(3, 1, 8, 100, dropped_groups=5) == 45

@@ -103,3 +103,23 @@ def test_short_agentic_run_on_the_node_env_server(tmp_path, spawn) -> None:
     assert not list((run_dir / "logs").glob("env-server*.log"))
     assert server.process.poll() is None
     assert_no_process_left(run_dir)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
+    """examples/agentic.yaml, shortened: held-out greedy success must rise clearly."""
+    run_dir, result = rollwire_train(
+        tmp_path,
+        "rl.max_steps=20",
+        "orchestrator.eval_every=20",
+        config=REPO / "examples" / "agentic.yaml",
+        timeout=840,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    evals = jsonl(run_dir / "metrics" / "eval.jsonl")
+    start, end = evals[0]["eval_reward"], evals[-1]["eval_reward"]
+    print(f"held-out greedy success {start:.2f} -> {end:.2f}")
+    assert evals[-1]["policy_version"] == 20
+    # Measured 0.10 -> 0.67 by version 10 in the full example; the margin here is wide.
+    assert end >= start + 0.25, f"held-out success {start:.2f} -> {end:.2f}"

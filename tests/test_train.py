@@ -42,7 +42,7 @@ def jsonl(path: Path) -> list[dict]:
 
 
 def rollwire_train(
-    tmp_path: Path, *overrides: str, timeout: float = 540
+    tmp_path: Path, *overrides: str, timeout: float = 540, config: Path | None = None
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """Runs `rollwire train` in its own session with a private cache; returns (run dir, result)."""
     run_dir = tmp_path / "run"
@@ -52,6 +52,7 @@ def rollwire_train(
         "-m",
         "rollwire.services.cli",
         "train",
+        *(["-c", str(config)] if config is not None else []),
         "--set",
         f"run.output_dir={run_dir}",
     ]

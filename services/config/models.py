@@ -142,6 +142,9 @@ class EnvServerConfig(StrictModel):
     """Largest action accepted by Step, in UTF-8 bytes."""
     envs: list[str] | None = None
     """Env ids this server offers; all registered ones when unset."""
+    blocking_threads: int = Field(64, ge=1)
+    """Threads that run the calls of blocking envs (`blocking = True`: subprocesses,
+    network tools); more blocking calls than this at once wait for a thread."""
     plugins: list[str] = []
     """Python modules imported before serving; each registers its envs with
     `rollwire.envs.registry.register` (e.g. `mypackage.envs`)."""
