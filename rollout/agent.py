@@ -214,9 +214,18 @@ class EpisodeRunner:
         settings = self.settings
         timings = {"generate": 0.0, "env": 0.0, "score": 0.0}
         started = time.perf_counter()
-        session_id, observation, info = await backend.reset(
-            spec.env_id, task.metadata.get("env_seed"), dict(task.metadata.get("env_kwargs", {}))
-        )
+        try:
+            session_id, observation, info = await backend.reset(
+                spec.env_id,
+                task.metadata.get("env_seed"),
+                dict(task.metadata.get("env_kwargs", {})),
+            )
+        except EnvServerLost:
+            raise
+        except EnvCallError as error:
+            if error.code == "DEADLINE_EXCEEDED":
+                raise EnvServerLost(f"{backend.address} did not answer Reset: {error}") from None
+            raise EpisodeFailed(f"env {spec.env_id!r} on {backend.address}: {error}") from None
         timings["env"] += time.perf_counter() - started
         turns = self._turns()
         tokens = _Tokens()
@@ -247,9 +256,10 @@ class EpisodeRunner:
                 except EnvServerLost:
                     raise
                 except EnvCallError as error:
-                    if error.code == "NOT_FOUND":
-                        # The server forgot the session (restarted, or expired it): start over.
-                        raise EnvServerLost(str(error)) from None
+                    if error.code in ("NOT_FOUND", "DEADLINE_EXCEEDED"):
+                        # The server forgot the session (restarted, or expired it) or hangs:
+                        # start over elsewhere.
+                        raise EnvServerLost(f"{backend.address}: {error}") from None
                     if error.code != "INVALID_ARGUMENT":
                         raise EpisodeFailed(
                             f"env {spec.env_id!r} on {backend.address}: {error}"

@@ -83,7 +83,11 @@ class Orchestrator:
         if self.agentic:
             from rollwire.envs.pool import EnvPool
 
-            self.pool = EnvPool.from_config(endpoints.env_servers, config.client, config.env_server)
+            # Env calls get the agent's own deadline: a long tool call is not a hung server.
+            env_client = config.client.model_copy(
+                update={"default_timeout_seconds": self.settings.agent.env_call_timeout_seconds}
+            )
+            self.pool = EnvPool.from_config(endpoints.env_servers, env_client, config.env_server)
 
     async def start_episodes(self) -> None:
         """Asks the env-servers what they offer (waiting for them to come up) and sets up

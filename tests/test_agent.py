@@ -372,3 +372,23 @@ def test_groups_dropped_as_stale_are_launched_again() -> None:
     # outlive the bound, and without a replacement the trainer would wait forever.
     assert launch_capacity(99, 2, 8, 100, dropped_groups=3) == 811
     assert launch_capacity(3, 1, 8, 100, dropped_groups=5) == 45
+
+
+def test_a_hung_server_is_left_for_another(tokenizer) -> None:
+    class Hung(FlakyBackend):
+        async def step(self, session_id: str, action: str):
+            raise EnvCallError("DEADLINE_EXCEEDED", "no answer within 60s")
+
+    hung, steady = Hung(-1, "hung:1"), FlakyBackend(-1, "steady:1")
+    pool = EnvPool([hung, steady], retry_after_seconds=60)
+    target = target_of(7)
+
+    async def go():
+        specs = await pool.specs()
+        policy = ScriptedPolicy(tokenizer, [str(target), str(target)])
+        episodes = runner(tokenizer, pool, specs, policy)
+        return episodes, await episodes.run(guess_task(), 0, 1.0)
+
+    episodes, trajectory = run(go())
+    assert hung.resets == [7] and steady.resets == [7] and episodes.restarts == 1
+    assert trajectory.reward == 1.0

@@ -342,7 +342,8 @@ class AgentConfig(StrictModel):
     episode_attempts: int = Field(3, ge=1)
     """Starts of one episode, from the same seed, when its env-server is lost mid-episode."""
     env_call_timeout_seconds: float = Field(60.0, gt=0)
-    """Longest wait for one Reset or Step."""
+    """Longest wait for one Reset or Step; past it the env-server is taken as hung and the
+    episode starts again on another."""
 
 
 class OrchestratorConfig(StrictModel):
