@@ -98,7 +98,10 @@ class ChatTurns:
             raise ValueError("the chat template rewrites earlier turns; use the plain format")
         # What the template writes after the action's text; the stop token the
         # policy generated already stands for its first part.
-        closing = closed[closed.rfind(action_text) + len(action_text) :] if action_text else ""
+        at = closed.rfind(action_text)
+        if at < 0:
+            raise ValueError("the chat template rewrites the policy's turns; use the plain format")
+        closing = closed[at + len(action_text) :]
         if stopped and self.eos_text and closing.startswith(self.eos_text):
             closing = closing[len(self.eos_text) :]
         text = closing + opened[len(closed) :]
