@@ -52,6 +52,28 @@ def launch_capacity(
     return min(ahead, (total_steps + 1) * per_step) + dropped_groups
 
 
+async def put_with_backpressure(producer: Any, trajectory: Trajectory, timeout: float) -> Any:
+    """Puts `trajectory`, waiting while the buffer is full rather than dropping it.
+
+    A full buffer means the trainer is behind; the producer slows down to its
+    pace. Waiting longer than `timeout` raises TimeoutError (the group is then
+    counted as failed) instead of hanging.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.05
+    while True:
+        ack = await producer.put(trajectory)
+        if ack.accepted or ack.reason != "full":
+            return ack
+        COUNTERS.inc("orchestrator_backpressure_waits")
+        if time.monotonic() + pause > deadline:
+            raise TimeoutError(
+                f"the buffer stayed full for {timeout:g}s; is the trainer taking batches?"
+            )
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 1.0)
+
+
 class Orchestrator:
     def __init__(self, config: RunConfig, tokenizer: Any) -> None:
         self.config = config
@@ -163,7 +185,9 @@ class Orchestrator:
         self.generated_tokens += sum(int(t.loss_mask.sum()) for t in episodes)
 
     async def _put(self, trajectory: Trajectory) -> None:
-        ack = await self.producer.put(trajectory)
+        ack = await put_with_backpressure(
+            self.producer, trajectory, self.config.trainer.batch_timeout_seconds
+        )
         self.trainer_version = max(self.trainer_version, ack.trainer_version)
         if not ack.accepted:
             COUNTERS.inc("orchestrator_refused", reason=ack.reason)

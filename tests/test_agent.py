@@ -392,3 +392,31 @@ def test_a_hung_server_is_left_for_another(tokenizer) -> None:
     episodes, trajectory = run(go())
     assert hung.resets == [7] and steady.resets == [7] and episodes.restarts == 1
     assert trajectory.reward == 1.0
+
+
+def test_a_full_buffer_slows_the_producer_instead_of_losing_the_trajectory() -> None:
+    from types import SimpleNamespace
+
+    from rollwire.rollout.orchestrator import put_with_backpressure
+
+    class Producer:
+        def __init__(self, full_for: int) -> None:
+            self.full_for, self.calls = full_for, 0
+
+        async def put(self, trajectory):
+            self.calls += 1
+            if self.calls <= self.full_for:
+                return SimpleNamespace(accepted=False, reason="full", trainer_version=0)
+            return SimpleNamespace(accepted=True, reason="ok", trainer_version=1)
+
+    producer = Producer(full_for=3)
+    ack = run(put_with_backpressure(producer, object(), timeout=30))
+    assert ack.accepted and producer.calls == 4
+    # Other refusals are answers, not reasons to wait.
+    refusing = Producer(full_for=0)
+    refusing.put = lambda t: asyncio.sleep(
+        0, SimpleNamespace(accepted=False, reason="bad", trainer_version=0)
+    )
+    assert run(put_with_backpressure(refusing, object(), timeout=30)).reason == "bad"
+    with pytest.raises(TimeoutError, match="stayed full for 0.2s"):
+        run(put_with_backpressure(Producer(full_for=10**6), object(), timeout=0.2))
