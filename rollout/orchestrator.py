@@ -52,6 +52,30 @@ def launch_capacity(
     return min(ahead, (total_steps + 1) * per_step) + dropped_groups
 
 
+class DynamicSampling:
+    """Drops groups whose rewards are all equal, which give group-relative advantages
+    nothing to learn from; the orchestrator samples another prompt in each one's place.
+
+    At most `per_step` groups are dropped per policy version, so a run where every
+    group is uniform (all solved, all failed) still moves.
+    """
+
+    def __init__(self, enabled: bool, per_step: int) -> None:
+        self.enabled, self.per_step = enabled, per_step
+        self._dropped: dict[int, int] = {}
+
+    def drops(self, rewards: Sequence[float], version: int) -> bool:
+        if not self.enabled or len(set(rewards)) > 1:
+            return False
+        dropped = self._dropped.get(version, 0)
+        if dropped >= self.per_step:
+            COUNTERS.inc("orchestrator_uniform_groups_kept")
+            return False
+        self._dropped[version] = dropped + 1
+        COUNTERS.inc("orchestrator_groups_filtered", reward=str(rewards[0]))
+        return True
+
+
 async def put_with_backpressure(producer: Any, trajectory: Trajectory, timeout: float) -> Any:
     """Puts `trajectory`, waiting while the buffer is full rather than dropping it.
 
@@ -84,6 +108,10 @@ class Orchestrator:
         self.launched = 0
         self.completed = 0
         self.failed = 0
+        self.filtered = 0
+        self.dynamic_sampling = DynamicSampling(
+            self.settings.filter_uniform_groups, self.settings.max_replacements_per_step
+        )
         self.generated_tokens = 0
         self.dropped_groups = 0
         endpoints = config.endpoints
@@ -93,7 +121,7 @@ class Orchestrator:
         self.reward = [reward_pb2_grpc.RewardServiceStub(c) for c in self.reward_channels]
         self._next_rollout = itertools.cycle(range(len(self.rollout)))
         self._next_reward = itertools.cycle(range(len(self.reward)))
-        self.producer = BufferProducer(endpoints.buffer_producer)
+        self.producer = BufferProducer(endpoints.buffer_producer, curve=config.client.curve)
         self.run_dir = Path(config.run.output_dir)
         (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         self.eval_log = (self.run_dir / "metrics" / "eval.jsonl").open("a")
@@ -172,17 +200,24 @@ class Orchestrator:
         (result,) = await self.score(task, [response])
         return result.reward, dict(result.components)
 
-    async def run_env_group(self, task: Task) -> None:
-        """`rl.group_size` episodes from one seed, each on its own; sent once all have ended."""
+    async def play_env_group(self, task: Task) -> list[Trajectory]:
+        """`rl.group_size` episodes from one seed, each on its own."""
         episodes = await asyncio.gather(
             *(
                 self.episodes.run(task, index, self.rl.temperature)
                 for index in range(self.rl.group_size)
             )
         )
-        for trajectory in episodes:
-            await self._put(trajectory)
         self.generated_tokens += sum(int(t.loss_mask.sum()) for t in episodes)
+        return list(episodes)
+
+    async def send_group(self, trajectories: list[Trajectory]) -> bool:
+        """Puts a finished group into the buffer; False when dynamic sampling dropped it."""
+        if self.dynamic_sampling.drops([t.reward for t in trajectories], self.trainer_version):
+            return False
+        for trajectory in trajectories:
+            await self._put(trajectory)
+        return True
 
     async def _put(self, trajectory: Trajectory) -> None:
         ack = await put_with_backpressure(
@@ -273,10 +308,16 @@ class Orchestrator:
         )
         return sorted(reply.results, key=lambda r: int(r.item_id))
 
-    async def run_group(self, task: Task) -> None:
+    async def run_group(self, task: Task) -> bool:
+        """Samples, scores and sends one group; False when it was filtered out."""
         if self.agentic:
-            await self.run_env_group(task)
-            return
+            trajectories = await self.play_env_group(task)
+        else:
+            trajectories = await self.sample_group(task)
+        return await self.send_group(trajectories)
+
+    async def sample_group(self, task: Task) -> list[Trajectory]:
+        """`rl.group_size` responses to one prompt, scored, as trajectories."""
         started = time.perf_counter()
         prompt_ids = self.encode_prompt(task)
         outputs = await self.generate_group(prompt_ids)
@@ -284,6 +325,7 @@ class Orchestrator:
         texts = [self.decode(list(o.token_ids)) for o in outputs]
         scores = await self.score(task, texts)
         scored = time.perf_counter()
+        trajectories = []
         for index, (output, result) in enumerate(zip(outputs, scores, strict=True)):
             response = np.asarray(output.token_ids, np.int32)
             prompt = np.asarray(prompt_ids, np.int32)
@@ -315,8 +357,9 @@ class Orchestrator:
                 .lower(),
                 timings={"generate": generated - started, "score": scored - generated},
             )
-            await self._put(trajectory)
+            trajectories.append(trajectory)
         self.generated_tokens += sum(len(o.token_ids) for o in outputs)
+        return trajectories
 
     async def evaluate(self, tasks: Sequence[Task], version: int) -> float:
         """Greedy accuracy on held-out tasks; logged to metrics/eval.jsonl."""
@@ -410,6 +453,9 @@ class Orchestrator:
                     self.launched -= 1  # the group never reached the buffer: make room for another
                     COUNTERS.inc("orchestrator_failed_groups")
                     log.error("group failed: %s", finished.exception())
+                elif finished.result() is False:
+                    self.filtered += 1
+                    self.launched -= 1  # dropped by dynamic sampling: another prompt replaces it
                 else:
                     self.completed += 1
             # Acks carry the trainer version; ask the buffer only when that is all we wait for.
@@ -429,6 +475,7 @@ class Orchestrator:
             "trainer_version": self.trainer_version,
             "groups_completed": self.completed,
             "groups_failed": self.failed,
+            "groups_filtered": self.filtered,
             "generated_tokens": self.generated_tokens,
             "tokens_per_second": self.generated_tokens / max(elapsed, 1e-9),
         }

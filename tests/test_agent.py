@@ -420,3 +420,15 @@ def test_a_full_buffer_slows_the_producer_instead_of_losing_the_trajectory() -> 
     assert run(put_with_backpressure(refusing, object(), timeout=30)).reason == "bad"
     with pytest.raises(TimeoutError, match="stayed full for 0.2s"):
         run(put_with_backpressure(Producer(full_for=10**6), object(), timeout=0.2))
+
+
+def test_dynamic_sampling_drops_uniform_groups_up_to_its_budget() -> None:
+    from rollwire.rollout.orchestrator import DynamicSampling
+
+    off = DynamicSampling(enabled=False, per_step=10)
+    assert not off.drops([1.0, 1.0], version=0)
+    sampling = DynamicSampling(enabled=True, per_step=2)
+    assert not sampling.drops([1.0, 0.0, 1.0], version=0)  # signal: kept
+    assert sampling.drops([0.0, 0.0], version=0) and sampling.drops([1.0, 1.0], version=0)
+    assert not sampling.drops([1.0, 1.0], version=0)  # budget of version 0 spent
+    assert sampling.drops([1.0, 1.0], version=1)  # a new version, a new budget

@@ -244,3 +244,21 @@ def test_a_missing_model_path_is_named(tmp_path) -> None:
     assert (
         f"rollout_server.model_path {missing} is not a Hugging Face model folder" in result.stdout
     )
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_dynamic_sampling_replaces_uniform_groups_and_the_run_still_moves(tmp_path) -> None:
+    # A barely warmed-up model fails every prompt: every group is uniform. The
+    # budget of replacements per version lets the run go on regardless.
+    run_dir, result = rollwire_train(
+        tmp_path,
+        *SHORT_RUN,
+        "orchestrator.filter_uniform_groups=true",
+        "orchestrator.max_replacements_per_step=3",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [row["step"] for row in jsonl(run_dir / "metrics" / "trainer.jsonl")] == [1, 2, 3, 4]
+    progress = jsonl(run_dir / "metrics" / "orchestrator.jsonl")[-1]
+    assert progress["groups_filtered"] >= 3 and progress["groups_failed"] == 0
+    assert_no_process_left(run_dir)

@@ -10,7 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, SecretStr, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SecretStr,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 MiB = 1024 * 1024
 
@@ -76,6 +85,89 @@ class AuthConfig(StrictModel):
         return None
 
 
+Z85_ALPHABET = frozenset(
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+)
+
+
+def check_curve_key(key: str, what: str) -> str:
+    """A CURVE key as ZeroMQ writes it: 40 Z85 characters (32 bytes)."""
+    key = key.strip()
+    if len(key) != 40 or not set(key) <= Z85_ALPHABET:
+        raise ValueError(
+            f"{what} is not a CURVE key (40 Z85 characters, as zmq.curve_keypair gives)"
+        )
+    return key
+
+
+def _one_of(inline: Any, file: Path | None, what: str, required: bool = True) -> None:
+    if inline is not None and file is not None:
+        raise ValueError(f"give either {what} or {what}_file, not both")
+    if required and inline is None and file is None:
+        raise ValueError(f"CURVE needs {what} or {what}_file")
+
+
+class CurveServerConfig(StrictModel):
+    """ZeroMQ CURVE on the buffer's producer and trainer sockets: traffic is encrypted
+    and only clients whose public key is allowed get through. Make key pairs with
+    `python -m rollwire.services.curve keygen DIR NAME`."""
+
+    secret_key: SecretStr | None = None
+    """The buffer's secret key (40 Z85 characters). Prefer `secret_key_file` or the
+    ROLLWIRE__BUFFER__CURVE__SECRET_KEY environment override to writing it in a file."""
+    secret_key_file: Path | None = None
+    """File holding the buffer's secret key: a `NAME.key` from our keygen, or a
+    `.key_secret` certificate written by `zmq.auth.create_certificates`."""
+    allowed_client_keys: list[str] = []
+    """Public keys (Z85) of the clients let in."""
+    allowed_client_keys_dir: Path | None = None
+    """Folder of allowed client public keys (`*.pub` from our keygen, or `*.key`
+    certificates from `zmq.auth`), read once when the buffer starts."""
+
+    @field_validator("allowed_client_keys")
+    @classmethod
+    def _keys_look_like_keys(cls, keys: list[str]) -> list[str]:
+        return [check_curve_key(key, f"allowed client key {key!r}") for key in keys]
+
+    @model_validator(mode="after")
+    def _sources(self) -> CurveServerConfig:
+        if self.secret_key is not None:
+            check_curve_key(self.secret_key.get_secret_value(), "secret_key")
+        _one_of(self.secret_key, self.secret_key_file, "secret_key")
+        if not self.allowed_client_keys and self.allowed_client_keys_dir is None:
+            raise ValueError(
+                "CURVE on the buffer needs allowed_client_keys or allowed_client_keys_dir"
+            )
+        return self
+
+
+class CurveClientConfig(StrictModel):
+    """ZeroMQ CURVE for the buffer's clients (orchestrators and the trainer): this
+    client's own key pair and the buffer's public key."""
+
+    server_public_key: str | None = None
+    """The buffer's public key (40 Z85 characters)."""
+    server_public_key_file: Path | None = None
+    """File holding the buffer's public key (`NAME.pub` from our keygen, or a `zmq.auth`
+    certificate)."""
+    secret_key: SecretStr | None = None
+    """This client's secret key; its public key is derived from it and must be among
+    the buffer's allowed keys. Prefer `secret_key_file`."""
+    secret_key_file: Path | None = None
+    """File holding this client's secret key (`NAME.key` from our keygen, or a
+    `.key_secret` certificate from `zmq.auth`)."""
+
+    @model_validator(mode="after")
+    def _sources(self) -> CurveClientConfig:
+        if self.server_public_key is not None:
+            check_curve_key(self.server_public_key, "server_public_key")
+        if self.secret_key is not None:
+            check_curve_key(self.secret_key.get_secret_value(), "secret_key")
+        _one_of(self.server_public_key, self.server_public_key_file, "server_public_key")
+        _one_of(self.secret_key, self.secret_key_file, "secret_key")
+        return self
+
+
 class ServerConfig(StrictModel):
     """How a gRPC service listens."""
 
@@ -116,6 +208,8 @@ class ClientConfig(StrictModel):
     """TLS settings; must match the servers'."""
     auth: AuthConfig = AuthConfig()
     """Token sent on every call."""
+    curve: CurveClientConfig | None = None
+    """ZeroMQ CURVE keys for talking to the buffer; must match `buffer.curve`. Off when absent."""
 
 
 class TelemetryConfig(StrictModel):
@@ -204,6 +298,9 @@ class BufferConfig(StrictModel):
     """Frames larger than this are rejected without being decoded."""
     max_ready_groups: int = Field(10_000, ge=1)
     """Complete groups held at most; puts beyond it are refused with reason "full"."""
+    curve: CurveServerConfig | None = None
+    """ZeroMQ CURVE encryption and client allow-list on both sockets; plaintext and open
+    to anyone who can connect when absent (fine on loopback or inside a private network)."""
 
 
 class LossConfig(StrictModel):
@@ -370,6 +467,12 @@ class OrchestratorConfig(StrictModel):
     """Tries of a failing Generate or Score call before its group is given up (and counted)."""
     agent: AgentConfig = AgentConfig()
     """Multi-turn episodes, for an `env` dataset."""
+    filter_uniform_groups: bool = False
+    """Dynamic sampling: a group whose rewards are all equal gives group-relative advantages
+    nothing to learn from; drop it (counted as `groups_filtered`) and sample another prompt."""
+    max_replacements_per_step: int = Field(32, ge=0)
+    """Groups dropped by dynamic sampling per policy version at most; past it uniform groups
+    go through, so a run where every group is solved (or failed) still moves."""
 
     @model_validator(mode="after")
     def _evaluate_like_training(self) -> OrchestratorConfig:
