@@ -19,6 +19,10 @@ was not acknowledged with the same trajectory id; the buffer answers a
 duplicate with accepted=true and keeps one copy. Anything malformed gets an
 answer that says what was wrong, a counter, and the buffer keeps serving.
 
+Security: with `buffer.curve` set, both sockets are ZeroMQ CURVE servers and only
+clients whose public key is allowed complete the handshake (`rollwire.services.curve`);
+a refused client's messages never arrive here, and the refusal is counted.
+
 Staleness: with trainer version v and bound k, a group any of whose generated
 tokens is older than v - k is dropped (counted, reason "stale") instead of served.
 """
@@ -33,14 +37,21 @@ import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from rollwire.services.curve import DENIED_COUNTER, ZapHandler, secure_server, server_keys
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.wire import Batch, Trajectory, WireError, decode_trajectory, encode
 
+if TYPE_CHECKING:
+    from rollwire.services.config.models import CurveServerConfig
+
 log = logging.getLogger(__name__)
+
+_HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 def _json(data: dict[str, Any]) -> bytes:
@@ -153,27 +164,82 @@ class BufferServer:
         producer_port: int = 0,
         trainer_port: int = 0,
         max_frame_bytes: int = 256 * 1024 * 1024,
+        curve: CurveServerConfig | None = None,
     ) -> None:
+        """With `curve`, both sockets are CURVE servers behind its client allow-list.
+
+        Raises:
+            OSError: a port cannot be bound.
+            rollwire.services.curve.CurveError: a CURVE key or key file is unusable.
+        """
         self.state = state
         self.max_frame_bytes = max_frame_bytes
-        self.context = zmq.Context.instance()
-        self.producer = self._bind(host, producer_port)
-        self.trainer = self._bind(host, trainer_port)
+        self._zap = None
+        self._curve_keys = None
+        self._monitors: dict[zmq.Socket, str] = {}
+        self._handshake_failure_logged = False
+        if curve is None:
+            self.context = zmq.Context.instance()
+        else:
+            self._curve_keys = server_keys(curve)
+            # A context of its own: ZAP handlers are per context, and one in the shared
+            # context would also judge every other socket of this process.
+            self.context = zmq.Context()
+            self._zap = ZapHandler(self.context, self._curve_keys.allowed_client_keys)
+        try:
+            self.producer = self._bind(host, producer_port, "producer")
+            self.trainer = self._bind(host, trainer_port, "trainer")
+        except OSError:
+            self._close_security()
+            raise
         self._waiting: list[_WaitingGet] = []
         self._running = True
 
-    def _bind(self, host: str, port: int) -> zmq.Socket:
+    def _bind(self, host: str, port: int, name: str) -> zmq.Socket:
         socket = self.context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(
             zmq.ROUTER_MANDATORY, 0
         )  # a vanished peer's reply is dropped, not an error
+        if self._curve_keys is not None:
+            secure_server(socket, self._curve_keys, name)
+            # Handshakes that fail before the allow-list is asked (a client without
+            # CURVE, a wrong server key) are seen only through the socket's monitor.
+            self._monitors[socket.get_monitor_socket(_HANDSHAKE_FAILURES)] = name
         try:
             socket.bind(f"tcp://{host}:{port or '*'}")
         except zmq.ZMQError as error:
             socket.close()
             raise OSError(f"buffer: cannot listen on {host}:{port}: {error}") from None
         return socket
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        name = self._monitors[monitor]
+        for _ in range(1000):
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            COUNTERS.inc(DENIED_COUNTER, reason="handshake_failed")
+            if not self._handshake_failure_logged:
+                self._handshake_failure_logged = True
+                log.warning(
+                    "refused a connection on the %s socket: the CURVE handshake failed "
+                    "(a client without CURVE or with the wrong server key?); further "
+                    "failures are counted in %s, not logged",
+                    name,
+                    DENIED_COUNTER,
+                    extra={"zmq_event": event.get("event"), "zmq_value": event.get("value")},
+                )
+
+    def _close_security(self) -> None:
+        for monitor in self._monitors:
+            monitor.close(0)
+        self._monitors.clear()
+        if self._zap is not None:
+            self._zap.close()
+            self._zap = None
+            self.context.term()
 
     @property
     def endpoints(self) -> dict[str, str]:
@@ -189,15 +255,27 @@ class BufferServer:
         poller = zmq.Poller()
         poller.register(self.producer, zmq.POLLIN)
         poller.register(self.trainer, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap.socket, zmq.POLLIN)
+        for monitor in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
         while self._running:
             events = dict(poller.poll(poll_ms))
+            if self._zap is not None and self._zap.socket in events:
+                self._zap.handle()
+            for monitor in self._monitors:
+                if monitor in events:
+                    self._on_monitor(monitor)
             if self.producer in events:
                 self._drain(self.producer, self._on_producer)
             if self.trainer in events:
                 self._drain(self.trainer, self._on_trainer)
             self._serve_waiting()
-        self.producer.close(0)
-        self.trainer.close(0)
+        for socket in (self.producer, self.trainer):
+            if self._monitors:
+                socket.disable_monitor()
+            socket.close(0)
+        self._close_security()
 
     def _drain(self, socket: zmq.Socket, handler) -> None:
         for _ in range(1000):  # bounded, so one busy socket cannot starve the other
@@ -311,8 +389,9 @@ def run_buffer(config: Any) -> int:
             section.producer_port,
             section.trainer_port,
             section.max_frame_bytes,
+            section.curve,
         )
-    except OSError as error:
+    except (OSError, ValueError) as error:
         log.error("cannot start: %s", error)
         return 1
     for signum in (signal.SIGTERM, signal.SIGINT):

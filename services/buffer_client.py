@@ -4,6 +4,10 @@ Both speak the protocol in `rollwire.services.buffer` over a DEALER socket and
 never wait without a timeout. A producer re-sends a put that was not
 acknowledged in time, with the same sequence number and trajectory id; the
 buffer keeps one copy, so a retry can never duplicate a trajectory.
+
+With CURVE configured (`client.curve`) both clients encrypt and present this
+client's key. A buffer that refuses the key never answers, so such a client ends
+in the usual "did not answer" timeout, whose message then points at the keys.
 """
 
 from __future__ import annotations
@@ -12,12 +16,21 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 
+from rollwire.services.curve import ClientKeys, client_keys, secure_client
 from rollwire.services.wire import Batch, Trajectory, decode_batch, encode
+
+if TYPE_CHECKING:
+    from rollwire.services.config.models import CurveClientConfig
+
+_CURVE_HINT = (
+    "; CURVE is on: check that this client's public key is among the buffer's "
+    "allowed client keys and that client.curve names the buffer's public key"
+)
 
 
 class BufferError(RuntimeError):
@@ -31,9 +44,15 @@ class PutResult:
     trainer_version: int
 
 
-def _dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
+def _client_keys(curve: CurveClientConfig | None) -> ClientKeys | None:
+    return None if curve is None else client_keys(curve)
+
+
+def _dealer(context: zmq.Context, endpoint: str, curve: ClientKeys | None = None) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        secure_client(socket, curve)
     socket.connect(endpoint)
     return socket
 
@@ -41,19 +60,27 @@ def _dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
 class BufferProducer:
     """Sends trajectories to the buffer and waits for each acknowledgement (asyncio)."""
 
-    def __init__(self, endpoint: str, timeout: float = 10.0, attempts: int = 6) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        timeout: float = 10.0,
+        attempts: int = 6,
+        curve: CurveClientConfig | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
         self.attempts = attempts
-        self._socket = _dealer(zmq.asyncio.Context.instance(), endpoint)
+        self._curve = _client_keys(curve)
+        self._socket = _dealer(zmq.asyncio.Context.instance(), endpoint, self._curve)
         self._lock = asyncio.Lock()
         self._seq = 0
 
     async def _request(self, parts: list[bytes], expect: bytes, seq: bytes | None) -> list[bytes]:
         async with self._lock:
             for _ in range(self.attempts):
-                await self._socket.send_multipart(parts)
                 deadline = time.monotonic() + self.timeout
+                if not await self._send(parts, deadline):
+                    continue
                 while (remaining := deadline - time.monotonic()) > 0:
                     if not await self._socket.poll(remaining * 1000, zmq.POLLIN):
                         break
@@ -67,7 +94,21 @@ class BufferProducer:
                     # An answer to an earlier, retried request: ignore it.
             raise BufferError(
                 f"buffer at {self.endpoint} did not answer {self.attempts} tries of {self.timeout:g}s"
+                + (_CURVE_HINT if self._curve is not None else "")
             )
+
+    async def _send(self, parts: list[bytes], deadline: float) -> bool:
+        # A DEALER with no usable peer (e.g. after a refused CURVE handshake) would
+        # block on send forever, so sending shares the request's deadline.
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not await self._socket.poll(remaining * 1000, zmq.POLLOUT):
+                return False
+            try:
+                await self._socket.send_multipart(parts, zmq.NOBLOCK)
+                return True
+            except zmq.Again:  # the peer went away between poll and send
+                continue
+        return False
 
     async def put(self, trajectory: Trajectory) -> PutResult:
         """Sends one trajectory; returns once the buffer has acknowledged it."""
@@ -88,18 +129,26 @@ class BufferProducer:
 class BufferTrainerClient:
     """The trainer's side: ask for a batch, acknowledge it once trained (blocking calls)."""
 
-    def __init__(self, endpoint: str, timeout: float = 30.0) -> None:
+    def __init__(
+        self, endpoint: str, timeout: float = 30.0, curve: CurveClientConfig | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
-        self._socket = _dealer(zmq.Context.instance(), endpoint)
+        self._curve = _client_keys(curve)
+        self._socket = _dealer(zmq.Context.instance(), endpoint, self._curve)
 
     def _call(self, parts: list[bytes], expect: tuple[bytes, ...], timeout: float) -> list[bytes]:
-        self._socket.send_multipart(parts)
-        if not self._socket.poll(timeout * 1000, zmq.POLLIN):
+        deadline = time.monotonic() + timeout
+        sent = self._send(parts, deadline)
+        remaining = max(0.0, deadline - time.monotonic())
+        if not sent or not self._socket.poll(remaining * 1000, zmq.POLLIN):
             # The request may still be answered later; a fresh socket keeps replies in step.
             self._socket.close(0)
-            self._socket = _dealer(zmq.Context.instance(), self.endpoint)
-            raise BufferError(f"buffer at {self.endpoint} did not answer within {timeout:g}s")
+            self._socket = _dealer(zmq.Context.instance(), self.endpoint, self._curve)
+            raise BufferError(
+                f"buffer at {self.endpoint} did not answer within {timeout:g}s"
+                + (_CURVE_HINT if self._curve is not None else "")
+            )
         reply = self._socket.recv_multipart()
         if reply[0] == b"error":
             raise BufferError(
@@ -108,6 +157,19 @@ class BufferTrainerClient:
         if reply[0] not in expect:
             raise BufferError(f"unexpected reply {reply[0]!r} from the buffer")
         return reply
+
+    def _send(self, parts: list[bytes], deadline: float) -> bool:
+        # A DEALER with no usable peer (e.g. after a refused CURVE handshake) would
+        # block on send forever, so sending shares the call's deadline.
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not self._socket.poll(remaining * 1000, zmq.POLLOUT):
+                return False
+            try:
+                self._socket.send_multipart(parts, zmq.NOBLOCK)
+                return True
+            except zmq.Again:  # the peer went away between poll and send
+                continue
+        return False
 
     def get_batch(self, trainer_version: int, groups: int, wait_seconds: float) -> Batch | None:
         """A batch of `groups` whole groups, or None if none was ready within `wait_seconds`."""

@@ -206,7 +206,7 @@ async def run(config: RunConfig, model_path: Path) -> int:
         ]
     )
     channels = [open_channel(address, config.client) for address in endpoints.rollout_servers]
-    buffer = BufferTrainerClient(endpoints.buffer_trainer)
+    buffer = BufferTrainerClient(endpoints.buffer_trainer, curve=config.client.curve)
     try:
         for address, channel in zip(endpoints.rollout_servers, channels, strict=True):
             await wait_for_serving(
