@@ -80,20 +80,24 @@ async def put_with_backpressure(producer: Any, trajectory: Trajectory, timeout: 
     """Puts `trajectory`, waiting while the buffer is full rather than dropping it.
 
     A full buffer means the trainer is behind; the producer slows down to its
-    pace. Waiting longer than `timeout` raises TimeoutError (the group is then
+    pace. A buffer that cannot write its log (reason "storage: ...") is waited
+    for the same way. Waiting longer than `timeout` raises TimeoutError (the group is then
     counted as failed) instead of hanging.
     """
     deadline = time.monotonic() + timeout
     pause = 0.05
     while True:
         ack = await producer.put(trajectory)
-        if ack.accepted or ack.reason != "full":
+        waits = ack.reason == "full" or ack.reason.startswith("storage:")
+        if ack.accepted or not waits:
             return ack
-        COUNTERS.inc("orchestrator_backpressure_waits")
+        COUNTERS.inc("orchestrator_backpressure_waits", reason=ack.reason.split(":")[0])
         if time.monotonic() + pause > deadline:
-            raise TimeoutError(
-                f"the buffer stayed full for {timeout:g}s; is the trainer taking batches?"
-            )
+            if ack.reason == "full":
+                raise TimeoutError(
+                    f"the buffer stayed full for {timeout:g}s; is the trainer taking batches?"
+                )
+            raise TimeoutError(f"the buffer could not store for {timeout:g}s: {ack.reason}")
         await asyncio.sleep(pause)
         pause = min(pause * 2, 1.0)
 

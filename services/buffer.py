@@ -13,11 +13,22 @@ trainer socket (the trainer connects a DEALER)
     [b"status"]            -> [b"status", {...}]
 
 JSON bodies are UTF-8; `seq` is the producer's 8-byte sequence number, echoed.
-A put is acknowledged once the trajectory is held (today in memory; the durable
-log adds "and on disk" without changing a message). Producers retry a put that
-was not acknowledged with the same trajectory id; the buffer answers a
-duplicate with accepted=true and keeps one copy. Anything malformed gets an
-answer that says what was wrong, a counter, and the buffer keeps serving.
+A put is acknowledged once the trajectory is held in memory and written to the
+buffer's log (`rollwire.services.durable_log`; a burst of puts shares one
+fsync before their acks go out). Producers retry a put that was not
+acknowledged with the same trajectory id; the buffer answers a duplicate with
+accepted=true and keeps one copy. Anything malformed gets an answer that says
+what was wrong, a counter, and the buffer keeps serving. When the log cannot be
+written (disk full, directory gone) puts are refused with a reason starting
+"storage:", which producers treat like "full": they wait and retry, they do not
+drop.
+
+Durability: the log holds every accepted trajectory and, as they happen, the
+ids of trajectories that left the buffer for good (acknowledged by the trainer,
+or dropped as stale). A buffer started on an existing log rebuilds what it
+held: every trajectory not yet consumed is back (a batch served but never
+acknowledged is served again), and consumed ids still count as seen. Segments
+holding only consumed trajectories are deleted.
 
 Security: with `buffer.curve` set, both sockets are ZeroMQ CURVE servers and only
 clients whose public key is allowed complete the handshake (`rollwire.services.curve`);
@@ -43,6 +54,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from rollwire.services.curve import DENIED_COUNTER, ZapHandler, secure_server, server_keys
+from rollwire.services.durable_log import DurableLog, LogError, LogWriteError
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.wire import Batch, Trajectory, WireError, decode_trajectory, encode
 
@@ -79,15 +91,15 @@ class BufferState:
     accepted: int = 0
     served_trajectories: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    consumed: list[str] = field(default_factory=list)
 
     def _drop(self, reason: str, count: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
         COUNTERS.inc("buffer_dropped", amount=count, reason=reason)
 
-    def put(self, trajectory: Trajectory) -> tuple[bool, str]:
-        """Accepts a trajectory; returns (accepted, reason)."""
+    def check(self, trajectory: Trajectory) -> tuple[bool, str]:
+        """Whether `put` would take the trajectory, without changing anything."""
         if trajectory.trajectory_id in self.seen:
-            COUNTERS.inc("buffer_duplicates")
             return True, "duplicate"
         if not 0 <= trajectory.sample_index < self.group_size:
             return (
@@ -96,19 +108,34 @@ class BufferState:
             )
         if len(self.ready) >= self.max_ready_groups:
             return False, "full"
-        group = self.partial.setdefault(trajectory.group_id, [])
+        group = self.partial.get(trajectory.group_id, ())
         if any(t.sample_index == trajectory.sample_index for t in group):
             return (
                 False,
                 f"group {trajectory.group_id!r} already has sample {trajectory.sample_index}",
             )
+        return True, "ok"
+
+    def put(self, trajectory: Trajectory) -> tuple[bool, str]:
+        """Accepts a trajectory; returns (accepted, reason)."""
+        accepted, reason = self.check(trajectory)
+        if reason == "duplicate":
+            COUNTERS.inc("buffer_duplicates")
+        if reason != "ok":
+            return accepted, reason
         self.seen.add(trajectory.trajectory_id)
+        group = self.partial.setdefault(trajectory.group_id, [])
         group.append(trajectory)
         self.accepted += 1
         if len(group) == self.group_size:
             del self.partial[trajectory.group_id]
             self.ready.append(sorted(group, key=lambda t: t.sample_index))
         return True, "ok"
+
+    def take_consumed(self) -> list[str]:
+        """Ids that left the buffer for good since the last call (acknowledged or dropped)."""
+        consumed, self.consumed = self.consumed, []
+        return consumed
 
     def _stale(self, group: list[Trajectory]) -> bool:
         versions = [v for v in (oldest_version(t) for t in group) if v is not None]
@@ -121,6 +148,7 @@ class BufferState:
             group = self.ready.popleft()
             if self._stale(group):
                 self._drop("stale", len(group))
+                self.consumed.extend(t.trajectory_id for t in group)
                 continue
             chosen.append(group)
         if len(chosen) < groups:
@@ -133,7 +161,18 @@ class BufferState:
         return Batch(batch_id, self.trainer_version, [t for group in chosen for t in group])
 
     def ack(self, batch_id: str) -> bool:
-        return self.unacked.pop(batch_id, None) is not None
+        groups = self.unacked.pop(batch_id, None)
+        if groups is None:
+            return False
+        self.consumed.extend(t.trajectory_id for group in groups for t in group)
+        return True
+
+    def requeue_unacked(self) -> None:
+        """Served batches never acknowledged go back to the front of the queue (on restart)."""
+        for groups in reversed(list(self.unacked.values())):
+            for group in reversed(groups):
+                self.ready.appendleft(group)
+        self.unacked.clear()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -145,6 +184,71 @@ class BufferState:
             "unacked_batches": len(self.unacked),
             "dropped": dict(self.dropped),
         }
+
+
+class TrajectoryLog:
+    """The buffer's durable record: accepted trajectories and the ids consumed since.
+
+    Records are a kind byte and a body: b"T" + a trajectory frame, or b"C" + a
+    JSON list of trajectory ids that left the buffer for good. Segments are
+    deleted once every trajectory in them has been consumed.
+    """
+
+    def __init__(self, directory: Path, sync: str = "batch", segment_bytes: int = 64 * 2**20):
+        self.log = DurableLog(directory, segment_bytes=segment_bytes, sync=sync)
+        self._live: OrderedDict[str, int] = OrderedDict()  # id -> offset, in log order
+        self._dirty = False
+
+    def restore(self, state: BufferState, max_frame_bytes: int) -> int:
+        """Rebuilds `state` from the log; returns the number of trajectories back in it."""
+        trajectories: list[tuple[int, Trajectory]] = []
+        consumed: set[str] = set()
+        for offset, record in self.log.replay():
+            kind, body = record[:1], record[1:]
+            if kind == b"T":
+                trajectories.append((offset, decode_trajectory(body, max_frame_bytes)))
+            elif kind == b"C":
+                consumed.update(json.loads(body))
+            else:
+                raise ValueError(f"buffer log record {offset} has unknown kind {kind!r}")
+        restored = 0
+        for offset, trajectory in trajectories:
+            if trajectory.trajectory_id in consumed:
+                state.seen.add(trajectory.trajectory_id)
+                continue
+            accepted, reason = state.put(trajectory)
+            if reason == "ok":
+                self._live[trajectory.trajectory_id] = offset
+                restored += 1
+            elif not accepted:
+                log.warning("a logged trajectory was not taken back: %s", reason)
+        state.seen.update(consumed)
+        return restored
+
+    def append_trajectory(self, trajectory_id: str, frame: bytes) -> None:
+        """Writes an accepted trajectory (reaches the kernel now; `flush` makes it durable)."""
+        self._live[trajectory_id] = self.log.append(b"T" + frame)
+        self._dirty = True
+
+    def append_consumed(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        self.log.append(b"C" + json.dumps(ids).encode())
+        self._dirty = True
+        for trajectory_id in ids:
+            self._live.pop(trajectory_id, None)
+        # Everything before the oldest live trajectory is consumed: those segments can go.
+        oldest = next(iter(self._live.values()), self.log.next_offset)
+        self.log.truncate_before(oldest)
+
+    def flush(self) -> None:
+        """Makes what was appended durable (per the log's sync mode) before acks go out."""
+        if self._dirty:
+            self.log.flush()
+            self._dirty = False
+
+    def close(self) -> None:
+        self.log.close()
 
 
 @dataclass
@@ -165,6 +269,7 @@ class BufferServer:
         trainer_port: int = 0,
         max_frame_bytes: int = 256 * 1024 * 1024,
         curve: CurveServerConfig | None = None,
+        trajectory_log: TrajectoryLog | None = None,
     ) -> None:
         """With `curve`, both sockets are CURVE servers behind its client allow-list.
 
@@ -174,6 +279,7 @@ class BufferServer:
         """
         self.state = state
         self.max_frame_bytes = max_frame_bytes
+        self.trajectory_log = trajectory_log
         self._zap = None
         self._curve_keys = None
         self._monitors: dict[zmq.Socket, str] = {}
@@ -276,13 +382,17 @@ class BufferServer:
                 socket.disable_monitor()
             socket.close(0)
         self._close_security()
+        if self.trajectory_log is not None:
+            self._make_durable()
+            self.trajectory_log.close()
 
     def _drain(self, socket: zmq.Socket, handler) -> None:
+        replies = []
         for _ in range(1000):  # bounded, so one busy socket cannot starve the other
             try:
                 parts = socket.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
-                return
+                break
             identity, body = parts[0], parts[1:]
             try:
                 reply = handler(identity, body)
@@ -291,7 +401,16 @@ class BufferServer:
                 COUNTERS.inc("buffer_internal_errors")
                 reply = [b"error", f"internal error: {type(error).__name__}: {error}".encode()]
             if reply is not None:
-                socket.send_multipart([identity, *reply])
+                replies.append([identity, *reply])
+        self._make_durable()  # one fsync for the whole burst, before any of its acks
+        for reply in replies:
+            socket.send_multipart(reply)
+
+    def _make_durable(self) -> None:
+        if self.trajectory_log is None:
+            return
+        self.trajectory_log.append_consumed(self.state.take_consumed())
+        self.trajectory_log.flush()
 
     def _on_producer(self, identity: bytes, body: list[bytes]) -> list[bytes] | None:
         if body and body[0] == b"status":
@@ -306,7 +425,7 @@ class BufferServer:
             COUNTERS.inc("buffer_bad_frames")
             accepted, reason = False, f"bad frame: {error}"
         else:
-            accepted, reason = self.state.put(trajectory)
+            accepted, reason = self._accept(trajectory, frame)
         return [
             b"ack",
             seq,
@@ -318,6 +437,19 @@ class BufferServer:
                 }
             ),
         ]
+
+    def _accept(self, trajectory: Trajectory, frame: bytes) -> tuple[bool, str]:
+        """Logs, then holds, a trajectory the state would take; a log that cannot be
+        written refuses it with a "storage:" reason (producers wait and retry)."""
+        if self.trajectory_log is not None:
+            if self.state.check(trajectory)[1] != "ok":
+                return self.state.put(trajectory)  # counts duplicates, refuses the rest
+            try:
+                self.trajectory_log.append_trajectory(trajectory.trajectory_id, frame)
+            except LogWriteError as error:
+                COUNTERS.inc("buffer_storage_errors")
+                return False, f"storage: {error}"
+        return self.state.put(trajectory)
 
     def _on_trainer(self, identity: bytes, body: list[bytes]) -> list[bytes] | None:
         kind = body[0] if body else b""
@@ -359,6 +491,7 @@ class BufferServer:
         still = []
         for waiting in self._waiting:
             batch = self.state.take(waiting.groups)
+            self._make_durable()  # groups dropped as stale are consumed
             if batch is not None:
                 self.trainer.send_multipart([waiting.identity, b"batch", encode(batch)])
             elif now >= waiting.deadline:
@@ -382,7 +515,17 @@ def run_buffer(config: Any) -> int:
         max_staleness=config.rl.staleness,
         max_ready_groups=section.max_ready_groups,
     )
+    trajectory_log = None
     try:
+        if section.durable:
+            directory = section.data_dir or Path(config.run.output_dir) / "buffer"
+            trajectory_log = TrajectoryLog(directory, section.log_sync, section.log_segment_bytes)
+            restored = trajectory_log.restore(state, section.max_frame_bytes)
+            state.requeue_unacked()
+            log.info(
+                "trajectory log open",
+                extra={"directory": str(directory), "restored": restored, "seen": len(state.seen)},
+            )
         server = BufferServer(
             state,
             section.host,
@@ -390,8 +533,11 @@ def run_buffer(config: Any) -> int:
             section.trainer_port,
             section.max_frame_bytes,
             section.curve,
+            trajectory_log,
         )
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, LogError, WireError) as error:
+        if trajectory_log is not None:
+            trajectory_log.close()
         log.error("cannot start: %s", error)
         return 1
     for signum in (signal.SIGTERM, signal.SIGINT):

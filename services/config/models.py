@@ -292,8 +292,18 @@ class BufferConfig(StrictModel):
     """Port the trainer requests batches from; 0 picks a free one."""
     ready_file: Path | None = None
     """Once bound, the producer and trainer endpoints are written here as JSON."""
+    durable: bool = True
+    """Write every accepted trajectory to a log on disk before acknowledging it, and
+    rebuild from that log on restart; False holds trajectories in memory only."""
     data_dir: Path | None = None
-    """Where the trajectory log lives; under the run directory when unset."""
+    """Where the trajectory log lives; `<run.output_dir>/buffer` when unset."""
+    log_sync: Literal["batch", "always", "never"] = "batch"
+    """`batch`: one fsync per burst of puts, before their acks (survives a crash of the
+    machine); `always`: one per put; `never`: the OS decides (survives a crash of the
+    buffer process, not of the machine)."""
+    log_segment_bytes: int = Field(64 * MiB, ge=4096)
+    """Size at which the log starts a new segment file; old ones are deleted once all
+    they hold is consumed."""
     max_frame_bytes: int = Field(256 * MiB, ge=4096)
     """Frames larger than this are rejected without being decoded."""
     max_ready_groups: int = Field(10_000, ge=1)

@@ -1,0 +1,171 @@
+"""The buffer's trajectory log: what was acknowledged survives a restart, nothing twice."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from rollwire.services.buffer import BufferServer, BufferState, TrajectoryLog
+from rollwire.services.buffer_client import BufferProducer, BufferTrainerClient
+from tests.test_buffer import trajectory
+
+
+class Running:
+    """A BufferServer on a log folder, served on a thread; `stop()` closes it cleanly."""
+
+    def __init__(self, folder: Path, group_size: int = 2, **log_options) -> None:
+        self.state = BufferState(group_size=group_size, max_staleness=5)
+        self.log = TrajectoryLog(folder, **log_options)
+        self.restored = self.log.restore(self.state, 1 << 20)
+        self.state.requeue_unacked()
+        self.server = BufferServer(self.state, trajectory_log=self.log)
+        self.thread = threading.Thread(target=self.server.serve, kwargs={"poll_ms": 10})
+        self.thread.start()
+        self.producer = BufferProducer(self.server.endpoints["producer"], timeout=2, attempts=2)
+        self.trainer = BufferTrainerClient(self.server.endpoints["trainer"], timeout=2)
+
+    def stop(self) -> None:
+        self.producer.close()
+        self.trainer.close()
+        self.server.stop()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+
+
+@pytest.mark.integration
+async def test_a_restarted_buffer_serves_what_it_had_and_nothing_consumed(tmp_path) -> None:
+    first = Running(tmp_path)
+    try:
+        for group in ("a", "b", "c"):
+            for i in range(2):
+                assert (await first.producer.put(trajectory(group, i))).accepted
+        trained = await asyncio.to_thread(first.trainer.get_batch, 0, 1, 1.0)
+        await asyncio.to_thread(first.trainer.ack, trained.batch_id, 1)  # "a": consumed
+        served = await asyncio.to_thread(first.trainer.get_batch, 1, 1, 1.0)  # "b": never acked
+        assert [t.group_id for t in trained.trajectories + served.trajectories] == ["a"] * 2 + [
+            "b"
+        ] * 2
+    finally:
+        first.stop()
+
+    second = Running(tmp_path)
+    try:
+        assert second.restored == 4  # b (served, unacknowledged) and c
+        batch = await asyncio.to_thread(second.trainer.get_batch, 1, 2, 1.0)
+        assert [t.trajectory_id for t in batch.trajectories] == ["b/0", "b/1", "c/0", "c/1"]
+        # A producer retrying a consumed trajectory after the restart is not trained twice.
+        assert (await second.producer.put(trajectory("a", 0))).reason == "duplicate"
+        assert await asyncio.to_thread(second.trainer.get_batch, 1, 1, 0.2) is None
+    finally:
+        second.stop()
+
+
+@pytest.mark.integration
+async def test_stale_drops_are_consumed_and_segments_of_consumed_data_deleted(tmp_path) -> None:
+    running = Running(tmp_path, segment_bytes=4096)
+    try:
+        for group in range(12):
+            for i in range(2):
+                assert (await running.producer.put(trajectory(f"g{group}", i))).accepted
+        segments = len(running.log.log.segments)
+        assert segments > 2
+        for _ in range(6):
+            batch = await asyncio.to_thread(running.trainer.get_batch, 0, 1, 1.0)
+            await asyncio.to_thread(running.trainer.ack, batch.batch_id, 0)
+        # Version 10, bound 5: the other six groups (version 0) are dropped as stale.
+        assert await asyncio.to_thread(running.trainer.get_batch, 10, 1, 0.2) is None
+        assert (await running.producer.status())["dropped"] == {"stale": 12}
+        assert len(running.log.log.segments) < segments
+    finally:
+        running.stop()
+    again = Running(tmp_path, segment_bytes=4096)
+    try:
+        assert again.restored == 0
+        assert (await again.producer.put(trajectory("g11", 1))).reason == "duplicate"
+    finally:
+        again.stop()
+
+
+@pytest.mark.integration
+async def test_a_log_that_cannot_be_written_refuses_puts_until_it_can(
+    tmp_path, monkeypatch
+) -> None:
+    running = Running(tmp_path)
+    real_write = os.write
+    failing = {"on": True}
+
+    def disk_full(fd: int, data) -> int:
+        if failing["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", disk_full)
+    try:
+        refused = await running.producer.put(trajectory("a", 0))
+        assert not refused.accepted and refused.reason.startswith("storage: ")
+        assert "No space left" in refused.reason
+        assert (await running.producer.status())["accepted"] == 0
+        failing["on"] = False
+        assert (await running.producer.put(trajectory("a", 0))).reason == "ok"
+    finally:
+        running.stop()
+
+
+CHILD = r"""
+import json, sys, threading
+from pathlib import Path
+from rollwire.services.buffer import BufferServer, BufferState, TrajectoryLog
+state = BufferState(group_size=2, max_staleness=5)
+trajectory_log = TrajectoryLog(Path(sys.argv[1]), sync="always")
+trajectory_log.restore(state, 1 << 20)
+server = BufferServer(state, trajectory_log=trajectory_log)
+print(json.dumps(server.endpoints), flush=True)
+server.serve(poll_ms=5)
+"""
+
+
+@pytest.mark.multiproc
+async def test_every_acknowledged_put_survives_sigkill(tmp_path) -> None:
+    import subprocess
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    acknowledged: list[str] = []
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 30)
+        producer = BufferProducer(json.loads(line)["producer"], timeout=2, attempts=1)
+        try:
+            for group in range(40):
+                for i in range(2):
+                    if (await producer.put(trajectory(f"g{group}", i))).accepted:
+                        acknowledged.append(f"g{group}/{i}")
+                if group == 25:
+                    os.killpg(process.pid, signal.SIGKILL)  # mid-run, between two puts
+                    break
+        finally:
+            producer.close()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+    state = BufferState(group_size=2, max_staleness=5)
+    reopened = TrajectoryLog(tmp_path / "log")
+    try:
+        assert reopened.restore(state, 1 << 20) == len(acknowledged) == 52
+        held = {t.trajectory_id for group in state.ready for t in group}
+        assert held == set(acknowledged)
+    finally:
+        reopened.close()
