@@ -260,7 +260,8 @@ class Orchestrator:
                 ):
                     raise
                 COUNTERS.inc("orchestrator_retries", call=what)
-                await asyncio.sleep(0.2 * attempt)
+                # Long enough in all for a restarted service to come back (a few seconds).
+                await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
 
     def _sampling(self, temperature: float) -> rollout_pb2.SamplingParams:
         return rollout_pb2.SamplingParams(

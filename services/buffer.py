@@ -9,7 +9,7 @@ trainer socket (the trainer connects a DEALER)
     [b"get", {"trainer_version", "groups", "wait_ms"}]
                            -> [b"batch", frame]   (a wire Batch of whole groups)
                            or [b"empty", {...}]   (nothing within the staleness bound by wait_ms)
-    [b"ack", {"batch_id", "trainer_version"}]  -> [b"acked", {...}]
+    [b"ack", {"batch_id", "trainer_version", "trajectory_ids"?}]  -> [b"acked", {...}]
     [b"status"]            -> [b"status", {...}]
 
 JSON bodies are UTF-8; `seq` is the producer's 8-byte sequence number, echoed.
@@ -160,12 +160,34 @@ class BufferState:
         self.served_trajectories += sum(len(g) for g in chosen)
         return Batch(batch_id, self.trainer_version, [t for group in chosen for t in group])
 
-    def ack(self, batch_id: str) -> bool:
+    def ack(self, batch_id: str, trajectory_ids: list[str] | None = None) -> bool:
+        """Marks a served batch trained. A batch this buffer does not know (it was served
+        before a restart, and requeued since) is found by its trajectory ids instead, so
+        nothing the trainer has trained on is served again."""
         groups = self.unacked.pop(batch_id, None)
         if groups is None:
-            return False
+            return self._consume_ids(set(trajectory_ids or ()))
         self.consumed.extend(t.trajectory_id for group in groups for t in group)
         return True
+
+    def _consume_ids(self, ids: set[str]) -> bool:
+        if not ids:
+            return False
+        kept: deque[list[Trajectory]] = deque()
+        found = False
+        for group in self.ready:
+            if any(t.trajectory_id in ids for t in group):
+                self.consumed.extend(t.trajectory_id for t in group)
+                found = True
+            else:
+                kept.append(group)
+        self.ready = kept
+        for batch_id, groups in list(self.unacked.items()):
+            if any(t.trajectory_id in ids for group in groups for t in group):
+                del self.unacked[batch_id]
+                self.consumed.extend(t.trajectory_id for group in groups for t in group)
+                found = True
+        return found
 
     def requeue_unacked(self) -> None:
         """Served batches never acknowledged go back to the front of the queue (on restart)."""
@@ -464,7 +486,9 @@ class BufferServer:
             return [b"status", _json(self.state.status())]
         if kind == b"ack":
             self._note_version(request)
-            known = self.state.ack(str(request.get("batch_id", "")))
+            ids = request.get("trajectory_ids")
+            ids = [str(i) for i in ids] if isinstance(ids, list) else None
+            known = self.state.ack(str(request.get("batch_id", "")), ids)
             return [
                 b"acked",
                 _json({"known": known, "trainer_version": self.state.trainer_version}),

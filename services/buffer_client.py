@@ -185,9 +185,16 @@ class BufferTrainerClient:
         )
         return decode_batch(reply[1]) if reply[0] == b"batch" else None
 
-    def ack(self, batch_id: str, trainer_version: int) -> None:
-        """Marks a batch trained and tells the buffer the new trainer version."""
-        body = json.dumps({"batch_id": batch_id, "trainer_version": trainer_version})
+    def ack(
+        self, batch_id: str, trainer_version: int, trajectory_ids: list[str] | None = None
+    ) -> None:
+        """Marks a batch trained and tells the buffer the new trainer version. With the
+        batch's trajectory ids, a buffer restarted since it served the batch still
+        knows what was trained."""
+        request: dict[str, Any] = {"batch_id": batch_id, "trainer_version": trainer_version}
+        if trajectory_ids is not None:
+            request["trajectory_ids"] = trajectory_ids
+        body = json.dumps(request)
         self._call([b"ack", body.encode()], (b"acked",), self.timeout)
 
     def status(self) -> dict[str, Any]:

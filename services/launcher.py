@@ -26,6 +26,11 @@ from rollwire.services.config import RunConfig
 from rollwire.services.files import cache_dir, staged_directory
 
 SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
+RESTARTABLE = ("buffer", "reward-server", "env-server")
+"""Services `rollwire train` starts again when they die: they hold nothing a restart
+loses (the buffer rebuilds from its log) and their clients retry. A dead
+rollout-server, trainer or orchestrator stops the run."""
+MAX_RESTARTS = 3
 
 
 class LaunchError(RuntimeError):
@@ -42,6 +47,11 @@ class Service:
     replica_of: str | None = None
     """Set for one of several replicas (env-servers): the run goes on while one of them lives."""
     reported: bool = False
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    address: str | None = None
+    """What it wrote to its ready file; a restart listens on the same port(s)."""
+    restarts: int = 0
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -80,23 +90,54 @@ class Stack:
             "TOKENIZERS_PARALLELISM": "false",
         }
         log_path = self.run_dir / "logs" / f"{name}.log"
-        handle = log_path.open("a")
-        process = subprocess.Popen(
-            argv, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        (self.run_dir / "logs" / f"{name}.pid").write_text(f"{process.pid}\n")
         service = Service(
-            name, process, log_path, ready_file, handle, replica_of=command if replica else None
+            name,
+            None,  # type: ignore[arg-type] - set by _spawn
+            log_path,
+            ready_file,
+            log_path.open("a"),
+            replica_of=command if replica else None,
+            argv=argv,
+            env=env,
         )
+        self._spawn(service, argv)
         self.services.append(service)
         return service
+
+    def _spawn(self, service: Service, argv: list[str]) -> None:
+        service.process = subprocess.Popen(
+            argv,
+            stdout=service.log_handle,
+            stderr=subprocess.STDOUT,
+            env=service.env,
+            start_new_session=True,
+        )
+        (self.run_dir / "logs" / f"{service.name}.pid").write_text(f"{service.process.pid}\n")
+
+    def restart(self, service: Service) -> None:
+        """Starts a dead service again on the port(s) it had, so its clients find it."""
+        argv = list(service.argv)
+        if service.address is not None:
+            if service.address.startswith("{"):  # the buffer: its two ZeroMQ endpoints
+                endpoints = json.loads(service.address)
+                for key, endpoint in (("producer_port", "producer"), ("trainer_port", "trainer")):
+                    argv += ["--set", f"buffer.{key}={endpoints[endpoint].rsplit(':', 1)[1]}"]
+            else:
+                argv += ["--port", service.address.rsplit(":", 1)[1]]
+        if service.ready_file is not None:
+            service.ready_file.unlink(missing_ok=True)
+        service.restarts += 1
+        service.log_handle.write(f"\n--- restarted by the launcher ({service.restarts}) ---\n")
+        service.log_handle.flush()
+        self._spawn(service, argv)
 
     def wait_ready(self, service: Service, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         assert service.ready_file is not None
         while time.monotonic() < deadline:
             if service.ready_file.exists() and service.ready_file.read_text().strip():
-                return service.ready_file.read_text().strip()
+                service.address = service.ready_file.read_text().strip()
+                return service.address
             if service.process.poll() is not None:
                 raise LaunchError(
                     f"{service.name} exited with code {service.process.returncode} while starting; "
@@ -108,12 +149,25 @@ class Stack:
         )
 
     def check(self, expected_to_finish: tuple[str, ...] = ()) -> None:
-        """Raises LaunchError if a service died (or finished when it should not have)."""
+        """Restarts a dead service that can be restarted (see RESTARTABLE); raises
+        LaunchError if another died (or finished when it should not have)."""
         for service in self.services:
             code = service.process.poll()
             if code is None:
                 continue
             if service.name in expected_to_finish and code == 0:
+                continue
+            command = service.replica_of or service.name.rsplit("-", 1)[0]
+            if (
+                (service.name in RESTARTABLE or command in RESTARTABLE)
+                and service.address is not None
+                and service.restarts < MAX_RESTARTS
+            ):
+                print(
+                    f"\n{service.name} exited with code {code}; restarting it "
+                    f"({service.restarts + 1} of {MAX_RESTARTS}; log: {service.log_path})"
+                )
+                self.restart(service)
                 continue
             if service.replica_of is not None and any(
                 other.replica_of == service.replica_of and other.process.poll() is None

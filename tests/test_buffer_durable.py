@@ -169,3 +169,24 @@ async def test_every_acknowledged_put_survives_sigkill(tmp_path) -> None:
         assert held == set(acknowledged)
     finally:
         reopened.close()
+
+
+@pytest.mark.integration
+async def test_a_batch_trained_across_a_restart_is_acknowledged_by_its_ids(tmp_path) -> None:
+    first = Running(tmp_path)
+    try:
+        for group in ("a", "b"):
+            for i in range(2):
+                assert (await first.producer.put(trajectory(group, i))).accepted
+        batch = await asyncio.to_thread(first.trainer.get_batch, 0, 1, 1.0)
+    finally:
+        first.stop()  # the buffer goes away while the trainer trains on `batch`
+    second = Running(tmp_path)
+    try:
+        ids = [t.trajectory_id for t in batch.trajectories]
+        await asyncio.to_thread(second.trainer.ack, batch.batch_id, 1, ids)
+        left = await asyncio.to_thread(second.trainer.get_batch, 1, 1, 1.0)
+        assert [t.group_id for t in left.trajectories] == ["b", "b"]  # "a" is not served twice
+        assert await asyncio.to_thread(second.trainer.get_batch, 1, 1, 0.2) is None
+    finally:
+        second.stop()

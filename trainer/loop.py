@@ -9,6 +9,7 @@ TrainerService that reports on it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -20,9 +21,10 @@ import grpc.aio
 
 from rollwire.proto.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from rollwire.rollout.weights import iter_weight_chunks
-from rollwire.services.buffer_client import BufferTrainerClient
+from rollwire.services.buffer_client import BufferError, BufferTrainerClient
 from rollwire.services.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.config import RunConfig
+from rollwire.services.metrics import COUNTERS
 from rollwire.services.server import Registration, ServiceRuntime
 from rollwire.trainer.policy import Policy
 
@@ -96,6 +98,8 @@ async def train(
     rl, trainer = config.rl, config.trainer
     run_dir = Path(config.run.output_dir)
     metrics_log = MetricsLog(run_dir)
+    # What was trained, batch by batch: the record exactly-once accounting checks.
+    trained_log = (run_dir / "metrics" / "trained_ids.jsonl").open("a")
     idle_seconds, started = 0.0, time.perf_counter()
     try:
         while state.step < rl.max_steps and not state.stop_requested:
@@ -103,8 +107,10 @@ async def train(
             waited_from = time.perf_counter()
             batch = None
             while batch is None and not state.stop_requested:
-                batch = await asyncio.to_thread(
-                    buffer.get_batch, state.version, rl.groups_per_step, 1.0
+                batch = await _buffer_call(
+                    functools.partial(buffer.get_batch, state.version, rl.groups_per_step, 1.0),
+                    "get",
+                    trainer.batch_timeout_seconds,
                 )
                 if (
                     batch is None
@@ -125,7 +131,17 @@ async def train(
             metrics["publish_seconds"] = await publish(
                 rollout_stubs, policy, state.version, trainer.weight_chunk_bytes
             )
-            await asyncio.to_thread(buffer.ack, batch.batch_id, state.version)
+            trained_ids = [t.trajectory_id for t in batch.trajectories]
+            trained_log.write(
+                json.dumps({"step": state.step, "batch_id": batch.batch_id, "ids": trained_ids})
+                + "\n"
+            )
+            trained_log.flush()
+            await _buffer_call(
+                functools.partial(buffer.ack, batch.batch_id, state.version, trained_ids),
+                "ack",
+                trainer.batch_timeout_seconds,
+            )
             state.trained += len(batch.trajectories)
             elapsed = time.perf_counter() - started
             metrics.update(
@@ -142,7 +158,25 @@ async def train(
         await checkpoint(policy, state, run_dir)
     finally:
         metrics_log.close()
+        trained_log.close()
         state.state = "done"
+
+
+async def _buffer_call(call: Any, what: str, patience: float) -> Any:
+    """Runs a blocking buffer call, retrying while the buffer does not answer (it may be
+    restarting: it rebuilds from its log) for up to `patience` seconds."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return await asyncio.to_thread(call)
+        except BufferError as error:
+            if "refused" in str(error) or time.monotonic() > deadline:
+                raise
+            COUNTERS.inc("trainer_buffer_retries", call=what)
+            log.warning(
+                "buffer did not answer; retrying", extra={"call": what, "error": str(error)}
+            )
+            await asyncio.sleep(0.5)
 
 
 async def checkpoint(policy: Policy, state: TrainerState, run_dir: Path) -> str:
@@ -206,7 +240,8 @@ async def run(config: RunConfig, model_path: Path) -> int:
         ]
     )
     channels = [open_channel(address, config.client) for address in endpoints.rollout_servers]
-    buffer = BufferTrainerClient(endpoints.buffer_trainer, curve=config.client.curve)
+    # A short timeout: a request lost with a restarting buffer is re-sent soon.
+    buffer = BufferTrainerClient(endpoints.buffer_trainer, timeout=5.0, curve=config.client.curve)
     try:
         for address, channel in zip(endpoints.rollout_servers, channels, strict=True):
             await wait_for_serving(

@@ -473,8 +473,9 @@ class OrchestratorConfig(StrictModel):
     """Nucleus sampling; keep 1 for RL so behaviour logprobs are of the full softmax."""
     max_concurrent_groups: int = Field(64, ge=1)
     """Groups being generated and scored at once."""
-    request_attempts: int = Field(3, ge=1)
-    """Tries of a failing Generate or Score call before its group is given up (and counted)."""
+    request_attempts: int = Field(5, ge=1)
+    """Tries of a Generate or Score call that found its server unavailable, 0.25 s apart and
+    doubling (about 4 s in all with 5), before its group is given up (counted, relaunched)."""
     agent: AgentConfig = AgentConfig()
     """Multi-turn episodes, for an `env` dataset."""
     filter_uniform_groups: bool = False
