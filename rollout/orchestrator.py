@@ -76,28 +76,36 @@ class DynamicSampling:
         return True
 
 
-async def put_with_backpressure(producer: Any, trajectory: Trajectory, timeout: float) -> Any:
-    """Puts `trajectory`, waiting while the buffer is full rather than dropping it.
+def _waits(reason: str) -> bool:
+    return reason == "full" or reason.startswith("storage:")
+
+
+async def put_group_with_backpressure(
+    producer: Any, trajectories: list[Trajectory], timeout: float
+) -> list[Any]:
+    """Puts a group in one message, waiting while the buffer is full rather than dropping
+    anything.
 
     A full buffer means the trainer is behind; the producer slows down to its
     pace. A buffer that cannot write its log (reason "storage: ...") is waited
-    for the same way. Waiting longer than `timeout` raises TimeoutError (the group is then
-    counted as failed) instead of hanging.
-    """
+    for the same way. The trajectories refused for either reason are sent
+    again (the others are not); past `timeout` a TimeoutError (the group is
+    then counted as failed) instead of hanging."""
     deadline = time.monotonic() + timeout
     pause = 0.05
+    results: list[Any] = [None] * len(trajectories)
+    pending = list(range(len(trajectories)))
     while True:
-        ack = await producer.put(trajectory)
-        waits = ack.reason == "full" or ack.reason.startswith("storage:")
-        if ack.accepted or not waits:
-            return ack
-        COUNTERS.inc("orchestrator_backpressure_waits", reason=ack.reason.split(":")[0])
+        acks = await producer.put_group([trajectories[i] for i in pending])
+        for index, ack in zip(pending, acks, strict=True):
+            results[index] = ack
+        pending = [i for i in pending if not results[i].accepted and _waits(results[i].reason)]
+        if not pending:
+            return results
+        reason = results[pending[0]].reason
+        COUNTERS.inc("orchestrator_backpressure_waits", reason=reason.split(":")[0])
         if time.monotonic() + pause > deadline:
-            if ack.reason == "full":
-                raise TimeoutError(
-                    f"the buffer stayed full for {timeout:g}s; is the trainer taking batches?"
-                )
-            raise TimeoutError(f"the buffer could not store for {timeout:g}s: {ack.reason}")
+            raise TimeoutError(f"the buffer did not take a group for {timeout:g}s: {reason}")
         await asyncio.sleep(pause)
         pause = min(pause * 2, 1.0)
 
@@ -219,14 +227,14 @@ class Orchestrator:
         """Puts a finished group into the buffer; False when dynamic sampling dropped it."""
         if self.dynamic_sampling.drops([t.reward for t in trajectories], self.trainer_version):
             return False
-        for trajectory in trajectories:
-            await self._put(trajectory)
+        results = await put_group_with_backpressure(
+            self.producer, trajectories, self.config.trainer.batch_timeout_seconds
+        )
+        for trajectory, ack in zip(trajectories, results, strict=True):
+            self._note_ack(trajectory, ack)
         return True
 
-    async def _put(self, trajectory: Trajectory) -> None:
-        ack = await put_with_backpressure(
-            self.producer, trajectory, self.config.trainer.batch_timeout_seconds
-        )
+    def _note_ack(self, trajectory: Trajectory, ack: Any) -> None:
         self.trainer_version = max(self.trainer_version, ack.trainer_version)
         if not ack.accepted:
             COUNTERS.inc("orchestrator_refused", reason=ack.reason)

@@ -4,6 +4,9 @@ Two ZeroMQ ROUTER sockets, so every message has an explicit answer:
 
 producer socket (orchestrators connect DEALERs)
     [b"put", seq, frame]   -> [b"ack", seq, {"accepted", "reason", "trainer_version"}]
+    [b"put_group", seq, frame, ...]
+                           -> [b"ack", seq, {"results": [{"accepted", "reason"}, ...],
+                                             "trainer_version"}]
     [b"status"]            -> [b"status", {...}]
 trainer socket (the trainer connects a DEALER)
     [b"get", {"trainer_version", "groups", "wait_ms"}]
@@ -437,20 +440,28 @@ class BufferServer:
     def _on_producer(self, identity: bytes, body: list[bytes]) -> list[bytes] | None:
         if body and body[0] == b"status":
             return [b"status", _json(self.state.status())]
+        if body and body[0] == b"put_group" and len(body) >= 3 and len(body[1]) == 8:
+            results = [self._put_frame(frame) for frame in body[2:]]
+            return [
+                b"ack",
+                body[1],
+                _json(
+                    {
+                        "results": [{"accepted": a, "reason": r} for a, r in results],
+                        "trainer_version": self.state.trainer_version,
+                    }
+                ),
+            ]
         if len(body) != 3 or body[0] != b"put" or len(body[1]) != 8:
             COUNTERS.inc("buffer_bad_messages", socket="producer")
-            return [b"error", b"expected [put, 8-byte seq, frame] or [status]"]
-        seq, frame = body[1], body[2]
-        try:
-            trajectory = decode_trajectory(frame, self.max_frame_bytes)
-        except WireError as error:
-            COUNTERS.inc("buffer_bad_frames")
-            accepted, reason = False, f"bad frame: {error}"
-        else:
-            accepted, reason = self._accept(trajectory, frame)
+            return [
+                b"error",
+                b"expected [put, 8-byte seq, frame], [put_group, 8-byte seq, frame...] or [status]",
+            ]
+        accepted, reason = self._put_frame(body[2])
         return [
             b"ack",
-            seq,
+            body[1],
             _json(
                 {
                     "accepted": accepted,
@@ -459,6 +470,14 @@ class BufferServer:
                 }
             ),
         ]
+
+    def _put_frame(self, frame: bytes) -> tuple[bool, str]:
+        try:
+            trajectory = decode_trajectory(frame, self.max_frame_bytes)
+        except WireError as error:
+            COUNTERS.inc("buffer_bad_frames")
+            return False, f"bad frame: {error}"
+        return self._accept(trajectory, frame)
 
     def _accept(self, trajectory: Trajectory, frame: bytes) -> tuple[bool, str]:
         """Logs, then holds, a trajectory the state would take; a log that cannot be

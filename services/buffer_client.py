@@ -118,6 +118,17 @@ class BufferProducer:
         body = json.loads(reply[2])
         return PutResult(body["accepted"], body["reason"], body["trainer_version"])
 
+    async def put_group(self, trajectories: list[Trajectory]) -> list[PutResult]:
+        """Sends several trajectories (a group) in one message and one round trip; one
+        result per trajectory, in order."""
+        self._seq += 1
+        seq = self._seq.to_bytes(8, "big")
+        frames = [encode(t) for t in trajectories]
+        reply = await self._request([b"put_group", seq, *frames], b"ack", seq)
+        body = json.loads(reply[2])
+        version = body["trainer_version"]
+        return [PutResult(r["accepted"], r["reason"], version) for r in body["results"]]
+
     async def status(self) -> dict[str, Any]:
         reply = await self._request([b"status"], b"status", None)
         return json.loads(reply[1])

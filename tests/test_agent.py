@@ -397,29 +397,37 @@ def test_a_hung_server_is_left_for_another(tokenizer) -> None:
 def test_a_full_buffer_slows_the_producer_instead_of_losing_the_trajectory() -> None:
     from types import SimpleNamespace
 
-    from rollwire.rollout.orchestrator import put_with_backpressure
+    from rollwire.rollout.orchestrator import put_group_with_backpressure
 
     class Producer:
-        def __init__(self, full_for: int) -> None:
-            self.full_for, self.calls = full_for, 0
+        """Refuses the group's second trajectory `full_for` times with `reason`."""
 
-        async def put(self, trajectory):
-            self.calls += 1
-            if self.calls <= self.full_for:
-                return SimpleNamespace(accepted=False, reason="full", trainer_version=0)
-            return SimpleNamespace(accepted=True, reason="ok", trainer_version=1)
+        def __init__(self, full_for: int, reason: str = "full") -> None:
+            self.full_for, self.reason, self.sent = full_for, reason, []
+
+        async def put_group(self, trajectories):
+            self.sent.append(list(trajectories))
+            results = []
+            for t in trajectories:
+                if t == "second" and self.full_for:
+                    self.full_for -= 1
+                    results.append(SimpleNamespace(accepted=False, reason=self.reason))
+                else:
+                    results.append(SimpleNamespace(accepted=True, reason="ok"))
+            return results
 
     producer = Producer(full_for=3)
-    ack = run(put_with_backpressure(producer, object(), timeout=30))
-    assert ack.accepted and producer.calls == 4
+    acks = run(put_group_with_backpressure(producer, ["first", "second"], timeout=30))
+    assert [a.accepted for a in acks] == [True, True]
+    # Only what was refused is sent again.
+    assert producer.sent == [["first", "second"], ["second"], ["second"], ["second"]]
+    storage = Producer(full_for=1, reason="storage: No space left on device")
+    assert all(a.accepted for a in run(put_group_with_backpressure(storage, ["second"], 30)))
     # Other refusals are answers, not reasons to wait.
-    refusing = Producer(full_for=0)
-    refusing.put = lambda t: asyncio.sleep(
-        0, SimpleNamespace(accepted=False, reason="bad", trainer_version=0)
-    )
-    assert run(put_with_backpressure(refusing, object(), timeout=30)).reason == "bad"
-    with pytest.raises(TimeoutError, match="stayed full for 0.2s"):
-        run(put_with_backpressure(Producer(full_for=10**6), object(), timeout=0.2))
+    bad = Producer(full_for=5, reason="bad frame")
+    assert run(put_group_with_backpressure(bad, ["second"], timeout=30))[0].reason == "bad frame"
+    with pytest.raises(TimeoutError, match="did not take a group for 0.2s: full"):
+        run(put_group_with_backpressure(Producer(full_for=10**6), ["second"], timeout=0.2))
 
 
 def test_dynamic_sampling_drops_uniform_groups_up_to_its_budget() -> None:

@@ -190,3 +190,17 @@ async def test_a_batch_trained_across_a_restart_is_acknowledged_by_its_ids(tmp_p
         assert await asyncio.to_thread(second.trainer.get_batch, 1, 1, 0.2) is None
     finally:
         second.stop()
+
+
+@pytest.mark.integration
+async def test_a_group_goes_in_one_message_with_one_answer_each(tmp_path) -> None:
+    running = Running(tmp_path)
+    try:
+        results = await running.producer.put_group([trajectory("g", 0), trajectory("g", 1)])
+        assert [(r.accepted, r.reason) for r in results] == [(True, "ok"), (True, "ok")]
+        again = await running.producer.put_group([trajectory("g", 1), trajectory("h", 7)])
+        assert [r.reason for r in again] == ["duplicate", "sample_index 7 outside a group of 2"]
+        batch = await asyncio.to_thread(running.trainer.get_batch, 0, 1, 1.0)
+        assert [t.trajectory_id for t in batch.trajectories] == ["g/0", "g/1"]
+    finally:
+        running.stop()
