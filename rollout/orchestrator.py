@@ -405,6 +405,22 @@ class Orchestrator:
         log.info("evaluated", extra={"policy_version": version, "eval_reward": round(mean, 4)})
         return mean
 
+    async def _evaluate_patiently(self, tasks: Sequence[Task], version: int) -> None:
+        """An evaluation that meets a restarting service is tried again a few times, then
+        skipped (counted): it must not end the run."""
+        for attempt in range(1, 4):
+            try:
+                await self.evaluate(tasks, version)
+                return
+            except (grpc.aio.AioRpcError, OSError, RuntimeError) as error:
+                COUNTERS.inc("orchestrator_eval_failures")
+                log.warning(
+                    "evaluation failed",
+                    extra={"policy_version": version, "attempt": attempt, "error": str(error)},
+                )
+                await asyncio.sleep(2.0 * attempt)
+        log.error("evaluation of version %d skipped after 3 failures", version)
+
     async def refresh_version(self) -> None:
         status = await self.producer.status()
         self.trainer_version = max(self.trainer_version, status["trainer_version"])
@@ -442,7 +458,7 @@ class Orchestrator:
                 )
             ):
                 evaluated.add(self.trainer_version)
-                await self.evaluate(eval_tasks, self.trainer_version)
+                await self._evaluate_patiently(eval_tasks, self.trainer_version)
             if self.trainer_version >= total_steps:
                 break
             capacity = launch_capacity(

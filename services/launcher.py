@@ -26,10 +26,11 @@ from rollwire.services.config import RunConfig
 from rollwire.services.files import cache_dir, staged_directory
 
 SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
-RESTARTABLE = ("buffer", "reward-server", "env-server")
+RESTARTABLE = ("buffer", "reward-server", "env-server", "rollout-server")
 """Services `rollwire train` starts again when they die: they hold nothing a restart
-loses (the buffer rebuilds from its log) and their clients retry. A dead
-rollout-server, trainer or orchestrator stops the run."""
+loses (the buffer rebuilds from its log; a rollout-server gets the current weights
+from the trainer) and their clients retry. A dead trainer or orchestrator stops
+the run."""
 MAX_RESTARTS = 3
 
 

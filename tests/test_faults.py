@@ -34,7 +34,7 @@ def kill(run_dir: Path, name: str) -> int:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-def test_buffer_and_reward_server_killed_mid_run_lose_nothing_and_train_nothing_twice(
+def test_buffer_reward_and_rollout_servers_killed_mid_run_lose_nothing_train_nothing_twice(
     tmp_path,
 ) -> None:
     run_dir = tmp_path / "run"
@@ -56,14 +56,18 @@ def test_buffer_and_reward_server_killed_mid_run_lose_nothing_and_train_nothing_
         kill(run_dir, "buffer")
         wait_for_step(run_dir, 4, process, timeout=240)
         kill(run_dir, "reward-server")
+        wait_for_step(run_dir, 6, process, timeout=240)
+        kill(run_dir, "rollout-server")
         output, _ = process.communicate(timeout=400)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
-    assert process.returncode == 0, output[-3000:]
+    events = [line for line in output.splitlines() if "exited" in line or "rollwire train:" in line]
+    assert process.returncode == 0, "\n".join(events) + "\n" + output[-2000:]
     assert "buffer exited with code -9; restarting it" in output
     assert "reward-server exited with code -9; restarting it" in output
+    assert "rollout-server exited with code -9; restarting it" in output
     assert [row["step"] for row in jsonl(run_dir / "metrics" / "trainer.jsonl")] == list(
         range(1, 9)
     )

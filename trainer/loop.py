@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc.aio
 
-from rollwire.proto.v1 import rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from rollwire.rollout.weights import iter_weight_chunks
 from rollwire.services.buffer_client import BufferError, BufferTrainerClient
 from rollwire.services.client import describe_error, open_channel, wait_for_serving
@@ -72,20 +72,53 @@ class MetricsLog:
             self._board.close()
 
 
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 async def publish(
     stubs: list[Any], policy: Policy, version: int, chunk_bytes: int, timeout: float = 120.0
 ) -> float:
-    """Sends the weights to every rollout-server at once; returns the seconds it took."""
+    """Sends the weights to every rollout-server at once; returns the seconds it took.
+
+    A server that cannot be reached (restarting) is skipped and counted;
+    `catch_up` brings it to the current version once it is back.
+    """
     started = time.perf_counter()
     named = policy.named_weights()
     replies = await asyncio.gather(
         *(
             stub.UpdateWeights(iter_weight_chunks(named, version, chunk_bytes), timeout=timeout)
             for stub in stubs
-        )
+        ),
+        return_exceptions=True,
     )
-    assert all(reply.version == version for reply in replies)
+    for reply in replies:
+        if isinstance(reply, grpc.aio.AioRpcError) and reply.code() in _UNREACHABLE:
+            COUNTERS.inc("trainer_publish_missed")
+            log.warning("a rollout-server missed version %d: %s", version, describe_error(reply))
+        elif isinstance(reply, BaseException):
+            raise reply
+        elif reply.version != version:
+            raise RuntimeError(f"a rollout-server took version {reply.version}, not {version}")
     return time.perf_counter() - started
+
+
+async def catch_up(stubs: list[Any], policy: Policy, version: int, chunk_bytes: int) -> int:
+    """Sends the weights to every reachable rollout-server behind `version` (one that was
+    restarted starts from the initial weights); returns how many were behind."""
+    behind = []
+    for stub in stubs:
+        try:
+            status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            continue  # not back yet: the next round asks again
+        if status.policy_version < version:
+            behind.append(stub)
+    if behind:
+        COUNTERS.inc("trainer_catch_ups", amount=len(behind))
+        log.info("rollout-servers behind version %d: sending it", version)
+        await publish(behind, policy, version, chunk_bytes)
+    return len(behind)
 
 
 async def train(
@@ -106,7 +139,11 @@ async def train(
             state.state = "waiting_for_batch"
             waited_from = time.perf_counter()
             batch = None
+            last_catch_up = 0.0
             while batch is None and not state.stop_requested:
+                if state.version and time.monotonic() - last_catch_up > 2.0:
+                    last_catch_up = time.monotonic()
+                    await catch_up(rollout_stubs, policy, state.version, trainer.weight_chunk_bytes)
                 batch = await _buffer_call(
                     functools.partial(buffer.get_batch, state.version, rl.groups_per_step, 1.0),
                     "get",
