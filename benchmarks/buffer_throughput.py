@@ -47,6 +47,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
+from durable_log import realistic_trajectory  # benchmarks/durable_log.py, beside this file
 
 from rollwire.services.wire import SCHEMA_VERSION, Trajectory, _trajectory_body, encode
 
@@ -55,22 +56,9 @@ TIMEOUT = 120.0
 
 
 def template(tokens: int = 128) -> Trajectory:
-    rng = np.random.default_rng(0)
-    mask = (np.arange(tokens) >= tokens // 3).astype(np.uint8)  # prompt, then generated tokens
-    return Trajectory(
-        trajectory_id="run-7/step-42/prompt-1031/sample-3",
-        group_id="run-7/prompt-1031",
-        task_id="gsm8k/1031",
-        sample_index=3,
-        prompt_ordinal=1031,
-        source="gsm8k",
-        domain="math",
-        token_ids=rng.integers(0, 150_000, tokens, dtype=np.int32),
-        loss_mask=mask,
-        behaviour_logprobs=np.where(mask == 1, -rng.random(tokens), 0).astype(np.float32),
-        policy_versions=np.where(mask == 1, 41, -1).astype(np.int64),
-        reward=1.0,
-        reward_components={"correct": 1.0, "format": 0.0},
+    """The durable-log benchmark's trajectory, stamped with the time it is put."""
+    return dataclasses.replace(
+        realistic_trajectory(tokens),
         timings={"generate": 1.8, "reward": 0.01, "put": time.monotonic()},
     )
 

@@ -28,10 +28,11 @@ from rollwire.services.wire import Trajectory, encode
 BATCH = 64
 
 
-def realistic_payload(tokens: int = 128) -> bytes:
+def realistic_trajectory(tokens: int = 128) -> Trajectory:
+    """A ~2.7 KB trajectory as the buffer sees them (also used by buffer_throughput.py)."""
     rng = np.random.default_rng(0)
     mask = (np.arange(tokens) >= tokens // 3).astype(np.uint8)  # prompt, then generated tokens
-    trajectory = Trajectory(
+    return Trajectory(
         trajectory_id="run-7/step-42/prompt-1031/sample-3",
         group_id="run-7/prompt-1031",
         task_id="gsm8k/1031",
@@ -47,7 +48,10 @@ def realistic_payload(tokens: int = 128) -> bytes:
         reward_components={"correct": 1.0, "format": 0.0},
         timings={"generate": 1.8, "reward": 0.01},
     )
-    return encode(trajectory)
+
+
+def realistic_payload(tokens: int = 128) -> bytes:
+    return encode(realistic_trajectory(tokens))
 
 
 def seconds(function: Callable[..., object], *args: object) -> float:
