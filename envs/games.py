@@ -128,6 +128,14 @@ class GuessTheNumber(Env):
         return hint, 0.0, False, self._turns >= self.max_turns, info
 
 
+def _require_episode(started: bool, done: bool) -> None:
+    """The grid games' rule for `step`: only between `reset` and the episode's end."""
+    if not started:
+        raise InvalidAction("call reset before step")
+    if done:
+        raise InvalidAction("the episode has ended; call reset to start another")
+
+
 class FrozenLake(Env):
     """Walk from the top-left corner to the goal G in the bottom-right without falling into a hole H.
 
@@ -245,10 +253,7 @@ class FrozenLake(Env):
         return self.render(), info
 
     def step(self, action: str) -> StepResult:
-        if self._position is None:
-            raise InvalidAction("call reset before step")
-        if self._done:
-            raise InvalidAction("the episode has ended; call reset to start another")
+        _require_episode(self._position is not None, self._done)
         intended = parse_move(action)
         self._turns += 1
         moved = intended
@@ -425,10 +430,7 @@ class Sokoban(Env):
         return self.render(), info
 
     def step(self, action: str) -> StepResult:
-        if self._player is None:
-            raise InvalidAction("call reset before step")
-        if self._done:
-            raise InvalidAction("the episode has ended; call reset to start another")
+        _require_episode(self._player is not None, self._done)
         move = parse_move(action)
         self._turns += 1
         row_step, col_step = MOVES[move]
