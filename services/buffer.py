@@ -126,6 +126,11 @@ class BufferState:
             COUNTERS.inc("buffer_duplicates")
         if reason != "ok":
             return accepted, reason
+        self.add(trajectory)
+        return True, "ok"
+
+    def add(self, trajectory: Trajectory) -> None:
+        """Holds a trajectory `check` has passed."""
         self.seen.add(trajectory.trajectory_id)
         group = self.partial.setdefault(trajectory.group_id, [])
         group.append(trajectory)
@@ -133,7 +138,6 @@ class BufferState:
         if len(group) == self.group_size:
             del self.partial[trajectory.group_id]
             self.ready.append(sorted(group, key=lambda t: t.sample_index))
-        return True, "ok"
 
     def take_consumed(self) -> list[str]:
         """Ids that left the buffer for good since the last call (acknowledged or dropped)."""
@@ -490,6 +494,8 @@ class BufferServer:
             except LogWriteError as error:
                 COUNTERS.inc("buffer_storage_errors")
                 return False, f"storage: {error}"
+            self.state.add(trajectory)
+            return True, "ok"
         return self.state.put(trajectory)
 
     def _on_trainer(self, identity: bytes, body: list[bytes]) -> list[bytes] | None:
