@@ -31,6 +31,7 @@ relies on:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -180,6 +181,7 @@ class RemoteEnvs:
         self._streams: set[_Stream] = set()
         self._call_ids = itertools.count(1)
         self._resent: set[asyncio.Task[Any]] = set()  # held so they are not collected mid-call
+        self._session_order = _SessionOrder()
         self._closed = False
 
     @property
@@ -257,6 +259,14 @@ class RemoteEnvs:
     async def _call_unary(
         self, kind: str, args: tuple[Any, ...], timeout: float | None = None
     ) -> Any:
+        if kind == "reset":
+            return await self._send_unary(kind, args, timeout)
+        # Two unary calls may reach the server in either order; a session's calls
+        # go one at a time, as they do on a stream, so they run in the order made.
+        async with self._session_order.turn(args[0]):
+            return await self._send_unary(kind, args, timeout)
+
+    async def _send_unary(self, kind: str, args: tuple[Any, ...], timeout: float | None) -> Any:
         stub = self._get_stub()
         try:
             if kind == "step":
@@ -318,6 +328,28 @@ class RemoteEnvs:
                 self._resent.add(task)
                 task.add_done_callback(self._resent.discard)
                 task.add_done_callback(lambda done, future=future: _settle(future, done))
+
+
+class _SessionOrder:
+    """One call at a time per session, in the order the calls were made (asyncio locks are FIFO)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+
+    @contextlib.asynccontextmanager
+    async def turn(self, session_id: str) -> AsyncIterator[None]:
+        lock, users = self._locks.setdefault(session_id, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._locks[session_id]
+
+    def __len__(self) -> int:
+        return len(self._locks)
 
 
 def _settle(future: asyncio.Future[Any], task: asyncio.Task[Any]) -> None:

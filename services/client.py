@@ -49,6 +49,10 @@ def open_channel(
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
+        # gRPC shares connections between channels to one address by default, and
+        # with them a failed connection's back-off: a channel opened to a server that
+        # was just restarted on its old port would fail for seconds without trying.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     credentials = channel_credentials(config)
     if credentials is None:

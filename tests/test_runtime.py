@@ -227,3 +227,25 @@ async def test_tls_and_mutual_tls(start_service, certificates) -> None:
     async with open_channel(runtime.address, ClientConfig(default_timeout_seconds=3)) as channel:
         with pytest.raises(grpc.aio.AioRpcError):
             await trainer_pb2_grpc.TrainerServiceStub(channel).GetVersion(request)
+
+
+async def test_a_server_restarted_on_its_old_port_is_reached_at_once(start_service) -> None:
+    """A failed connection's back-off belongs to the channel that met it, not to every channel."""
+    import socket
+
+    with socket.socket() as placeholder:  # a port nothing listens on, yet
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+    dead = open_channel(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await check_health(dead, timeout=2)
+        assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+        runtime = await start_service([trainer_registration()], ServerConfig(port=port))
+        fresh = open_channel(runtime.address)
+        try:
+            assert await check_health(fresh, timeout=5) == "SERVING"
+        finally:
+            await fresh.close()
+    finally:
+        await dead.close()
