@@ -3,16 +3,27 @@
 Two ZeroMQ ROUTER sockets, so every message has an explicit answer:
 
 producer socket (orchestrators connect DEALERs)
-    [b"put", seq, frame]   -> [b"ack", seq, {"accepted", "reason", "trainer_version"}]
+    [b"put", seq, frame]   -> [b"ack", seq, {"accepted", "reason", "trainer_version", ...}]
     [b"put_group", seq, frame, ...]
                            -> [b"ack", seq, {"results": [{"accepted", "reason"}, ...],
                                              "trainer_version"}]
+    [b"drop", seq, {"ordinal", "group_id", "outcome"}]
+                           -> [b"ack", seq, {...}]  (the producer gave up on a prompt)
+    [b"ledger"]            -> [b"ledger", {"frontier", "above", "highest", "outcomes",
+                                           "whole", "partial"}]  (see services.ledger)
     [b"status"]            -> [b"status", {...}]
 trainer socket (the trainer connects a DEALER)
-    [b"get", {"trainer_version", "groups", "wait_ms"}]
+    [b"get", {"trainer_version", "trainer_step", "groups", "wait_ms"}]
                            -> [b"batch", frame]   (a wire Batch of whole groups)
                            or [b"empty", {...}]   (nothing within the staleness bound by wait_ms)
-    [b"ack", {"batch_id", "trainer_version", "trajectory_ids"?}]  -> [b"acked", {...}]
+    [b"ack", {"batch_id", "trainer_version", "trajectory_ids"?, "commit"?}]
+                           -> [b"acked", {...}]   (trained; consumed unless commit is false,
+                                                   when it waits for the trainer's checkpoint)
+    [b"commit", {"trajectory_ids"}]
+                           -> [b"committed", {...}]  (a checkpoint now holds these)
+    [b"resume", {"committed_ids", "trainer_version", "trainer_step"}]
+                           -> [b"resumed", {...}]  (a trainer restarted from its checkpoint:
+                                                    what it trained after it is served again)
     [b"status"]            -> [b"status", {...}]
 
 JSON bodies are UTF-8; `seq` is the producer's 8-byte sequence number, echoed.
@@ -26,12 +37,14 @@ written (disk full, directory gone) puts are refused with a reason starting
 "storage:", which producers treat like "full": they wait and retry, they do not
 drop.
 
-Durability: the log holds every accepted trajectory and, as they happen, the
-ids of trajectories that left the buffer for good (acknowledged by the trainer,
-or dropped as stale). A buffer started on an existing log rebuilds what it
-held: every trajectory not yet consumed is back (a batch served but never
-acknowledged is served again), and consumed ids still count as seen. Segments
-holding only consumed trajectories are deleted.
+Durability: the log holds every accepted trajectory and, as they happen, what
+became of it: trained but not yet in a trainer checkpoint, consumed for good
+(checkpointed, or dropped as stale), or given up by the producer. A buffer
+started on an existing log rebuilds what it held: every trajectory not yet
+consumed is back (a batch served but never acknowledged is served again; one
+trained but not checkpointed waits for the trainer's commit or resume), and a
+finished prompt ordinal still counts as seen. Segments holding only consumed
+trajectories are deleted, after a snapshot of the ordinal ledger is written.
 
 Security: with `buffer.curve` set, both sockets are ZeroMQ CURVE servers and only
 clients whose public key is allowed complete the handshake (`rollwire.services.curve`);
@@ -58,6 +71,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from rollwire.services.curve import DENIED_COUNTER, ZapHandler, secure_server, server_keys
 from rollwire.services.durable_log import DurableLog, LogError, LogWriteError
+from rollwire.services.ledger import OrdinalLedger
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.wire import Batch, Trajectory, WireError, decode_trajectory, encode
 
@@ -73,6 +87,10 @@ def _json(data: dict[str, Any]) -> bytes:
     return json.dumps(data).encode()
 
 
+def _ids(value: Any) -> list[str]:
+    return [str(i) for i in value] if isinstance(value, list) else []
+
+
 def oldest_version(trajectory: Trajectory) -> int | None:
     """The oldest policy version among the generated tokens; None if nothing was generated."""
     generated = trajectory.policy_versions[trajectory.loss_mask == 1]
@@ -81,20 +99,29 @@ def oldest_version(trajectory: Trajectory) -> int | None:
 
 @dataclass
 class BufferState:
-    """What the buffer holds, independent of sockets (unit-testable)."""
+    """What the buffer holds, independent of sockets (unit-testable).
+
+    A group moves ready -> served (unacked) -> trained (waiting for the trainer's
+    next checkpoint) -> consumed. What happens is also written down in `journal`
+    for the trajectory log: ("C", consumed for good, with the groups' ordinals and
+    outcome), ("P", trained but not yet checkpointed), ("R", back to ready).
+    """
 
     group_size: int
     max_staleness: int
     max_ready_groups: int = 10_000
     trainer_version: int = 0
+    trainer_step: int = 0
     partial: dict[str, list[Trajectory]] = field(default_factory=dict)
     ready: deque[list[Trajectory]] = field(default_factory=deque)
     seen: set[str] = field(default_factory=set)
     unacked: OrderedDict[str, list[list[Trajectory]]] = field(default_factory=OrderedDict)
+    trained: OrderedDict[str, list[list[Trajectory]]] = field(default_factory=OrderedDict)
+    ledger: OrdinalLedger = field(default_factory=OrdinalLedger)
     accepted: int = 0
     served_trajectories: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
-    consumed: list[str] = field(default_factory=list)
+    journal: list[tuple[bytes, dict[str, Any]]] = field(default_factory=list)
 
     def _drop(self, reason: str, count: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
@@ -102,7 +129,7 @@ class BufferState:
 
     def check(self, trajectory: Trajectory) -> tuple[bool, str]:
         """Whether `put` would take the trajectory, without changing anything."""
-        if trajectory.trajectory_id in self.seen:
+        if trajectory.trajectory_id in self.seen or self.ledger.finished(trajectory.prompt_ordinal):
             return True, "duplicate"
         if not 0 <= trajectory.sample_index < self.group_size:
             return (
@@ -116,6 +143,12 @@ class BufferState:
             return (
                 False,
                 f"group {trajectory.group_id!r} already has sample {trajectory.sample_index}",
+            )
+        if group and group[0].prompt_ordinal != trajectory.prompt_ordinal:
+            return (
+                False,
+                f"group {trajectory.group_id!r} has prompt_ordinal {group[0].prompt_ordinal}, "
+                f"not {trajectory.prompt_ordinal}",
             )
         return True, "ok"
 
@@ -132,6 +165,7 @@ class BufferState:
     def add(self, trajectory: Trajectory) -> None:
         """Holds a trajectory `check` has passed."""
         self.seen.add(trajectory.trajectory_id)
+        self.ledger.saw(trajectory.prompt_ordinal)
         group = self.partial.setdefault(trajectory.group_id, [])
         group.append(trajectory)
         self.accepted += 1
@@ -139,10 +173,21 @@ class BufferState:
             del self.partial[trajectory.group_id]
             self.ready.append(sorted(group, key=lambda t: t.sample_index))
 
-    def take_consumed(self) -> list[str]:
-        """Ids that left the buffer for good since the last call (acknowledged or dropped)."""
-        consumed, self.consumed = self.consumed, []
-        return consumed
+    def take_journal(self) -> list[tuple[bytes, dict[str, Any]]]:
+        """What changed since the last call, for the trajectory log."""
+        journal, self.journal = self.journal, []
+        return journal
+
+    def _consume(self, groups: list[list[Trajectory]], outcome: str) -> None:
+        """Groups that left the buffer for good: their ordinals are finished."""
+        if not groups:
+            return
+        ids = [t.trajectory_id for group in groups for t in group]
+        ordinals = [group[0].prompt_ordinal for group in groups]
+        for ordinal in ordinals:
+            self.ledger.finish(ordinal, outcome)
+        self.seen.difference_update(ids)  # the ledger answers for them from now on
+        self.journal.append((b"C", {"ids": ids, "ordinals": ordinals, "outcome": outcome}))
 
     def _stale(self, group: list[Trajectory]) -> bool:
         versions = [v for v in (oldest_version(t) for t in group) if v is not None]
@@ -155,7 +200,7 @@ class BufferState:
             group = self.ready.popleft()
             if self._stale(group):
                 self._drop("stale", len(group))
-                self.consumed.extend(t.trajectory_id for t in group)
+                self._consume([group], "stale")
                 continue
             chosen.append(group)
         if len(chosen) < groups:
@@ -167,33 +212,86 @@ class BufferState:
         self.served_trajectories += sum(len(g) for g in chosen)
         return Batch(batch_id, self.trainer_version, [t for group in chosen for t in group])
 
-    def ack(self, batch_id: str, trajectory_ids: list[str] | None = None) -> bool:
-        """Marks a served batch trained. A batch this buffer does not know (it was served
-        before a restart, and requeued since) is found by its trajectory ids instead, so
-        nothing the trainer has trained on is served again."""
+    def ack(
+        self, batch_id: str, trajectory_ids: list[str] | None = None, commit: bool = True
+    ) -> bool:
+        """Marks a served batch trained: consumed (`commit`), or held until the trainer's
+        next checkpoint commits it. A batch this buffer does not know (served before a
+        restart, requeued since) is found by its trajectory ids instead, so nothing the
+        trainer has trained on is served again."""
         groups = self.unacked.pop(batch_id, None)
         if groups is None:
-            return self._consume_ids(set(trajectory_ids or ()))
-        self.consumed.extend(t.trajectory_id for group in groups for t in group)
+            groups = self._pull(set(trajectory_ids or ()), (self.ready, self.unacked))
+            if not groups:
+                return False
+        if commit:
+            self._consume(groups, "trained")
+        else:
+            self.trained[batch_id] = groups
+            ids = [t.trajectory_id for group in groups for t in group]
+            self.journal.append((b"P", {"ids": ids}))
         return True
 
-    def _consume_ids(self, ids: set[str]) -> bool:
-        if not ids:
+    def commit(self, trajectory_ids: list[str]) -> int:
+        """The trainer checkpointed these: consumed for good. Returns how many groups."""
+        groups = self._pull(set(trajectory_ids), (self.trained, self.unacked, self.ready))
+        self._consume(groups, "trained")
+        return len(groups)
+
+    def resume(self, committed_ids: list[str]) -> dict[str, int]:
+        """A trainer restarted from a checkpoint that holds `committed_ids` (trained since
+        the checkpoint before it): those are consumed; everything served or trained after
+        it goes back to the front of the queue, to be trained again."""
+        committed = self.commit(committed_ids)
+        requeued = 0
+        back: list[list[Trajectory]] = []
+        for groups in list(self.unacked.values()) + list(self.trained.values()):
+            back.extend(groups)
+        pending = [t.trajectory_id for groups in self.trained.values() for g in groups for t in g]
+        if pending:
+            self.journal.append((b"R", {"ids": pending}))
+        self.unacked.clear()
+        self.trained.clear()
+        for group in reversed(back):
+            self.ready.appendleft(group)
+            requeued += 1
+        return {"committed_groups": committed, "requeued_groups": requeued}
+
+    def drop_ordinal(self, ordinal: int, group_id: str, outcome: str) -> bool:
+        """The producer gave up on a prompt ("filtered", "failed"): its ordinal is finished
+        and whatever part of its group arrived is let go. False if it had already ended."""
+        part = self.partial.pop(group_id, [])
+        ids = [t.trajectory_id for t in part]
+        self.seen.difference_update(ids)
+        if not self.ledger.finish(ordinal, outcome):
             return False
-        kept: deque[list[Trajectory]] = deque()
-        found = False
-        for group in self.ready:
-            if any(t.trajectory_id in ids for t in group):
-                self.consumed.extend(t.trajectory_id for t in group)
-                found = True
-            else:
-                kept.append(group)
-        self.ready = kept
-        for batch_id, groups in list(self.unacked.items()):
-            if any(t.trajectory_id in ids for group in groups for t in group):
-                del self.unacked[batch_id]
-                self.consumed.extend(t.trajectory_id for group in groups for t in group)
-                found = True
+        self.journal.append((b"C", {"ids": ids, "ordinals": [ordinal], "outcome": outcome}))
+        return True
+
+    def _pull(
+        self, ids: set[str], places: tuple[deque | OrderedDict, ...]
+    ) -> list[list[Trajectory]]:
+        """Removes and returns the groups in `places` holding any of `ids`."""
+        found: list[list[Trajectory]] = []
+        if not ids:
+            return found
+        for place in places:
+            if isinstance(place, deque):
+                kept: deque[list[Trajectory]] = deque()
+                for group in place:
+                    (found if any(t.trajectory_id in ids for t in group) else kept).append(group)
+                place.clear()
+                place.extend(kept)
+                continue
+            for key, groups in list(place.items()):
+                hit = [g for g in groups if any(t.trajectory_id in ids for t in g)]
+                if hit:
+                    found.extend(hit)
+                    rest = [g for g in groups if g not in hit]
+                    if rest:
+                        place[key] = rest
+                    else:
+                        del place[key]
         return found
 
     def requeue_unacked(self) -> None:
@@ -203,24 +301,42 @@ class BufferState:
                 self.ready.appendleft(group)
         self.unacked.clear()
 
+    def held_ordinals(self) -> dict[str, Any]:
+        """The ordinals of the groups held now, whole or in part (for a restarted producer)."""
+        whole = [g[0].prompt_ordinal for g in self.ready]
+        for place in (self.unacked, self.trained):
+            whole.extend(g[0].prompt_ordinal for groups in place.values() for g in groups)
+        partial = {
+            str(group[0].prompt_ordinal): sorted(t.sample_index for t in group)
+            for group in self.partial.values()
+        }
+        return {"whole": sorted(whole), "partial": partial}
+
     def status(self) -> dict[str, Any]:
         return {
             "trainer_version": self.trainer_version,
+            "trainer_step": self.trainer_step,
             "accepted": self.accepted,
             "ready_groups": len(self.ready),
             "partial_groups": len(self.partial),
             "served_trajectories": self.served_trajectories,
             "unacked_batches": len(self.unacked),
+            "trained_uncommitted_batches": len(self.trained),
             "dropped": dict(self.dropped),
+            "outcomes": dict(self.ledger.outcomes),
+            "frontier": self.ledger.frontier,
         }
 
 
 class TrajectoryLog:
-    """The buffer's durable record: accepted trajectories and the ids consumed since.
+    """The buffer's durable record: accepted trajectories and what became of them.
 
-    Records are a kind byte and a body: b"T" + a trajectory frame, or b"C" + a
-    JSON list of trajectory ids that left the buffer for good. Segments are
-    deleted once every trajectory in them has been consumed.
+    Records are a kind byte and a body: b"T" + a trajectory frame; b"C" + JSON
+    {ids, ordinals, outcome} for groups that left for good (older logs wrote a bare
+    list of ids); b"P" + {ids} trained but not yet checkpointed; b"R" + {ids} back
+    to ready; b"L" + a snapshot of the ordinal ledger, written before segments are
+    deleted, so what the deleted records said about ordinals is not forgotten.
+    Segments are deleted once every trajectory in them has been consumed.
     """
 
     def __init__(self, directory: Path, sync: str = "batch", segment_bytes: int = 64 * 2**20):
@@ -232,18 +348,31 @@ class TrajectoryLog:
         """Rebuilds `state` from the log; returns the number of trajectories back in it."""
         trajectories: list[tuple[int, Trajectory]] = []
         consumed: set[str] = set()
+        pending: set[str] = set()
         for offset, record in self.log.replay():
             kind, body = record[:1], record[1:]
             if kind == b"T":
                 trajectories.append((offset, decode_trajectory(body, max_frame_bytes)))
-            elif kind == b"C":
-                consumed.update(json.loads(body))
-            else:
+                continue
+            if kind not in (b"C", b"P", b"R", b"L"):
                 raise ValueError(f"buffer log record {offset} has unknown kind {kind!r}")
+            data = json.loads(body)
+            if kind == b"L":
+                state.ledger = OrdinalLedger.from_snapshot(data)
+            elif kind == b"C":
+                if isinstance(data, list):  # the first format: ids only
+                    data = {"ids": data, "ordinals": [], "outcome": "trained"}
+                consumed.update(data["ids"])
+                pending.difference_update(data["ids"])
+                for ordinal in data["ordinals"]:
+                    state.ledger.finish(int(ordinal), str(data["outcome"]))
+            elif kind == b"P":
+                pending.update(data["ids"])
+            else:
+                pending.difference_update(data["ids"])
         restored = 0
         for offset, trajectory in trajectories:
             if trajectory.trajectory_id in consumed:
-                state.seen.add(trajectory.trajectory_id)
                 continue
             accepted, reason = state.put(trajectory)
             if reason == "ok":
@@ -251,24 +380,40 @@ class TrajectoryLog:
                 restored += 1
             elif not accepted:
                 log.warning("a logged trajectory was not taken back: %s", reason)
-        state.seen.update(consumed)
+        # Groups trained before the restart wait for the trainer's checkpoint (or resume).
+        held = state._pull(pending, (state.ready,))
+        if held:
+            state.trained["restored"] = held
+        state.take_journal()  # replaying changed nothing on disk
         return restored
+
+    def write(self, journal: list[tuple[bytes, dict[str, Any]]], ledger: OrdinalLedger) -> None:
+        """Writes what the state journalled; consumed trajectories free their segments."""
+        if not journal:
+            return
+        freed = False
+        for kind, data in journal:
+            self.log.append(kind + json.dumps(data).encode())
+            if kind == b"C":
+                freed = True
+                for trajectory_id in data["ids"]:
+                    self._live.pop(trajectory_id, None)
+        self._dirty = True
+        if not freed:
+            return
+        # Everything before the oldest live trajectory is consumed: those segments can go,
+        # once a ledger snapshot (durable first) keeps what they said about ordinals.
+        oldest = next(iter(self._live.values()), self.log.next_offset)
+        starts = self.log.segment_offsets
+        if len(starts) > 1 and starts[1] <= oldest:
+            self.log.append(b"L" + json.dumps(ledger.snapshot()).encode())
+            self.log.flush()
+            self.log.truncate_before(oldest)
 
     def append_trajectory(self, trajectory_id: str, frame: bytes) -> None:
         """Writes an accepted trajectory (reaches the kernel now; `flush` makes it durable)."""
         self._live[trajectory_id] = self.log.append(b"T" + frame)
         self._dirty = True
-
-    def append_consumed(self, ids: list[str]) -> None:
-        if not ids:
-            return
-        self.log.append(b"C" + json.dumps(ids).encode())
-        self._dirty = True
-        for trajectory_id in ids:
-            self._live.pop(trajectory_id, None)
-        # Everything before the oldest live trajectory is consumed: those segments can go.
-        oldest = next(iter(self._live.values()), self.log.next_offset)
-        self.log.truncate_before(oldest)
 
     def flush(self) -> None:
         """Makes what was appended durable (per the log's sync mode) before acks go out."""
@@ -435,16 +580,32 @@ class BufferServer:
         for reply in replies:
             socket.send_multipart(reply)
 
-    def _make_durable(self) -> None:
+    def _make_durable(self) -> str | None:
+        """Writes what changed and flushes; returns what went wrong, or None."""
+        journal = self.state.take_journal()
         if self.trajectory_log is None:
-            return
-        self.trajectory_log.append_consumed(self.state.take_consumed())
-        self.trajectory_log.flush()
+            return None
+        try:
+            self.trajectory_log.write(journal, self.state.ledger)
+            self.trajectory_log.flush()
+        except LogWriteError as error:
+            # Kept for the next write: replaying a record twice changes nothing.
+            self.state.journal[:0] = journal
+            COUNTERS.inc("buffer_storage_errors")
+            log.error("cannot write the trajectory log: %s", error)
+            return f"storage: {error}"
+        return None
 
     def _on_producer(self, identity: bytes, body: list[bytes]) -> list[bytes] | None:
-        if body and body[0] == b"status":
+        kind = body[0] if body else b""
+        if kind == b"status":
             return [b"status", _json(self.state.status())]
-        if body and body[0] == b"put_group" and len(body) >= 3 and len(body[1]) == 8:
+        if kind == b"ledger":
+            return [
+                b"ledger",
+                _json({**self.state.ledger.snapshot(), **self.state.held_ordinals()}),
+            ]
+        if kind == b"put_group" and len(body) >= 3 and len(body[1]) == 8:
             results = [self._put_frame(frame) for frame in body[2:]]
             return [
                 b"ack",
@@ -456,24 +617,42 @@ class BufferServer:
                     }
                 ),
             ]
-        if len(body) != 3 or body[0] != b"put" or len(body[1]) != 8:
+        if kind == b"drop" and len(body) == 3 and len(body[1]) == 8:
+            accepted, reason = self._drop_ordinal(body[2])
+            return [b"ack", body[1], _json(self._put_answer(accepted, reason))]
+        if len(body) != 3 or kind != b"put" or len(body[1]) != 8:
             COUNTERS.inc("buffer_bad_messages", socket="producer")
             return [
                 b"error",
-                b"expected [put, 8-byte seq, frame], [put_group, 8-byte seq, frame...] or [status]",
+                b"expected [put, 8-byte seq, frame], [put_group, 8-byte seq, frame...], "
+                b"[drop, 8-byte seq, json], [ledger] or [status]",
             ]
         accepted, reason = self._put_frame(body[2])
-        return [
-            b"ack",
-            body[1],
-            _json(
-                {
-                    "accepted": accepted,
-                    "reason": reason,
-                    "trainer_version": self.state.trainer_version,
-                }
-            ),
-        ]
+        return [b"ack", body[1], _json(self._put_answer(accepted, reason))]
+
+    def _put_answer(self, accepted: bool, reason: str) -> dict[str, Any]:
+        return {
+            "accepted": accepted,
+            "reason": reason,
+            "trainer_version": self.state.trainer_version,
+            "trainer_step": self.state.trainer_step,
+        }
+
+    def _drop_ordinal(self, body: bytes) -> tuple[bool, str]:
+        try:
+            request = json.loads(body)
+            ordinal, group_id = int(request["ordinal"]), str(request["group_id"])
+            outcome = str(request["outcome"])
+            if ordinal < 0 or not outcome:
+                raise ValueError("ordinal must be >= 0 and outcome non-empty")
+        except (ValueError, KeyError, TypeError) as error:
+            COUNTERS.inc("buffer_bad_messages", socket="producer")
+            return False, f"bad drop: expected {{ordinal, group_id, outcome}}: {error}"
+        fresh = self.state.drop_ordinal(ordinal, group_id, outcome)
+        failure = self._make_durable()
+        if failure is not None:
+            return False, failure
+        return True, "ok" if fresh else "duplicate"
 
     def _put_frame(self, frame: bytes) -> tuple[bool, str]:
         try:
@@ -513,11 +692,22 @@ class BufferServer:
             self._note_version(request)
             ids = request.get("trajectory_ids")
             ids = [str(i) for i in ids] if isinstance(ids, list) else None
-            known = self.state.ack(str(request.get("batch_id", "")), ids)
-            return [
-                b"acked",
-                _json({"known": known, "trainer_version": self.state.trainer_version}),
-            ]
+            known = self.state.ack(
+                str(request.get("batch_id", "")), ids, commit=request.get("commit", True) is True
+            )
+            return self._durable_answer(b"acked", {"known": known})
+        if kind == b"commit":
+            self._note_version(request)
+            groups = self.state.commit(_ids(request.get("trajectory_ids")))
+            return self._durable_answer(b"committed", {"groups": groups})
+        if kind == b"resume":
+            self._note_version(request)
+            if isinstance(request.get("trainer_step"), int):
+                self.state.trainer_step = request["trainer_step"]  # back to its checkpoint
+            counts = self.state.resume(_ids(request.get("committed_ids")))
+            self._waiting.clear()  # requests of the trainer that died
+            log.info("the trainer resumed from its checkpoint", extra=counts)
+            return self._durable_answer(b"resumed", counts)
         if kind == b"get":
             self._note_version(request)
             groups = int(request.get("groups", 1))
@@ -528,12 +718,23 @@ class BufferServer:
             self._serve_waiting()
             return None
         COUNTERS.inc("buffer_bad_messages", socket="trainer")
-        return [b"error", b"expected get, ack or status"]
+        return [b"error", b"expected get, ack, commit, resume or status"]
+
+    def _durable_answer(self, kind: bytes, body: dict[str, Any]) -> list[bytes]:
+        """The answer once what the request changed is on disk, or an error saying why not
+        (the trainer retries; replaying the request changes nothing twice)."""
+        failure = self._make_durable()
+        if failure is not None:
+            return [b"error", failure.encode()]
+        return [kind, _json({**body, "trainer_version": self.state.trainer_version})]
 
     def _note_version(self, request: dict[str, Any]) -> None:
         version = request.get("trainer_version")
         if isinstance(version, int) and version > self.state.trainer_version:
             self.state.trainer_version = version
+        step = request.get("trainer_step")
+        if isinstance(step, int) and step > self.state.trainer_step:
+            self.state.trainer_step = step
 
     def _serve_waiting(self) -> None:
         now = time.monotonic()

@@ -129,6 +129,21 @@ class BufferProducer:
         version = body["trainer_version"]
         return [PutResult(r["accepted"], r["reason"], version) for r in body["results"]]
 
+    async def drop(self, ordinal: int, group_id: str, outcome: str) -> PutResult:
+        """Tells the buffer this prompt ends here (`outcome`: "filtered", "failed", ...),
+        so its ordinal is accounted for and a restarted producer does not run it again."""
+        self._seq += 1
+        seq = self._seq.to_bytes(8, "big")
+        body = json.dumps({"ordinal": ordinal, "group_id": group_id, "outcome": outcome})
+        reply = await self._request([b"drop", seq, body.encode()], b"ack", seq)
+        data = json.loads(reply[2])
+        return PutResult(data["accepted"], data["reason"], data["trainer_version"])
+
+    async def ledger(self) -> dict[str, Any]:
+        """The buffer's ordinal ledger and the ordinals it holds (see services.ledger)."""
+        reply = await self._request([b"ledger"], b"ledger", None)
+        return json.loads(reply[1])
+
     async def status(self) -> dict[str, Any]:
         reply = await self._request([b"status"], b"status", None)
         return json.loads(reply[1])
@@ -182,31 +197,69 @@ class BufferTrainerClient:
                 continue
         return False
 
-    def get_batch(self, trainer_version: int, groups: int, wait_seconds: float) -> Batch | None:
+    def get_batch(
+        self,
+        trainer_version: int,
+        groups: int,
+        wait_seconds: float,
+        trainer_step: int | None = None,
+    ) -> Batch | None:
         """A batch of `groups` whole groups, or None if none was ready within `wait_seconds`."""
-        body = json.dumps(
-            {
-                "trainer_version": trainer_version,
-                "groups": groups,
-                "wait_ms": int(wait_seconds * 1000),
-            }
-        )
+        request: dict[str, Any] = {
+            "trainer_version": trainer_version,
+            "groups": groups,
+            "wait_ms": int(wait_seconds * 1000),
+        }
+        if trainer_step is not None:
+            request["trainer_step"] = trainer_step
         reply = self._call(
-            [b"get", body.encode()], (b"batch", b"empty"), wait_seconds + self.timeout
+            [b"get", json.dumps(request).encode()],
+            (b"batch", b"empty"),
+            wait_seconds + self.timeout,
         )
         return decode_batch(reply[1]) if reply[0] == b"batch" else None
 
     def ack(
-        self, batch_id: str, trainer_version: int, trajectory_ids: list[str] | None = None
+        self,
+        batch_id: str,
+        trainer_version: int,
+        trajectory_ids: list[str] | None = None,
+        commit: bool = True,
+        trainer_step: int | None = None,
     ) -> None:
         """Marks a batch trained and tells the buffer the new trainer version. With the
         batch's trajectory ids, a buffer restarted since it served the batch still
-        knows what was trained."""
-        request: dict[str, Any] = {"batch_id": batch_id, "trainer_version": trainer_version}
+        knows what was trained. With `commit=False` the buffer keeps the batch until
+        `commit` says a checkpoint holds it (or `resume` that none does)."""
+        request: dict[str, Any] = {
+            "batch_id": batch_id,
+            "trainer_version": trainer_version,
+            "commit": commit,
+        }
         if trajectory_ids is not None:
             request["trajectory_ids"] = trajectory_ids
-        body = json.dumps(request)
-        self._call([b"ack", body.encode()], (b"acked",), self.timeout)
+        if trainer_step is not None:
+            request["trainer_step"] = trainer_step
+        self._call([b"ack", json.dumps(request).encode()], (b"acked",), self.timeout)
+
+    def commit(self, trajectory_ids: list[str]) -> int:
+        """A checkpoint now holds these: the buffer lets them go. Returns the groups committed."""
+        body = json.dumps({"trajectory_ids": trajectory_ids}).encode()
+        return json.loads(self._call([b"commit", body], (b"committed",), self.timeout)[1])["groups"]
+
+    def resume(
+        self, committed_ids: list[str], trainer_version: int, trainer_step: int
+    ) -> dict[str, Any]:
+        """Tells the buffer this trainer restarted from a checkpoint holding `committed_ids`:
+        they are let go, and everything served to the trainer after them comes again."""
+        body = json.dumps(
+            {
+                "committed_ids": committed_ids,
+                "trainer_version": trainer_version,
+                "trainer_step": trainer_step,
+            }
+        ).encode()
+        return json.loads(self._call([b"resume", body], (b"resumed",), self.timeout)[1])
 
     def status(self) -> dict[str, Any]:
         return json.loads(self._call([b"status"], (b"status",), self.timeout)[1])

@@ -224,6 +224,12 @@ class DurableLog:
             return self._segments[0].first_offset
 
     @property
+    def segment_offsets(self) -> list[int]:
+        """The first offset of each segment, oldest first."""
+        with self._mutex:
+            return [segment.first_offset for segment in self._segments]
+
+    @property
     def segments(self) -> list[Path]:
         """The segment files, oldest first; the last one is the one being written."""
         with self._mutex:

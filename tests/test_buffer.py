@@ -14,15 +14,22 @@ from rollwire.services.buffer import BufferServer, BufferState
 from rollwire.services.buffer_client import BufferError, BufferProducer, BufferTrainerClient
 from rollwire.services.wire import Trajectory
 
+_ORDINALS: dict[str, int] = {}
 
-def trajectory(group: str, index: int, version: int = 0, reward: float = 0.0) -> Trajectory:
+
+def trajectory(
+    group: str, index: int, version: int = 0, reward: float = 0.0, ordinal: int | None = None
+) -> Trajectory:
+    """One sample of `group`; each group name gets its own prompt ordinal, as in a run."""
+    if ordinal is None:
+        ordinal = _ORDINALS.setdefault(group, len(_ORDINALS))
     mask = np.array([0, 0, 1, 1], np.uint8)
     return Trajectory(
         trajectory_id=f"{group}/{index}",
         group_id=group,
         task_id=group,
         sample_index=index,
-        prompt_ordinal=0,
+        prompt_ordinal=ordinal,
         source="test",
         domain="math",
         token_ids=np.array([1, 2, 3, 4], np.int32),
