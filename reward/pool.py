@@ -66,6 +66,7 @@ class ScoringPool:
         self._idle: asyncio.Queue[_Worker] | None = None
         self._size = workers
         self._all: set[_Worker] = set()
+        self._collecting: set[asyncio.Task[None]] = set()  # held so they are not collected
         self.restarts = 0
 
     def _spawn(self) -> _Worker:
@@ -109,11 +110,42 @@ class ScoringPool:
             if isinstance(error, TimeoutError):
                 raise
             raise ScorerFailed(f"scorer process died: {type(error).__name__}") from None
+        except asyncio.CancelledError:
+            # The caller went away (its client hung up) while the worker scores: the
+            # answer is still coming. Collect it before the worker serves anyone else;
+            # dropping the worker here would shrink the pool until nothing scores.
+            loop.remove_reader(fd)
+            self._collect_later(worker, timeout)
+            raise
         loop.remove_reader(fd)
         idle.put_nowait(worker)
         if status == "error":
             raise ScorerFailed(value)
         return value
+
+    def _collect_later(self, worker: _Worker, timeout: float) -> None:
+        """Reads and discards the answer `worker` owes, then puts it back to work (or
+        replaces it if no answer comes within `timeout`)."""
+        loop = asyncio.get_running_loop()
+
+        async def collect() -> None:
+            ready = loop.create_future()
+            fd = worker.connection.fileno()
+            loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+            try:
+                await asyncio.wait_for(ready, timeout)
+                worker.connection.recv()
+            except (TimeoutError, EOFError, OSError, asyncio.CancelledError):
+                loop.remove_reader(fd)
+                self._replace(worker)
+                return
+            loop.remove_reader(fd)
+            assert self._idle is not None
+            self._idle.put_nowait(worker)
+
+        task = loop.create_task(collect(), name="scorer-collect")
+        self._collecting.add(task)
+        task.add_done_callback(self._collecting.discard)
 
     def _replace(self, worker: _Worker) -> None:
         self.restarts += 1

@@ -154,18 +154,25 @@ def _read_rows(path: Path) -> Iterator[dict[str, Any]]:
         raise ValueError(f"dataset file {path} must end in .jsonl or .parquet")
 
 
-def cycle(tasks: Sequence[Task]) -> Iterator[Task]:
-    """Tasks in order, again and again, with ordinals that keep increasing."""
-    epoch = 0
+def task_at(tasks: Sequence[Task], ordinal: int) -> Task:
+    """The task a run's stream of prompts holds at `ordinal`: `tasks` again and again,
+    each pass (epoch) with ordinals that keep increasing."""
+    epoch, index = divmod(ordinal, len(tasks))
+    task = tasks[index]
+    return Task(
+        task.ordinal + epoch * len(tasks),
+        f"{task.task_id}@{epoch}",
+        task.question,
+        task.reference,
+        task.domain,
+        task.source,
+        task.metadata,
+    )
+
+
+def cycle(tasks: Sequence[Task], start: int = 0) -> Iterator[Task]:
+    """Tasks in order from ordinal `start`, again and again (see `task_at`)."""
+    ordinal = start
     while True:
-        for task in tasks:
-            yield Task(
-                task.ordinal + epoch * len(tasks),
-                f"{task.task_id}@{epoch}",
-                task.question,
-                task.reference,
-                task.domain,
-                task.source,
-                task.metadata,
-            )
-        epoch += 1
+        yield task_at(tasks, ordinal)
+        ordinal += 1

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,13 @@ import grpc.aio
 import numpy as np
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.datasets import Task, cycle, load_tasks
-from rollwire.services.buffer_client import BufferProducer
+from rollwire.rollout.datasets import Task, cycle, load_tasks, task_at
+from rollwire.services.buffer_client import BufferError, BufferProducer
 from rollwire.services.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.config import EnvDataset, RunConfig
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.structs import to_struct
+from rollwire.services.watchdog import Watchdog
 from rollwire.services.wire import Trajectory
 
 log = logging.getLogger(__name__)
@@ -117,7 +119,9 @@ class Orchestrator:
         self.settings = config.orchestrator
         self.tokenizer = tokenizer
         self.trainer_version = 0
+        self.trainer_step = 0
         self.launched = 0
+        self.resumed_gaps = 0
         self.completed = 0
         self.failed = 0
         self.filtered = 0
@@ -126,6 +130,8 @@ class Orchestrator:
         )
         self.generated_tokens = 0
         self.dropped_groups = 0
+        self.watchdog = Watchdog("orchestrator")
+        self.watch_seconds = config.telemetry.watchdog_seconds
         endpoints = config.endpoints
         self.rollout_channels = [open_channel(a, config.client) for a in endpoints.rollout_servers]
         self.reward_channels = [open_channel(a, config.client) for a in endpoints.reward_servers]
@@ -226,6 +232,8 @@ class Orchestrator:
     async def send_group(self, trajectories: list[Trajectory]) -> bool:
         """Puts a finished group into the buffer; False when dynamic sampling dropped it."""
         if self.dynamic_sampling.drops([t.reward for t in trajectories], self.trainer_version):
+            first = trajectories[0]
+            await self.producer.drop(first.prompt_ordinal, first.group_id, "filtered")
             return False
         results = await put_group_with_backpressure(
             self.producer, trajectories, self.config.trainer.batch_timeout_seconds
@@ -323,11 +331,13 @@ class Orchestrator:
 
     async def run_group(self, task: Task) -> bool:
         """Samples, scores and sends one group; False when it was filtered out."""
-        if self.agentic:
-            trajectories = await self.play_env_group(task)
-        else:
-            trajectories = await self.sample_group(task)
-        return await self.send_group(trajectories)
+        what = f"ordinal {task.ordinal} ({task.task_id})"
+        with self.watchdog.watch("group", what, self.watch_seconds):
+            if self.agentic:
+                trajectories = await self.play_env_group(task)
+            else:
+                trajectories = await self.sample_group(task)
+            return await self.send_group(trajectories)
 
     async def sample_group(self, task: Task) -> list[Trajectory]:
         """`rl.group_size` responses to one prompt, scored, as trajectories."""
@@ -410,7 +420,8 @@ class Orchestrator:
         skipped (counted): it must not end the run."""
         for attempt in range(1, 4):
             try:
-                await self.evaluate(tasks, version)
+                with self.watchdog.watch("evaluation", f"of version {version}", self.watch_seconds):
+                    await self.evaluate(tasks, version)
                 return
             except (grpc.aio.AioRpcError, OSError, RuntimeError) as error:
                 COUNTERS.inc("orchestrator_eval_failures")
@@ -424,7 +435,30 @@ class Orchestrator:
     async def refresh_version(self) -> None:
         status = await self.producer.status()
         self.trainer_version = max(self.trainer_version, status["trainer_version"])
-        self.dropped_groups = sum(status["dropped"].values()) // self.rl.group_size
+        # A trainer restarted from a checkpoint goes back to its step.
+        self.trainer_step = status.get("trainer_step", status["trainer_version"])
+        self.dropped_groups = status.get("outcomes", {}).get("stale", 0)
+
+    async def resume_point(self, tasks: Sequence[Task]) -> tuple[list[Task], int]:
+        """Where a (re)started orchestrator begins: the prompts the buffer's ledger shows
+        unfinished and not held (a group lost with the previous orchestrator, or only
+        part of it arrived), then the first ordinal never seen. Sets `launched` to the
+        groups already in play, so the run does not produce more than it needs."""
+        ledger = await self.producer.ledger()
+        frontier, highest = int(ledger["frontier"]), int(ledger["highest"])
+        finished = {int(o) for o in ledger["above"]}
+        whole = {int(o) for o in ledger["whole"]}
+        gaps = [o for o in range(frontier, highest + 1) if o not in finished and o not in whole]
+        outcomes = ledger["outcomes"]
+        given_up = outcomes.get("filtered", 0) + outcomes.get("failed", 0)
+        self.launched = highest + 1 - given_up - len(gaps)
+        self.resumed_gaps = len(gaps)
+        if highest >= 0:
+            log.info(
+                "resuming from the buffer's ledger",
+                extra={"frontier": frontier, "next": highest + 1, "gaps": len(gaps)},
+            )
+        return [task_at(tasks, o) for o in gaps], highest + 1
 
     async def run(self) -> None:
         for address, channel in zip(
@@ -437,65 +471,95 @@ class Orchestrator:
             )
         if self.agentic:
             await self.start_episodes()
-        train_tasks = cycle(load_tasks(self.settings.dataset))
+        self.watchdog.start()
+        dataset = load_tasks(self.settings.dataset)
+        retry, start = await self.resume_point(dataset)
+        retry_queue = deque(retry)
+        fresh_tasks = cycle(dataset, start)
         eval_tasks = load_tasks(self.settings.eval_dataset) if self.settings.eval_dataset else []
         staleness, per_step, total_steps = (
             self.rl.staleness,
             self.rl.groups_per_step,
             self.rl.max_steps,
         )
-        running: set[asyncio.Task[None]] = set()
+        await self.refresh_version()
+        running: dict[asyncio.Task[bool], Task] = {}
+        failures: dict[int, int] = {}
         evaluated: set[int] = set()
         started = time.perf_counter()
         last_report = started
-        while True:
-            if (
-                eval_tasks
-                and self.trainer_version not in evaluated
-                and (
-                    self.trainer_version % self.settings.eval_every == 0
-                    or self.trainer_version >= total_steps
+        try:
+            while True:
+                if (
+                    eval_tasks
+                    and self.trainer_version not in evaluated
+                    and (
+                        self.trainer_version % self.settings.eval_every == 0
+                        or self.trainer_step >= total_steps
+                    )
+                ):
+                    evaluated.add(self.trainer_version)
+                    await self._evaluate_patiently(eval_tasks, self.trainer_version)
+                if self.trainer_step >= total_steps:
+                    break
+                capacity = launch_capacity(
+                    self.trainer_step, staleness, per_step, total_steps, self.dropped_groups
                 )
-            ):
-                evaluated.add(self.trainer_version)
-                await self._evaluate_patiently(eval_tasks, self.trainer_version)
-            if self.trainer_version >= total_steps:
-                break
-            capacity = launch_capacity(
-                self.trainer_version, staleness, per_step, total_steps, self.dropped_groups
-            )
-            while self.launched < capacity and len(running) < self.settings.max_concurrent_groups:
-                task = asyncio.ensure_future(self.run_group(next(train_tasks)))
-                running.add(task)
-                self.launched += 1
-            done = set()
-            if running:
-                done, _ = await asyncio.wait(
-                    running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED
-                )
-            else:
-                await asyncio.sleep(0.05)
-            for finished in done:
-                running.discard(finished)
-                if finished.exception() is not None:
-                    self.failed += 1
-                    self.launched -= 1  # the group never reached the buffer: make room for another
-                    COUNTERS.inc("orchestrator_failed_groups")
-                    log.error("group failed: %s", finished.exception())
-                elif finished.result() is False:
-                    self.filtered += 1
-                    self.launched -= 1  # dropped by dynamic sampling: another prompt replaces it
+                while (
+                    self.launched < capacity and len(running) < self.settings.max_concurrent_groups
+                ):
+                    task = retry_queue.popleft() if retry_queue else next(fresh_tasks)
+                    running[asyncio.ensure_future(self.run_group(task))] = task
+                    self.launched += 1
+                done = set()
+                if running:
+                    done, _ = await asyncio.wait(
+                        running, timeout=0.05, return_when=asyncio.FIRST_COMPLETED
+                    )
                 else:
-                    self.completed += 1
-            # Acks carry the trainer version; ask the buffer only when that is all we wait for.
-            if self.launched >= capacity or not running:
-                await self.refresh_version()
-            if time.perf_counter() - last_report > 5:
-                last_report = time.perf_counter()
-                self._report(started)
-        for task in running:
-            task.cancel()
-        self._report(started)
+                    await asyncio.sleep(0.05)
+                for finished in done:
+                    task = running.pop(finished)
+                    if finished.exception() is not None:
+                        self.launched -= (
+                            1  # the group never reached the buffer: make room for another
+                        )
+                        await self._group_failed(task, finished.exception(), failures, retry_queue)
+                    elif finished.result() is False:
+                        self.filtered += 1
+                        self.launched -= (
+                            1  # dropped by dynamic sampling: another prompt replaces it
+                        )
+                    else:
+                        self.completed += 1
+                # Acks carry the trainer version; ask the buffer only when that is all we wait for.
+                if self.launched >= capacity or not running:
+                    await self.refresh_version()
+                if time.perf_counter() - last_report > 5:
+                    last_report = time.perf_counter()
+                    self._report(started)
+        finally:
+            for pending in running:
+                pending.cancel()
+            self._report(started)  # also when stopped by a signal
+
+    async def _group_failed(
+        self, task: Task, error: BaseException, failures: dict[int, int], retry_queue: deque
+    ) -> None:
+        """A group that failed is run again (first, before new prompts) up to
+        `request_attempts` times; then its ordinal is given up, and the buffer told."""
+        self.failed += 1
+        COUNTERS.inc("orchestrator_failed_groups")
+        failures[task.ordinal] = failures.get(task.ordinal, 0) + 1
+        if failures[task.ordinal] < self.settings.request_attempts:
+            log.warning("group failed; running it again: %s", error)
+            retry_queue.append(task)
+            return
+        log.error("group failed %d times; giving it up: %s", failures[task.ordinal], error)
+        try:
+            await self.producer.drop(task.ordinal, task.task_id, "failed")
+        except BufferError as lost:  # the ledger keeps it a gap: a restart runs it again
+            log.error("could not tell the buffer: %s", lost)
 
     def _report(self, started: float) -> None:
         elapsed = time.perf_counter() - started
@@ -505,6 +569,7 @@ class Orchestrator:
             "groups_completed": self.completed,
             "groups_failed": self.failed,
             "groups_filtered": self.filtered,
+            "groups_resumed": self.resumed_gaps,
             "generated_tokens": self.generated_tokens,
             "tokens_per_second": self.generated_tokens / max(elapsed, 1e-9),
         }
@@ -515,6 +580,7 @@ class Orchestrator:
         self.progress_log.flush()
 
     async def close(self) -> None:
+        self.watchdog.stop()
         self.producer.close()
         self.eval_log.close()
         self.progress_log.close()
@@ -535,7 +601,7 @@ def run_orchestrator(config: RunConfig) -> int:
     quiet_transformers()
 
     from rollwire.rollout.server import default_model_path
-    from rollwire.services.telemetry import configure_logging
+    from rollwire.services.telemetry import configure_logging, dump_tasks_on_signal
 
     configure_logging("orchestrator", config.telemetry.log_level, config.telemetry.log_format)
     endpoints = config.endpoints
@@ -560,6 +626,7 @@ def run_orchestrator(config: RunConfig) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, work.cancel)
+        dump_tasks_on_signal(loop, "orchestrator")
         try:
             await work
         except asyncio.CancelledError:

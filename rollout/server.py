@@ -18,6 +18,7 @@ from rollwire.services.config import RolloutServerConfig
 from rollwire.services.files import cache_dir
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.server import Registration, reject
+from rollwire.services.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
@@ -47,9 +48,34 @@ def sampling_spec(params: rollout_pb2.SamplingParams) -> SamplingSpec:
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """Generate, Abort, UpdateWeights and GetStatus over an engine."""
 
-    def __init__(self, engine: HFEngine) -> None:
+    def __init__(
+        self, engine: HFEngine, await_weights: bool = False, watch_seconds: float = 300.0
+    ) -> None:
         self.engine = engine
         self._started = False
+        self.watchdog = Watchdog("rollout-server")
+        self.watch_seconds = watch_seconds
+        self._has_weights = asyncio.Event()
+        if not await_weights:
+            self._has_weights.set()
+
+    async def _wait_for_weights(self, context: grpc.aio.ServicerContext) -> None:
+        """Holds a request until the trainer's weights arrive, within its deadline."""
+        if self._has_weights.is_set():
+            return
+        remaining = context.time_remaining()
+        patience = 60.0 if remaining is None else max(remaining - 0.5, 0.0)
+        COUNTERS.inc("rollout_held_for_weights")
+        try:
+            await asyncio.wait_for(self._has_weights.wait(), patience)
+        except TimeoutError:
+            await self._reject(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "awaiting_weights",
+                f"this rollout-server was restarted and still waits for the trainer's weights "
+                f"(it holds version {self.engine.version}); try again shortly",
+            )
 
     async def _reject(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
@@ -63,11 +89,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         spec: SamplingSpec,
         context: grpc.aio.ServicerContext,
     ) -> rollout_pb2.GenerateResponse:
+        await self._wait_for_weights(context)
         if not self._started:
             self._started = True
             await self.engine.start()
+            self.watchdog.start()
         try:
-            result = await self.engine.generate(request_id, prompt, spec)
+            with self.watchdog.watch("request", request_id, self.watch_seconds):
+                result = await self.engine.generate(request_id, prompt, spec)
         except ContextTooLong as error:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "context", str(error))
         except RequestError as error:
@@ -139,6 +168,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 context, grpc.StatusCode.FAILED_PRECONDITION, "stale_version", str(error)
             )
         COUNTERS.inc("rollout_weight_updates")
+        self._has_weights.set()
         log.info(
             "weights updated",
             extra={
@@ -168,6 +198,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
 
     async def close(self) -> None:
+        self.watchdog.stop()
         await self.engine.close()
 
 
@@ -194,9 +225,11 @@ def build_engine(config: RolloutServerConfig) -> HFEngine:
     )
 
 
-def registrations(config: RolloutServerConfig) -> list[Registration]:
+def registrations(config: RolloutServerConfig, watch_seconds: float = 300.0) -> list[Registration]:
     """What `rollwire rollout-server` hosts."""
-    servicer = RolloutServicer(build_engine(config))
+    servicer = RolloutServicer(
+        build_engine(config), await_weights=config.await_weights, watch_seconds=watch_seconds
+    )
     return [
         Registration(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE_NAME)
     ]

@@ -70,6 +70,11 @@ def _serve(command: str, args: argparse.Namespace) -> int:
     from rollwire.services.server import run_service
 
     module = importlib.import_module(module_name)
+    if command == "rollout-server":
+        watch = config.telemetry.watchdog_seconds
+        return run_service(
+            command, config, section.server, lambda: module.registrations(section, watch)
+        )
     return run_service(command, config, section.server, lambda: module.registrations(section))
 
 

@@ -26,11 +26,12 @@ from rollwire.services.config import RunConfig
 from rollwire.services.files import cache_dir, staged_directory
 
 SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
-RESTARTABLE = ("buffer", "reward-server", "env-server", "rollout-server")
-"""Services `rollwire train` starts again when they die: they hold nothing a restart
-loses (the buffer rebuilds from its log; a rollout-server gets the current weights
-from the trainer) and their clients retry. A dead trainer or orchestrator stops
-the run."""
+RESTARTABLE = ("buffer", "reward-server", "env-server", "rollout-server", "trainer", "orchestrator")
+"""Services `rollwire train` starts again when they die: none holds what a restart
+loses. The buffer rebuilds from its log; a rollout-server holds requests until the
+trainer has sent it the current weights; the trainer resumes from its newest
+checkpoint and the buffer serves again what it trained after it; the orchestrator
+asks the buffer's ledger which prompts to run again. Their clients retry."""
 MAX_RESTARTS = 3
 
 
@@ -125,6 +126,8 @@ class Stack:
                     argv += ["--set", f"buffer.{key}={endpoints[endpoint].rsplit(':', 1)[1]}"]
             else:
                 argv += ["--port", service.address.rsplit(":", 1)[1]]
+        if (service.replica_of or service.name).startswith("rollout-server"):
+            argv += ["--set", "rollout_server.await_weights=true"]
         if service.ready_file is not None:
             service.ready_file.unlink(missing_ok=True)
         service.restarts += 1
@@ -161,7 +164,7 @@ class Stack:
             command = service.replica_of or service.name.rsplit("-", 1)[0]
             if (
                 (service.name in RESTARTABLE or command in RESTARTABLE)
-                and service.address is not None
+                and (service.address is not None or service.ready_file is None)
                 and service.restarts < MAX_RESTARTS
             ):
                 print(

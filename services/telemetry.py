@@ -7,6 +7,7 @@ trace of the call that wrote it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -99,3 +100,20 @@ def configure_tracing(service: str, exporter: str = "none") -> trace.TracerProvi
         raise ValueError(f"unknown trace exporter {exporter!r}")
     trace.set_tracer_provider(provider)
     return provider
+
+
+def dump_tasks_on_signal(loop: Any, service: str) -> None:
+    """On SIGUSR1, logs the stack of every asyncio task of `loop` (where is it waiting?)."""
+    import io
+    import signal
+
+    def dump() -> None:
+        out = io.StringIO()
+        for task in sorted(asyncio.all_tasks(loop), key=lambda t: t.get_name()):
+            out.write(f"--- task {task.get_name()}\n")
+            task.print_stack(limit=25, file=out)
+        logging.getLogger(__name__).warning(
+            "asyncio tasks of %s on SIGUSR1:\n%s", service, out.getvalue()
+        )
+
+    loop.add_signal_handler(signal.SIGUSR1, dump)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import grpc.aio
 import pytest
@@ -75,6 +77,10 @@ def hang(item):
 
 def length(item):
     return Score(float(len(item.response)), {"length": float(len(item.response))})
+
+def slow(item):
+    time.sleep(0.5)
+    return Score(-1.0, {})
 """
 
 
@@ -86,6 +92,7 @@ async def reward_stub(start_service, tmp_path, monkeypatch):
         "test_crash": "my_scorers:crash",
         "test_hang": "my_scorers:hang",
         "length": "my_scorers:length",
+        "slow": "my_scorers:slow",
     }
     config = RewardServerConfig(
         max_batch_items=4, item_timeout_seconds=1.0, workers=2, custom_scorers=custom
@@ -138,6 +145,26 @@ async def test_a_failing_or_slow_scorer_costs_only_its_item(reward_stub) -> None
         )
     )
     assert [r.reward for r in again.results] == [3.0] * 4
+
+
+@pytest.mark.integration
+async def test_a_client_that_hangs_up_mid_item_does_not_cost_a_worker(reward_stub) -> None:
+    reward_stub, servicer = reward_stub
+    slow = [item(str(i), domain="slow") for i in range(2)]  # both workers busy
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await reward_stub.Score(reward_pb2.ScoreRequest(items=slow), timeout=0.2)
+    assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    # Both workers come back, and nobody receives the abandoned items' scores.
+    again = await reward_stub.Score(
+        reward_pb2.ScoreRequest(items=[item(str(i), domain="length", response="ab") for i in "xy"]),
+        timeout=10,
+    )
+    assert [r.reward for r in again.results] == [2.0, 2.0]
+    for _ in range(100):  # the second abandoned item may still be finishing
+        if servicer._pool._idle.qsize() == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert servicer._pool.restarts == 0 and servicer._pool._idle.qsize() == 2
 
 
 @pytest.mark.integration

@@ -26,6 +26,9 @@ from rollwire.services.client import describe_error, open_channel, wait_for_serv
 from rollwire.services.config import RunConfig
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.server import Registration, ServiceRuntime
+from rollwire.services.telemetry import dump_tasks_on_signal
+from rollwire.services.watchdog import Watchdog
+from rollwire.services.wire import Batch
 from rollwire.trainer.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,9 @@ class TrainerState:
         self.last_metrics: dict[str, float] = {}
         self.checkpoint_requests: list[asyncio.Future[str]] = []
         self.stop_requested = False
+        # Trained since the last checkpoint; the buffer holds them until one commits them.
+        self.uncommitted_ids: list[str] = []
+        self.resumed_from_step: int | None = None
 
 
 class MetricsLog:
@@ -121,6 +127,68 @@ async def catch_up(stubs: list[Any], policy: Policy, version: int, chunk_bytes: 
     return len(behind)
 
 
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder of a run (they are written atomically)."""
+    folders = sorted((run_dir / "checkpoints").glob("step_*"))
+    complete = [f for f in folders if (f / "trainer_state.pt").exists()]
+    return complete[-1] if complete else None
+
+
+async def resume(
+    config: RunConfig,
+    policy: Policy,
+    state: TrainerState,
+    rollout_stubs: list[Any],
+    buffer: BufferTrainerClient,
+) -> None:
+    """Puts the trainer where its newest checkpoint left it, and the buffer and the
+    rollout-servers in step with it. A fresh run goes through here too: it finds no
+    checkpoint and a buffer with nothing served.
+
+    Versions only grow (DESIGN.md, invariant 6): a trainer restarted from step k
+    after the servers saw version j > k publishes its checkpoint's weights as
+    version j + 1, so policy versions run ahead of steps from then on.
+    """
+    run_dir = Path(config.run.output_dir)
+    folder = latest_checkpoint(run_dir) if config.trainer.resume else None
+    committed: list[str] = []
+    if folder is not None:
+        saved = await asyncio.to_thread(policy.restore, folder)
+        state.step, state.version = int(saved["step"]), int(saved["policy_version"])
+        committed = list(saved.get("uncommitted_ids", []))
+        state.last_checkpoint = str(folder)
+        state.resumed_from_step = state.step
+    seen = [state.version]
+    for stub in rollout_stubs:
+        try:
+            status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest(), timeout=5.0)
+            seen.append(status.policy_version)
+        except grpc.aio.AioRpcError:
+            pass  # not up: it gets the weights when it is (catch_up)
+    status = await _buffer_call(buffer.status, "status", config.trainer.batch_timeout_seconds)
+    seen.append(int(status["trainer_version"]))
+    if max(seen) > state.version:
+        state.version = max(seen) + 1
+    counts = await _buffer_call(
+        functools.partial(buffer.resume, committed, state.version, state.step),
+        "resume",
+        config.trainer.batch_timeout_seconds,
+    )
+    # A server at the checkpoint's version holds its very weights (a version is never
+    # reused); the others get them now.
+    await catch_up(rollout_stubs, policy, state.version, config.trainer.weight_chunk_bytes)
+    if folder is not None or counts.get("requeued_groups"):
+        log.info(
+            "resumed",
+            extra={
+                "checkpoint": str(folder) if folder else None,
+                "step": state.step,
+                "policy_version": state.version,
+                **counts,
+            },
+        )
+
+
 async def train(
     config: RunConfig,
     policy: Policy,
@@ -128,75 +196,142 @@ async def train(
     rollout_stubs: list[Any],
     buffer: BufferTrainerClient,
 ) -> None:
-    rl, trainer = config.rl, config.trainer
+    trainer = config.trainer
     run_dir = Path(config.run.output_dir)
     metrics_log = MetricsLog(run_dir)
-    # What was trained, batch by batch: the record exactly-once accounting checks.
-    trained_log = (run_dir / "metrics" / "trained_ids.jsonl").open("a")
-    idle_seconds, started = 0.0, time.perf_counter()
+    # What was trained, batch by batch: the record exactly-once accounting checks. A
+    # restart from a checkpoint is written down too: the steps after it happen again.
+    trained_path = run_dir / "metrics" / "trained_ids.jsonl"
+    restarted = trained_path.exists() and trained_path.stat().st_size > 0
+    trained_log = trained_path.open("a")
+    if restarted:  # a trainer before this one wrote here: its steps after ours are undone
+        trained_log.write(
+            json.dumps({"resumed_from_step": state.step, "policy_version": state.version}) + "\n"
+        )
+        trained_log.flush()
+    watchdog, watch_seconds = Watchdog("trainer"), config.telemetry.watchdog_seconds
+    watchdog.start()
+    clock = _Clock()
     try:
-        while state.step < rl.max_steps and not state.stop_requested:
+        while state.step < config.rl.max_steps and not state.stop_requested:
             state.state = "waiting_for_batch"
             waited_from = time.perf_counter()
-            batch = None
-            last_catch_up = 0.0
-            while batch is None and not state.stop_requested:
-                if state.version and time.monotonic() - last_catch_up > 2.0:
-                    last_catch_up = time.monotonic()
-                    await catch_up(rollout_stubs, policy, state.version, trainer.weight_chunk_bytes)
-                batch = await _buffer_call(
-                    functools.partial(buffer.get_batch, state.version, rl.groups_per_step, 1.0),
-                    "get",
-                    trainer.batch_timeout_seconds,
-                )
-                if (
-                    batch is None
-                    and time.perf_counter() - waited_from > trainer.batch_timeout_seconds
-                ):
-                    raise TimeoutError(
-                        f"no batch for {trainer.batch_timeout_seconds:g}s at version {state.version}: "
-                        "check that the orchestrator runs and that rl.group_size matches its groups"
-                    )
+            with watchdog.watch("batch wait", f"for step {state.step + 1}", watch_seconds):
+                batch = await _wait_for_batch(config, policy, state, rollout_stubs, buffer)
             if batch is None:
                 break
-            idle_seconds += time.perf_counter() - waited_from
-            state.state = "training"
-            metrics = await asyncio.to_thread(policy.train_step, batch.trajectories, state.version)
-            state.version += 1
-            state.step += 1
-            state.state = "publishing"
-            metrics["publish_seconds"] = await publish(
-                rollout_stubs, policy, state.version, trainer.weight_chunk_bytes
-            )
-            trained_ids = [t.trajectory_id for t in batch.trajectories]
-            trained_log.write(
-                json.dumps({"step": state.step, "batch_id": batch.batch_id, "ids": trained_ids})
-                + "\n"
-            )
-            trained_log.flush()
-            await _buffer_call(
-                functools.partial(buffer.ack, batch.batch_id, state.version, trained_ids),
-                "ack",
-                trainer.batch_timeout_seconds,
-            )
-            state.trained += len(batch.trajectories)
-            elapsed = time.perf_counter() - started
-            metrics.update(
-                policy_version=float(state.version),
-                trainer_idle_fraction=idle_seconds / elapsed,
-                trajectories_per_second=state.trained / elapsed,
-                elapsed_seconds=elapsed,
-            )
-            state.last_metrics = metrics
+            clock.idle += time.perf_counter() - waited_from
+            with watchdog.watch("step", f"{state.step + 1}", watch_seconds):
+                await _step(config, policy, state, rollout_stubs, buffer, batch, trained_log)
+            metrics = state.last_metrics
+            metrics.update(clock.rates(state))
             metrics_log.write(state.step, metrics)
             due = trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0
             if due or state.checkpoint_requests:
-                await checkpoint(policy, state, run_dir)
-        await checkpoint(policy, state, run_dir)
+                await checkpoint(policy, state, run_dir, buffer, trainer.batch_timeout_seconds)
+        await checkpoint(policy, state, run_dir, buffer, trainer.batch_timeout_seconds)
     finally:
+        watchdog.stop()
         metrics_log.close()
         trained_log.close()
         state.state = "done"
+
+
+class _Clock:
+    """Wall time of this trainer and the part of it spent waiting for batches."""
+
+    def __init__(self) -> None:
+        self.started, self.idle = time.perf_counter(), 0.0
+
+    def rates(self, state: TrainerState) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.started
+        return {
+            "policy_version": float(state.version),
+            "trainer_idle_fraction": self.idle / elapsed,
+            "trajectories_per_second": state.trained / elapsed,
+            "elapsed_seconds": elapsed,
+        }
+
+
+async def _wait_for_batch(
+    config: RunConfig,
+    policy: Policy,
+    state: TrainerState,
+    rollout_stubs: list[Any],
+    buffer: BufferTrainerClient,
+) -> Batch | None:
+    """The next batch; meanwhile brings restarted rollout-servers up to date. None when
+    a stop was asked for; TimeoutError past trainer.batch_timeout_seconds."""
+    trainer = config.trainer
+    waited_from = time.perf_counter()
+    last_catch_up = 0.0
+    while not state.stop_requested:
+        if state.version and time.monotonic() - last_catch_up > 2.0:
+            last_catch_up = time.monotonic()
+            await catch_up(rollout_stubs, policy, state.version, trainer.weight_chunk_bytes)
+        batch = await _buffer_call(
+            functools.partial(
+                buffer.get_batch, state.version, config.rl.groups_per_step, 1.0, state.step
+            ),
+            "get",
+            trainer.batch_timeout_seconds,
+        )
+        if batch is not None:
+            return batch
+        if time.perf_counter() - waited_from > trainer.batch_timeout_seconds:
+            raise TimeoutError(
+                f"no batch for {trainer.batch_timeout_seconds:g}s at version {state.version}: "
+                "check that the orchestrator runs and that rl.group_size matches its groups"
+            )
+    return None
+
+
+async def _step(
+    config: RunConfig,
+    policy: Policy,
+    state: TrainerState,
+    rollout_stubs: list[Any],
+    buffer: BufferTrainerClient,
+    batch: Batch,
+    trained_log: Any,
+) -> None:
+    """Trains on `batch`, publishes the new weights, writes the record, acknowledges it.
+
+    With periodic checkpoints the buffer keeps the batch until the next one
+    commits it; without, it is let go now.
+    """
+    trainer = config.trainer
+    commit_now = trainer.checkpoint_every == 0
+    state.state = "training"
+    # In ordinal order: the same groups give the same step whatever order they came in.
+    trajectories = sorted(batch.trajectories, key=lambda t: (t.prompt_ordinal, t.sample_index))
+    metrics = await asyncio.to_thread(policy.train_step, trajectories, state.version)
+    state.version += 1
+    state.step += 1
+    state.state = "publishing"
+    metrics["publish_seconds"] = await publish(
+        rollout_stubs, policy, state.version, trainer.weight_chunk_bytes
+    )
+    trained_ids = [t.trajectory_id for t in trajectories]
+    record = {
+        "step": state.step,
+        "batch_id": batch.batch_id,
+        "ids": trained_ids,
+        "ordinals": sorted({t.prompt_ordinal for t in trajectories}),
+    }
+    trained_log.write(json.dumps(record) + "\n")
+    trained_log.flush()
+    await _buffer_call(
+        functools.partial(
+            buffer.ack, batch.batch_id, state.version, trained_ids, commit_now, state.step
+        ),
+        "ack",
+        trainer.batch_timeout_seconds,
+    )
+    if not commit_now:
+        state.uncommitted_ids.extend(trained_ids)
+    state.trained += len(trajectories)
+    state.last_metrics = metrics
 
 
 async def _buffer_call(call: Any, what: str, patience: float) -> Any:
@@ -216,12 +351,35 @@ async def _buffer_call(call: Any, what: str, patience: float) -> Any:
             await asyncio.sleep(0.5)
 
 
-async def checkpoint(policy: Policy, state: TrainerState, run_dir: Path) -> str:
+async def checkpoint(
+    policy: Policy,
+    state: TrainerState,
+    run_dir: Path,
+    buffer: BufferTrainerClient | None = None,
+    patience: float = 60.0,
+) -> str:
+    """Writes a checkpoint (atomically), then lets the buffer go of what it holds.
+
+    The ids trained since the last checkpoint are saved in it: a trainer that dies
+    between writing it and the buffer's commit sends them again when it resumes.
+    """
     state.state = "checkpointing"
     folder = run_dir / "checkpoints" / f"step_{state.step:06d}"
-    path = str(await asyncio.to_thread(policy.save_checkpoint, folder, state.step, state.version))
+    uncommitted = list(state.uncommitted_ids)
+    path = str(
+        await asyncio.to_thread(
+            policy.save_checkpoint,
+            folder,
+            state.step,
+            state.version,
+            {"uncommitted_ids": uncommitted},
+        )
+    )
     state.last_checkpoint = path
     log.info("checkpoint written", extra={"path": path, "step": state.step})
+    if buffer is not None and uncommitted:
+        await _buffer_call(functools.partial(buffer.commit, uncommitted), "commit", patience)
+        del state.uncommitted_ids[: len(uncommitted)]
     for request in state.checkpoint_requests:
         if not request.done():
             request.set_result(path)
@@ -293,6 +451,8 @@ async def run(config: RunConfig, model_path: Path) -> int:
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, request_stop)
+        dump_tasks_on_signal(loop, "trainer")
+        await resume(config, policy, state, stubs, buffer)
         await train(config, policy, state, stubs, buffer)
         log.info("training finished", extra={"steps": state.step, "policy_version": state.version})
         return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -226,8 +227,10 @@ class Policy:
         """Parameters to publish, by the names a freshly loaded model uses."""
         return [(name, p.detach()) for name, p in self.model.named_parameters()]
 
-    def save_checkpoint(self, folder: str | Path, step: int, version: int) -> Path:
-        """Writes a Hugging Face model folder plus optimizer state, atomically."""
+    def save_checkpoint(
+        self, folder: str | Path, step: int, version: int, extra: dict[str, Any] | None = None
+    ) -> Path:
+        """Writes a Hugging Face model folder plus optimizer state (and `extra`), atomically."""
         from transformers import AutoTokenizer
 
         folder = Path(folder)
@@ -238,6 +241,22 @@ class Policy:
                 "optimizer": self.optimizer.state_dict(),
                 "step": step,
                 "policy_version": version,
+                "rng": torch.get_rng_state(),
+                **(extra or {}),
             }
             torch.save(state, staging / "trainer_state.pt")
         return folder
+
+    def restore(self, folder: str | Path) -> dict[str, Any]:
+        """Loads the weights and optimizer state of a `save_checkpoint` folder; returns
+        its trainer state (step, policy_version and what the caller saved with it)."""
+        from transformers import AutoModelForCausalLM
+
+        folder = Path(folder)
+        saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self.model.load_state_dict(saved.state_dict())
+        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"])
+        return state

@@ -221,6 +221,10 @@ class TelemetryConfig(StrictModel):
     """`json`: one object per line with service, trace and span ids; `text` for people."""
     trace_exporter: Literal["none", "console"] = "none"
     """Where spans go. Trace context is propagated in call metadata either way."""
+    watchdog_seconds: float = Field(300.0, gt=0)
+    """Work running longer than this (a group or episode, a generation request, an
+    evaluation, the trainer's wait for a batch or its step) is logged as stuck with its
+    trace id and counted in `watchdog_stuck`, and again after each further period."""
 
 
 class EnvServerConfig(StrictModel):
@@ -279,6 +283,10 @@ class RolloutServerConfig(StrictModel):
     """torch device, e.g. `cpu` or `cuda:0`."""
     threads: int = Field(1, ge=1)
     """CPU threads torch may use in this process (keep the sum over processes <= cores)."""
+    await_weights: bool = False
+    """Hold generation requests until the trainer has sent weights. Set on a rollout-server
+    started again mid-run (`rollwire train` does), so it never samples from the initial
+    model the run has long left behind."""
 
 
 class BufferConfig(StrictModel):
@@ -362,8 +370,14 @@ class TrainerConfig(StrictModel):
     """torch device, e.g. `cpu` or `cuda:0`."""
     threads: int = Field(1, ge=1)
     """CPU threads torch may use in this process."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Steps between checkpoints; 0 writes only the final one."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Steps between checkpoints. The buffer keeps the batches trained since the last
+    checkpoint until the next one holds them, so a restarted trainer resumes from its
+    checkpoint and trains them again: nothing lost. 0 writes only the final checkpoint,
+    and batches are let go as soon as they are trained (a crash then loses them)."""
+    resume: bool = True
+    """Start from the newest checkpoint under run.output_dir/checkpoints when there is one
+    (a restarted trainer carries on where its checkpoint left off)."""
     batch_timeout_seconds: float = Field(600.0, gt=0)
     """Waiting longer than this for a batch is an error naming what to check."""
     weight_chunk_bytes: int = Field(4 * MiB, ge=1024)
