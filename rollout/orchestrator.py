@@ -14,6 +14,7 @@ policy on held-out prompts every `eval_every` versions, greedily.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import logging
@@ -38,6 +39,13 @@ from rollwire.services.watchdog import Watchdog
 from rollwire.services.wire import Trajectory
 
 log = logging.getLogger(__name__)
+
+
+def sample_seed(base: int, ordinal: int) -> int:
+    """The seed of sample 0 of prompt `ordinal` (sample i uses this + i), the same in every
+    run with the same base: what lets a resumed run draw the samples it would have."""
+    digest = hashlib.blake2b(f"{base}/{ordinal}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # leaves room to add sample indices
 
 
 def launch_capacity(
@@ -298,12 +306,18 @@ class Orchestrator:
         stub = self.rollout[next(self._next_rollout)]
         return await self._with_retries(lambda: stub.Generate(request), "generate")
 
-    async def generate_group(self, prompt_ids: list[int]) -> list[rollout_pb2.GenerateResponse]:
-        """`rl.group_size` samples of one prompt, in one call, batched on one rollout-server."""
+    async def generate_group(
+        self, prompt_ids: list[int], ordinal: int | None = None
+    ) -> list[rollout_pb2.GenerateResponse]:
+        """`rl.group_size` samples of one prompt, in one call, batched on one rollout-server;
+        seeded from the prompt's ordinal when `orchestrator.sampling_seed` is set."""
+        sampling = self._sampling(self.rl.temperature)
+        if self.settings.sampling_seed is not None and ordinal is not None:
+            sampling.seed = sample_seed(self.settings.sampling_seed, ordinal)
         request = rollout_pb2.GenerateGroupRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,
-            sampling=self._sampling(self.rl.temperature),
+            sampling=sampling,
             num_samples=self.rl.group_size,
         )
         stub = self.rollout[next(self._next_rollout)]
@@ -343,7 +357,7 @@ class Orchestrator:
         """`rl.group_size` responses to one prompt, scored, as trajectories."""
         started = time.perf_counter()
         prompt_ids = self.encode_prompt(task)
-        outputs = await self.generate_group(prompt_ids)
+        outputs = await self.generate_group(prompt_ids, task.ordinal)
         generated = time.perf_counter()
         texts = [self.decode(list(o.token_ids)) for o in outputs]
         scores = await self.score(task, texts)

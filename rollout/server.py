@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -134,9 +135,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 "num_samples must lie in [1, 1024]",
             )
         prompt, spec = list(request.prompt_token_ids), sampling_spec(request.sampling)
+        # Seeded groups: sample i draws from seed + i, so samples differ and repeat by index.
+        specs = [
+            spec if spec.seed is None else dataclasses.replace(spec, seed=spec.seed + i)
+            for i in range(request.num_samples)
+        ]
         samples = await asyncio.gather(
             *(
-                self._generate(f"{request.request_id}/{i}", prompt, spec, context)
+                self._generate(f"{request.request_id}/{i}", prompt, specs[i], context)
                 for i in range(request.num_samples)
             )
         )

@@ -115,7 +115,12 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
         behaviour = getattr(handler, kind)
         parent = propagate.extract(metadata)
         wrap = self._wrap_streaming if handler.response_streaming else self._wrap_unary
-        return handler._replace(**{kind: wrap(behaviour, method, parent)})
+        replacements: dict[str, Any] = {kind: wrap(behaviour, method, parent)}
+        if handler.request_deserializer is not None:
+            # gRPC answers bytes its deserializer rejects with UNKNOWN and a traceback in
+            # the log; rollwire answers INVALID_ARGUMENT, counted, from inside the call.
+            replacements["request_deserializer"] = _lenient(handler.request_deserializer)
+        return handler._replace(**replacements)
 
     def _start_span(self, method: str, parent: Any) -> trace.Span:
         service, name = _split_method(method)
@@ -131,6 +136,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
     ) -> None:
         if isinstance(error, grpc.aio.AbortError):
             raise error
+        if isinstance(error, _BadRequest):
+            self._counters.inc("rpc_undecodable_requests", method=method)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         log.exception("unhandled error in %s", method, extra={"method": method})
         self._counters.inc("rpc_internal_errors", method=method)
         await context.abort(
@@ -158,7 +166,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             try:
                 with trace.use_span(span, end_on_exit=False, record_exception=False):
                     try:
-                        return await behaviour(request, context)
+                        return await behaviour(_checked(request, method), context)
                     except Exception as error:
                         await self._on_error(error, method, context)
             finally:
@@ -174,7 +182,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
             try:
                 with trace.use_span(span, end_on_exit=False, record_exception=False):
                     try:
-                        result = behaviour(request, context)
+                        result = behaviour(_checked(request, method), context)
                         if inspect.isasyncgen(result):
                             async for item in result:
                                 yield item
@@ -186,6 +194,48 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):
                 self._finish(span, method, context)
 
         return traced
+
+
+class _Undecodable:
+    """What the lenient deserializer returns for bytes that are not the request message."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+class _BadRequest(Exception):
+    """A request (or a message of a request stream) that could not be decoded."""
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:
+            return _Undecodable(f"{type(error).__name__}: {error}")
+
+    return decode
+
+
+def _checked(request: Any, method: str) -> Any:
+    """The request, or for a request stream an iterator over it, that raises _BadRequest
+    at a message that could not be decoded."""
+
+    def refuse(bad: _Undecodable) -> _BadRequest:
+        return _BadRequest(f"{method}: the request could not be decoded: {bad.problem}")
+
+    if isinstance(request, _Undecodable):
+        raise refuse(request)
+    if not hasattr(request, "__aiter__"):
+        return request
+
+    async def messages() -> AsyncIterator[Any]:
+        async for message in request:
+            if isinstance(message, _Undecodable):
+                raise refuse(message)
+            yield message
+
+    return messages()
 
 
 class ClientInterceptor:

@@ -413,7 +413,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             )
         future = asyncio.get_running_loop().create_future()
         self.state.checkpoint_requests.append(future)
-        path = await asyncio.wait_for(future, timeout=context.time_remaining() or 600)
+        try:
+            path = await asyncio.wait_for(future, timeout=context.time_remaining() or 600)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the checkpoint is written after the step in progress, and none ended in "
+                f"time (trainer state: {self.state.state}); it will still be written",
+            )
         return trainer_pb2.CheckpointResponse(
             path=path, step=self.state.step, policy_version=self.state.version
         )
