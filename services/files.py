@@ -39,3 +39,10 @@ def staged_directory(folder: Path) -> Iterator[Path]:
         raise
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(staging, folder)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete trainer checkpoint of a run (they are written atomically)."""
+    folders = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+    complete = [f for f in folders if (f / "trainer_state.pt").exists()]
+    return complete[-1] if complete else None

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from rollwire.services.config import RunConfig, write_resolved_config
+from rollwire.services.files import latest_checkpoint
 from rollwire.services.launcher import (
     LaunchError,
     Stack,
@@ -49,9 +50,16 @@ def _stop_on_sigterm() -> None:
 def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     run_dir = Path(config.run.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("trainer.jsonl", "eval.jsonl", "orchestrator.jsonl"):
-        (run_dir / "metrics" / stale).unlink(missing_ok=True)
+    checkpoint = latest_checkpoint(run_dir) if config.trainer.resume else None
+    if checkpoint is None:
+        for stale in ("trainer.jsonl", "eval.jsonl", "orchestrator.jsonl"):
+            (run_dir / "metrics" / stale).unlink(missing_ok=True)
     print(f"run directory: {run_dir}")
+    if checkpoint is not None:
+        print(
+            f"resuming from {checkpoint} (trainer.resume: false, or another run.output_dir, "
+            "starts afresh)"
+        )
     model = prepare_model(config)
     print(f"model: {model}")
     config = config.model_copy(

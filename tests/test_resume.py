@@ -3,6 +3,7 @@ resumed from its checkpoint trains what a run that never stopped trains, loss fo
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,15 +20,44 @@ EXACT = [
     # One request at a time: a row's logits do not depend on what it was batched with.
     "rollout_server.max_batch_size=1",
     "orchestrator.sampling_seed=7",
-    "orchestrator.eval_every=100",
 ]
 
 
-def train(run_dir: Path, cache: Path, steps: int) -> None:
+# A reward that differs between the samples of every group (their lengths), so every
+# step has advantages, a loss and gradients to compare; the tiny model rarely solves
+# the default task, and zeros would compare equal whatever happened.
+LENGTH_SCORER = """
+from rollwire.reward.scorers import Score
+
+def length(item):
+    return Score(float(len(item.response)), {})
+"""
+
+
+def prepare(tmp_path: Path) -> list[str]:
+    (tmp_path / "length_scorer.py").write_text(LENGTH_SCORER)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"count to {n}", "answer": str(n)}) + "\n" for n in range(64))
+    )
+    return [
+        f"orchestrator.dataset={{type: file, path: {prompts}, domain: length}}",
+        "orchestrator.eval_dataset=null",
+        "orchestrator.prompt_template='{question} ='",
+        "reward_server.custom_scorers={length: 'length_scorer:length'}",
+    ]
+
+
+def train(run_dir: Path, cache: Path, steps: int, extra: list[str]) -> None:
     command = [sys.executable, "-m", "rollwire.services.cli", "train"]
-    for item in [*EXACT, f"rl.max_steps={steps}", f"run.output_dir={run_dir}"]:
+    for item in [*EXACT, *extra, f"rl.max_steps={steps}", f"run.output_dir={run_dir}"]:
         command += ["--set", item]
-    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "ROLLWIRE_CACHE_DIR": str(cache),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(cache.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=400, env=env, start_new_session=True
     )
@@ -40,11 +70,11 @@ def train(run_dir: Path, cache: Path, steps: int) -> None:
 def test_a_run_stopped_and_resumed_trains_exactly_what_one_that_never_stopped_does(
     tmp_path,
 ) -> None:
-    cache = tmp_path / "cache"
+    cache, extra = tmp_path / "cache", prepare(tmp_path)
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    train(straight, cache, steps=6)
-    train(stopped, cache, steps=3)
-    train(stopped, cache, steps=6)  # resumes from its step-3 checkpoint
+    train(straight, cache, 6, extra)
+    train(stopped, cache, 3, extra)
+    train(stopped, cache, 6, extra)  # resumes from its step-3 checkpoint
 
     records = jsonl(stopped / "metrics" / "trained_ids.jsonl")
     assert {"resumed_from_step": 3, "policy_version": 3} in records
@@ -55,6 +85,7 @@ def test_a_run_stopped_and_resumed_trains_exactly_what_one_that_never_stopped_do
     resumed = jsonl(stopped / "metrics" / "trainer.jsonl")
     never = jsonl(straight / "metrics" / "trainer.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert all(row["grad_norm"] > 0 for row in never), "nothing to compare: no gradients"
     for key in ("loss", "reward_mean", "grad_norm"):
         ours, theirs = [r[key] for r in resumed], [r[key] for r in never]
         worst = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))

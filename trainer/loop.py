@@ -24,6 +24,7 @@ from rollwire.rollout.weights import iter_weight_chunks
 from rollwire.services.buffer_client import BufferError, BufferTrainerClient
 from rollwire.services.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.config import RunConfig
+from rollwire.services.files import latest_checkpoint
 from rollwire.services.metrics import COUNTERS
 from rollwire.services.server import Registration, ServiceRuntime
 from rollwire.services.telemetry import dump_tasks_on_signal
@@ -125,13 +126,6 @@ async def catch_up(stubs: list[Any], policy: Policy, version: int, chunk_bytes: 
         log.info("rollout-servers behind version %d: sending it", version)
         await publish(behind, policy, version, chunk_bytes)
     return len(behind)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint folder of a run (they are written atomically)."""
-    folders = sorted((run_dir / "checkpoints").glob("step_*"))
-    complete = [f for f in folders if (f / "trainer_state.pt").exists()]
-    return complete[-1] if complete else None
 
 
 async def resume(
