@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollwire.services.config.models import EnvDataset, FileDataset, ReasoningGymDataset
+from rollwire.services.config.models import (
+    EnvDataset,
+    FileDataset,
+    MixtureDataset,
+    ReasoningGymDataset,
+)
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,56 @@ class EnvTasks(Sequence[Task]):
         )
 
 
-def load_tasks(config: ReasoningGymDataset | FileDataset | EnvDataset) -> Sequence[Task]:
+class MixtureTasks(Sequence[Task]):
+    """Datasets interleaved by weight: each round of sum(weights) positions holds `weight`
+    tasks of each part, spread evenly (smooth weighted round robin), so the shares hold
+    over any stretch of the run, not only on average. As many whole rounds as the part
+    that runs out first allows."""
+
+    def __init__(self, parts: list[tuple[Sequence[Task], int]]) -> None:
+        self._parts = parts
+        self._round: list[tuple[int, int]] = []  # (part, occurrence in the round)
+        credit = [0] * len(parts)
+        total = sum(weight for _, weight in parts)
+        seen = [0] * len(parts)
+        for _ in range(total):
+            for k, (_, weight) in enumerate(parts):
+                credit[k] += weight
+            chosen = max(range(len(parts)), key=lambda k: credit[k])
+            credit[chosen] -= total
+            self._round.append((chosen, seen[chosen]))
+            seen[chosen] += 1
+        self._rounds = min(len(tasks) // weight for tasks, weight in parts)
+        if self._rounds == 0:
+            raise ValueError("a mixture part has fewer tasks than its weight")
+
+    def __len__(self) -> int:
+        return self._rounds * len(self._round)
+
+    def __getitem__(self, index: int) -> Task:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        round_, position = divmod(index, len(self._round))
+        part, occurrence = self._round[position]
+        tasks, weight = self._parts[part]
+        task = tasks[round_ * weight + occurrence]
+        return Task(
+            index,
+            f"p{part}:{task.task_id}",
+            task.question,
+            task.reference,
+            task.domain,
+            task.source,
+            task.metadata,
+        )
+
+
+def load_tasks(
+    config: ReasoningGymDataset | FileDataset | EnvDataset | MixtureDataset,
+) -> Sequence[Task]:
     """A dataset as a sequence of tasks (ordinals are positions in it)."""
+    if isinstance(config, MixtureDataset):
+        return MixtureTasks([(load_tasks(part.dataset), part.weight) for part in config.parts])
     if isinstance(config, ReasoningGymDataset):
         return ReasoningGymTasks(config)
     if isinstance(config, EnvDataset):

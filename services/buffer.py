@@ -122,6 +122,12 @@ class BufferState:
     served_trajectories: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     journal: list[tuple[bytes, dict[str, Any]]] = field(default_factory=list)
+    shares: dict[str, int] = field(default_factory=dict)
+    """Groups per batch by domain (or source, per `share_by`); empty: arrival order."""
+    share_by: str = "domain"
+
+    def _share_key(self, trajectory: Trajectory) -> str:
+        return trajectory.domain if self.share_by == "domain" else trajectory.source
 
     def _drop(self, reason: str, count: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
@@ -135,6 +141,12 @@ class BufferState:
             return (
                 False,
                 f"sample_index {trajectory.sample_index} outside a group of {self.group_size}",
+            )
+        if self.shares and self._share_key(trajectory) not in self.shares:
+            return (
+                False,
+                f"{self.share_by} {self._share_key(trajectory)!r} has no share in "
+                f"buffer.batch_shares {self.shares}",
             )
         if len(self.ready) >= self.max_ready_groups:
             return False, "full"
@@ -194,23 +206,55 @@ class BufferState:
         return bool(versions) and min(versions) < self.trainer_version - self.max_staleness
 
     def take(self, groups: int) -> Batch | None:
-        """Up to `groups` whole groups within the staleness bound, or None if there are none."""
-        chosen: list[list[Trajectory]] = []
-        while self.ready and len(chosen) < groups:
-            group = self.ready.popleft()
-            if self._stale(group):
-                self._drop("stale", len(group))
-                self._consume([group], "stale")
-                continue
-            chosen.append(group)
-        if len(chosen) < groups:
-            for group in reversed(chosen):  # not enough yet: keep them for the next request
-                self.ready.appendleft(group)
+        """`groups` whole groups within the staleness bound (per `shares` when set), oldest
+        first, or None if there are not enough yet."""
+        if self.shares:
+            chosen = self._take_shares()
+        else:
+            chosen = []
+            while self.ready and len(chosen) < groups:
+                group = self.ready.popleft()
+                if self._stale(group):
+                    self._drop("stale", len(group))
+                    self._consume([group], "stale")
+                    continue
+                chosen.append(group)
+            if len(chosen) < groups:
+                for group in reversed(chosen):  # not enough yet: keep them for the next request
+                    self.ready.appendleft(group)
+                chosen = None
+        if chosen is None:
             return None
         batch_id = uuid.uuid4().hex
         self.unacked[batch_id] = chosen
         self.served_trajectories += sum(len(g) for g in chosen)
         return Batch(batch_id, self.trainer_version, [t for group in chosen for t in group])
+
+    def _take_shares(self) -> list[list[Trajectory]] | None:
+        """The oldest groups of each share key, as many as its share, or None (nothing
+        taken) while a key has too few; stale groups met on the way are dropped."""
+        wanted = dict(self.shares)
+        picked: dict[str, list[list[Trajectory]]] = {key: [] for key in wanted}
+        fresh: deque[list[Trajectory]] = deque()  # the ready queue without stale groups
+        kept: deque[list[Trajectory]] = deque()  # and without the picked ones
+        for group in self.ready:
+            key = self._share_key(group[0])
+            if self._stale(group):
+                self._drop("stale", len(group))
+                self._consume([group], "stale")
+                continue
+            fresh.append(group)
+            if key not in picked:  # logged before the shares changed: never served
+                kept.append(group)
+            elif len(picked[key]) < wanted[key]:
+                picked[key].append(group)
+            else:
+                kept.append(group)
+        if any(len(picked[key]) < wanted[key] for key in wanted):
+            self.ready = fresh  # not yet: all stay, in the order they came
+            return None
+        self.ready = kept
+        return [group for key in wanted for group in picked[key]]
 
     def ack(
         self, batch_id: str, trajectory_ids: list[str] | None = None, commit: bool = True
@@ -764,6 +808,8 @@ def run_buffer(config: Any) -> int:
         group_size=config.rl.group_size,
         max_staleness=config.rl.staleness,
         max_ready_groups=section.max_ready_groups,
+        shares=dict(section.batch_shares),
+        share_by=section.share_by,
     )
     trajectory_log = None
     try:

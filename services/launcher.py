@@ -227,7 +227,7 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     from rollwire.rollout.datasets import load_tasks
     from rollwire.trainer.sft import warm_up
 
-    dataset = dataset.model_copy(update={"seed": warmup.seed, "size": warmup.dataset_size})
+    dataset = _warm_up_dataset(dataset, warmup.seed, warmup.dataset_size)
     key = _digest(
         {
             "spec": spec.__dict__,
@@ -256,6 +256,20 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
             off_by_one_rate=warmup.off_by_one_rate,
         )
     return target
+
+
+def _warm_up_dataset(dataset: Any, seed: int, size: int) -> Any:
+    """The training dataset with the warm-up's own seed and size where it has them (a file
+    dataset is what it is); a mixture keeps its parts and weights."""
+    if dataset.type == "mixture":
+        parts = [
+            part.model_copy(update={"dataset": _warm_up_dataset(part.dataset, seed, size)})
+            for part in dataset.parts
+        ]
+        return dataset.model_copy(update={"parts": parts})
+    if dataset.type == "reasoning_gym":
+        return dataset.model_copy(update={"seed": seed, "size": size})
+    return dataset
 
 
 def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> Path:

@@ -316,6 +316,13 @@ class BufferConfig(StrictModel):
     """Frames larger than this are rejected without being decoded."""
     max_ready_groups: int = Field(10_000, ge=1)
     """Complete groups held at most; puts beyond it are refused with reason "full"."""
+    batch_shares: dict[str, int] = {}
+    """Groups per batch from each domain (or source, see `share_by`), e.g. `{math: 24, code:
+    8}`; they must add up to rl.groups_per_step, and a batch waits until every share can be
+    filled. Empty: batches take whole groups in arrival order, whatever their domain."""
+    share_by: Literal["domain", "source"] = "domain"
+    """What `batch_shares` counts by: the reward domain of a group, or the dataset it came
+    from (a reasoning-gym dataset's name, a file's name, an env id)."""
     curve: CurveServerConfig | None = None
     """ZeroMQ CURVE encryption and client allow-list on both sockets; plaintext and open
     to anyone who can connect when absent (fine on loopback or inside a private network)."""
@@ -436,10 +443,42 @@ def _dataset_type(value: Any) -> str | None:
     return getattr(value, "type", None)
 
 
+SingleDataset = Annotated[
+    Annotated[ReasoningGymDataset, Tag("reasoning_gym")] | Annotated[FileDataset, Tag("file")],
+    Discriminator(_dataset_type),
+]
+
+
+class MixturePart(StrictModel):
+    """One dataset of a mixture and how many of its prompts come per round."""
+
+    dataset: SingleDataset
+    """A reasoning_gym or file dataset."""
+    weight: int = Field(1, ge=1)
+    """Prompts of this part in each round of the mixture."""
+
+
+class MixtureDataset(StrictModel):
+    """Several datasets interleaved in a fixed pattern: each round takes `weight` prompts of
+    each part, spread evenly, so any stretch of the run holds them in proportion."""
+
+    type: Literal["mixture"] = "mixture"
+    parts: list[MixturePart] = Field(min_length=1)
+    """The datasets and their weights."""
+
+
+def share_key(dataset: ReasoningGymDataset | FileDataset, by: str) -> str:
+    """The key a dataset's groups are counted under in `buffer.batch_shares`."""
+    if by == "domain":
+        return "reasoning_gym" if isinstance(dataset, ReasoningGymDataset) else dataset.domain
+    return dataset.name if isinstance(dataset, ReasoningGymDataset) else dataset.path.name
+
+
 DatasetConfig = Annotated[
     Annotated[ReasoningGymDataset, Tag("reasoning_gym")]
     | Annotated[FileDataset, Tag("file")]
-    | Annotated[EnvDataset, Tag("env")],
+    | Annotated[EnvDataset, Tag("env")]
+    | Annotated[MixtureDataset, Tag("mixture")],
     Discriminator(_dataset_type),
 ]
 
@@ -629,3 +668,37 @@ class RunConfig(StrictModel):
     """The orchestrator."""
     endpoints: EndpointsConfig = EndpointsConfig()
     """Addresses of the services, for the ones that call others."""
+
+    @model_validator(mode="after")
+    def _shares_fit_the_batch_and_the_mixture(self) -> RunConfig:
+        shares = self.buffer.batch_shares
+        if not shares:
+            return self
+        if any(count < 1 for count in shares.values()):
+            raise ValueError(f"buffer.batch_shares must be positive counts, got {shares}")
+        if sum(shares.values()) != self.rl.groups_per_step:
+            raise ValueError(
+                f"buffer.batch_shares add up to {sum(shares.values())}, but a batch holds "
+                f"rl.groups_per_step={self.rl.groups_per_step} groups"
+            )
+        dataset = self.orchestrator.dataset
+        if isinstance(dataset, EnvDataset):
+            produced = {dataset.env_id: 1}
+        elif isinstance(dataset, MixtureDataset):
+            produced = {}
+            for part in dataset.parts:
+                key = share_key(part.dataset, self.buffer.share_by)
+                produced[key] = produced.get(key, 0) + part.weight
+        else:
+            produced = {share_key(dataset, self.buffer.share_by): 1}
+        total_weight, total_share = sum(produced.values()), sum(shares.values())
+        if set(produced) != set(shares) or any(
+            produced[k] * total_share != shares[k] * total_weight for k in shares
+        ):
+            raise ValueError(
+                f"buffer.batch_shares {shares} (by {self.buffer.share_by}) do not match what "
+                f"the orchestrator's dataset produces, in proportion {produced}: give the "
+                "mixture's parts weights in the same proportions, or the batches would wait "
+                "for groups that come too rarely"
+            )
+        return self
