@@ -4,17 +4,23 @@ Requests that arrive while the engine is busy, or within `batch_wait_seconds`
 of each other, are generated as one left-padded batch with a KV cache; each row
 keeps its own sampling parameters, stop tokens, length limit and seed.
 
-All model work runs on one worker thread, in order: a batch, then a pending
-weight update, then the next batch. A weight swap therefore never overlaps a
-forward pass, so no request sees half a model, and every token of a batch is
-tagged with the one version that produced it. (Swapping inside a running batch,
-keeping the tokens generated so far, is the interruptible generation of the
-rollout-engine work.)
+All model work runs on one worker thread, so a weight swap never overlaps a
+forward pass and no request sees half a model.
+
+Weight updates interrupt (`interruptible=True`, the default): an update that
+arrives while a batch is generating does not wait for it to finish. Between
+two decoding steps the worker copies the new weights in, recomputes the KV
+cache of every row (prompt and tokens so far) under them, and goes on; the
+tokens already generated are kept. Every token is tagged with the version that
+produced it, so one response can hold tokens of two versions (a partial
+rollout), and its logprobs are those of the weights that chose each token.
+With `interruptible=False` an update waits for the batch in flight to end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -73,6 +79,7 @@ class HFEngine:
         dtype: str = "float32",
         device: str = "cpu",
         initial_version: int = 0,
+        interruptible: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -98,6 +105,14 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.batch_wait_seconds = batch_wait_seconds
         self._version = initial_version
+        self.interruptible = interruptible
+        # A weight update waiting for the generation loop's next step (worker thread).
+        self._update_lock = threading.Lock()
+        self._generating = False
+        self._pending_update: (
+            tuple[dict[str, torch.Tensor], int, concurrent.futures.Future[float]] | None
+        ) = None
+        self.interrupted_batches = 0
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._inflight: dict[str, _Pending] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -186,18 +201,51 @@ class HFEngine:
         return len(targets)
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float:
-        """Copies new weights in between batches and sets the version; returns seconds spent copying."""
+        """Copies new weights in and sets the version; returns seconds spent copying.
+
+        While a batch generates (and the engine is interruptible) the copy happens
+        between two of its decoding steps; otherwise between batches.
+        """
         if version <= self._version:
             raise ValueError(
                 f"version {version} is not newer than the served version {self._version}"
             )
+        waiting: concurrent.futures.Future[float] | None = None
+        with self._update_lock:
+            if self.interruptible and self._generating:
+                waiting = concurrent.futures.Future()
+                if self._pending_update is not None:
+                    self._pending_update[2].set_exception(
+                        ValueError(f"version {self._pending_update[1]} was superseded by {version}")
+                    )
+                self._pending_update = (tensors, version, waiting)
+        if waiting is not None:
+            return await asyncio.wrap_future(waiting)
         return await asyncio.get_running_loop().run_in_executor(
             self._worker, self._apply_weights, tensors, version
         )
 
+    def _take_update(self) -> bool:
+        """Applies the update waiting for the generation loop, if any (worker thread)."""
+        with self._update_lock:
+            pending, self._pending_update = self._pending_update, None
+        if pending is None:
+            return False
+        tensors, version, done = pending
+        try:
+            done.set_result(self._apply_weights(tensors, version))
+        except Exception as error:  # a bad tensor fails the update, not the batch
+            done.set_exception(error)
+            return False
+        return True
+
     # ------------------------------------------------------------ worker side
 
     def _apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float:
+        if version <= self._version:
+            raise ValueError(
+                f"version {version} is not newer than the served version {self._version}"
+            )
         started = time.perf_counter()
         parameters = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -238,8 +286,18 @@ class HFEngine:
                 if not pending.future.done():
                     pending.future.set_result(result)
 
-    @torch.inference_mode()
     def _generate_batch(self, batch: list[_Pending]) -> list[Generation]:
+        with self._update_lock:
+            self._generating = True
+        try:
+            return self._decode(batch)
+        finally:
+            with self._update_lock:
+                self._generating = False
+            self._take_update()  # one that came after the last step: applied before the next batch
+
+    @torch.inference_mode()
+    def _decode(self, batch: list[_Pending]) -> list[Generation]:
         started = time.monotonic()
         size = len(batch)
         longest = max(len(p.prompt_ids) for p in batch)
@@ -258,12 +316,22 @@ class HFEngine:
             generators.append(generator)
         outputs: list[list[int]] = [[] for _ in batch]
         logprobs: list[list[float]] = [[] for _ in batch]
+        versions: list[list[int]] = [[] for _ in batch]
         finish: list[str | None] = [None] * size
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
         cache = None
         step_ids, step_positions = input_ids, positions
+        sequence = input_ids  # every row's prompt and tokens so far, for a cache rebuild
         version = self._version
+        interrupted = False
         for _ in range(max(p.spec.max_new_tokens for p in batch)):
+            if self._pending_update is not None and self._take_update():
+                # New weights mid-batch: rebuild every row's cache under them, keep the tokens.
+                version = self._version
+                interrupted = True
+                cache = None
+                step_ids = sequence
+                step_positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
             out = self.model(
                 input_ids=step_ids.to(self.device),
                 attention_mask=attention.to(self.device),
@@ -282,6 +350,7 @@ class HFEngine:
                 token = int(tokens[row])
                 outputs[row].append(token)
                 logprobs[row].append(float(chosen[row]))
+                versions[row].append(version)
                 if token in pending.spec.stop_token_ids:
                     finish[row] = "stop"
                 elif len(outputs[row]) >= pending.spec.max_new_tokens:
@@ -289,15 +358,17 @@ class HFEngine:
             if all(reason is not None for reason in finish):
                 break
             step_ids = tokens[:, None]
+            sequence = torch.cat([sequence, step_ids], dim=1)
             attention = torch.cat([attention, torch.ones((size, 1), dtype=torch.long)], dim=1)
             step_positions = step_positions[:, -1:] + 1
         elapsed = time.monotonic() - started
         self.generated_tokens += sum(len(o) for o in outputs)
+        self.interrupted_batches += interrupted
         return [
             Generation(
                 token_ids=outputs[row],
                 logprobs=logprobs[row],
-                policy_versions=[version] * len(outputs[row]),
+                policy_versions=versions[row],
                 finish_reason=finish[row] or "length",
                 policy_version=version,
                 queue_seconds=started - pending.enqueued,

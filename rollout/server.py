@@ -228,6 +228,7 @@ def build_engine(config: RolloutServerConfig) -> HFEngine:
         batch_wait_seconds=config.batch_wait_seconds,
         dtype=config.dtype,
         device=config.device,
+        interruptible=config.interruptible,
     )
 
 

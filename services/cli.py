@@ -241,6 +241,62 @@ def _add_env_check(commands: Any) -> None:
     check.set_defaults(handler=_env_check)
 
 
+MISMATCH_HELP = (
+    "compare a rollout-server's token logprobs with the trainer's recomputation "
+    "(train/inference mismatch)"
+)
+
+
+def _add_mismatch(commands: Any) -> None:
+    check = commands.add_parser(
+        "mismatch",
+        help=MISMATCH_HELP,
+        description=MISMATCH_HELP + ": max and mean absolute difference and KL per token.",
+    )
+    check.add_argument("address", help="host:port of a running rollout-server (any engine)")
+    check.add_argument(
+        "--model", help="the weights to recompute with (default: the model the server reports)"
+    )
+    check.add_argument("--requests", type=int, default=32, help="responses to sample (32)")
+    check.add_argument("--max-new-tokens", type=int, default=32, help="tokens per response (32)")
+    check.add_argument(
+        "--temperature", type=_positive, default=1.0, help="sampling temperature (1.0)"
+    )
+    _add_config_options(check)
+    check.set_defaults(handler=_mismatch)
+
+
+def _mismatch(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import grpc
+
+    from rollwire.trainer.mismatch import measure
+
+    config = _load(args)
+    try:
+        report = asyncio.run(
+            measure(
+                args.address,
+                args.model,
+                requests=args.requests,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                client=config.client,
+            )
+        )
+    except (grpc.aio.AioRpcError, OSError) as error:
+        print(f"rollwire mismatch: {error}", file=sys.stderr)
+        return 2
+    print(report.table())
+    if report.policy_version != 0 and args.model is None:
+        print(
+            f"note: the server serves version {report.policy_version}, updated since it loaded "
+            "the model it reports; pass --model with those weights for a meaningful comparison"
+        )
+    return 0
+
+
 def _usage_error(message: str) -> int:
     print(f"rollwire env-check: {message}", file=sys.stderr)
     return 2
@@ -324,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
         sub.set_defaults(handler=_process(command, runner))
     _add_env_check(commands)
+    _add_mismatch(commands)
     health = commands.add_parser("health", help="ask a service for its gRPC health status")
     health.add_argument("address", help="host:port of the service")
     health.add_argument(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import grpc
 import grpc.aio
@@ -160,6 +161,80 @@ async def test_weight_update_is_versioned_and_changes_the_model(engine) -> None:
     assert before.logprobs != pytest.approx(after.logprobs, abs=1e-3)
     with pytest.raises(ValueError, match="not newer"):
         await engine.update_weights(new, version=1)
+
+
+async def test_an_update_mid_generation_keeps_the_tokens_and_tags_each_with_its_version(
+    tiny_model_path,
+) -> None:
+    import copy
+
+    engine = HFEngine(tiny_model_path, max_batch_size=8)
+    await engine.start()
+    try:
+        old_model = copy.deepcopy(engine.model)
+        new = perturbed(engine)
+        forward = engine.model.forward
+
+        def slowed(*args, **kwargs):  # so the update lands mid-batch on any machine
+            time.sleep(0.002)
+            return forward(*args, **kwargs)
+
+        engine.model.forward = slowed
+        long = SamplingSpec(max_new_tokens=engine.max_context - 4, seed=5)
+        prompts = [[5, 6, 7], [9]]
+        running = [
+            asyncio.ensure_future(engine.generate(f"long{i}", p, long))
+            for i, p in enumerate(prompts)
+        ]
+        for _ in range(1000):
+            if engine.running:
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # some tokens in
+        await asyncio.wait_for(engine.update_weights(new, version=1), 10)
+        assert not all(task.done() for task in running), "the update waited for the batch"
+        results = await asyncio.wait_for(asyncio.gather(*running), 60)
+    finally:
+        await engine.close()
+    assert engine.interrupted_batches == 1
+    for prompt, result in zip(prompts, results, strict=True):
+        versions = result.policy_versions
+        switch = versions.index(1)
+        assert 0 < switch < len(versions) and versions == [0] * switch + [1] * (
+            len(versions) - switch
+        )
+        # Each token's logprob is that of the weights that chose it.
+        old = reference_logprobs(old_model, prompt, result.token_ids)
+        now = reference_logprobs(engine.model, prompt, result.token_ids)
+        assert result.logprobs[:switch] == pytest.approx(old[:switch], abs=1e-4)
+        assert result.logprobs[switch:] == pytest.approx(now[switch:], abs=1e-4)
+
+
+async def test_an_engine_that_is_not_interruptible_updates_between_batches(
+    tiny_model_path,
+) -> None:
+    engine = HFEngine(tiny_model_path, max_batch_size=8, interruptible=False)
+    await engine.start()
+    try:
+        forward = engine.model.forward
+
+        def slowed(*args, **kwargs):
+            time.sleep(0.002)
+            return forward(*args, **kwargs)
+
+        engine.model.forward = slowed
+        task = asyncio.ensure_future(
+            engine.generate("long", [5, 6], SamplingSpec(max_new_tokens=50, seed=5))
+        )
+        for _ in range(1000):
+            if engine.running:
+                break
+            await asyncio.sleep(0.005)
+        await engine.update_weights(perturbed(engine), version=1)
+        await asyncio.sleep(0)  # the batch's results were set before the update ran
+        assert task.done() and task.result().policy_versions == [0] * 50
+    finally:
+        await engine.close()
 
 
 def test_weight_stream_round_trip_and_rejections() -> None:
@@ -369,3 +444,32 @@ async def test_generate_group_samples_a_prompt_n_times(rollout_stub) -> None:
         caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         and "num_samples" in caught.value.details()
     )
+
+
+async def test_mismatch_tool_finds_the_hf_engine_agrees_with_the_trainer(
+    start_service, tiny_model_path
+) -> None:
+    from rollwire.trainer.mismatch import measure
+
+    engine = HFEngine(tiny_model_path, max_batch_size=8)
+    servicer = RolloutServicer(engine)
+    runtime = await start_service(
+        [
+            Registration(
+                rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+                servicer,
+                "rollwire.v1.RolloutService",
+            )
+        ]
+    )
+    try:
+        report = await measure(runtime.address, requests=8, max_new_tokens=12)
+        assert report.engine == "hf" and report.tokens == 8 * 12
+        assert report.abs_max < 1e-4 and report.kl < 1e-8, report.table()
+        # Different weights are seen for what they are.
+        await engine.update_weights(perturbed(engine), version=1)
+        moved = await measure(runtime.address, tiny_model_path, requests=8, max_new_tokens=12)
+        assert moved.policy_version == 1 and moved.abs_mean > 0.1 and moved.kl > 1e-3
+        assert "KL(engine || trainer)" in moved.table()
+    finally:
+        await servicer.close()

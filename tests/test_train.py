@@ -165,7 +165,7 @@ def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -
             logprobs = policy._logprobs(policy.model, batch, slice(0, 1))
         return float((logprobs * batch.mask).sum())
 
-    def make(response: list[int], reward: float) -> Trajectory:
+    def make(response: list[int], reward: float, version: int = 0) -> Trajectory:
         ids = np.array(prompt + response, np.int32)
         mask = np.array([0] * len(prompt) + [1] * len(response), np.uint8)
         return Trajectory(
@@ -179,7 +179,7 @@ def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -
             token_ids=ids,
             loss_mask=mask,
             behaviour_logprobs=np.zeros(len(ids), np.float32),
-            policy_versions=np.where(mask == 1, 0, -1).astype(np.int64),
+            policy_versions=np.where(mask == 1, version, -1).astype(np.int64),
             reward=reward,
         )
 
@@ -195,11 +195,13 @@ def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -
     before_good, before_bad = sequence_logprob(good), sequence_logprob(bad)
     for version in range(5):
         metrics = policy.train_step(
-            [on_policy(make(bad, 0.0)), on_policy(make(good, 1.0))], version
+            [on_policy(make(bad, 0.0, version)), on_policy(make(good, 1.0, version))], version
         )
     assert metrics["sequences_with_signal"] == 2 and metrics["ratio_mean"] == pytest.approx(
         1.0, abs=1e-4
     )
+    # Behaviour logprobs computed by the same forward: no train/inference mismatch.
+    assert metrics["mismatch_tokens"] == 8 and metrics["mismatch_abs_max"] < 1e-5
     assert sequence_logprob(good) > before_good + 0.5
     assert sequence_logprob(bad) < before_bad - 0.5
     # A group whose rewards are all equal carries no signal and changes nothing.

@@ -36,6 +36,35 @@ class TokenBatch:
     policy_versions: torch.Tensor  # [B, T-1]
 
 
+class _Mismatch:
+    """Sums of the engine's logprobs against the trainer's, over tokens of one version."""
+
+    def __init__(self) -> None:
+        self.tokens, self.abs_sum, self.abs_max, self.kl_sum = 0.0, 0.0, 0.0, 0.0
+
+    def add(self, trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> None:
+        count = float(mask.sum())
+        if count == 0:
+            return
+        log_ratio = (trainer - engine) * mask
+        self.tokens += count
+        self.abs_sum += float(log_ratio.abs().sum())
+        self.abs_max = max(self.abs_max, float(log_ratio.abs().max()))
+        # KL(engine || trainer) on the engine's own samples, the k3 estimator:
+        # r - 1 - log r with r = p_trainer / p_engine, never negative.
+        self.kl_sum += float(((log_ratio.exp() - 1 - log_ratio) * mask).sum())
+
+    def metrics(self) -> dict[str, float]:
+        if not self.tokens:
+            return {"mismatch_tokens": 0.0}
+        return {
+            "mismatch_tokens": self.tokens,
+            "mismatch_abs_mean": self.abs_sum / self.tokens,
+            "mismatch_abs_max": self.abs_max,
+            "mismatch_kl": self.kl_sum / self.tokens,
+        }
+
+
 def collate(trajectories: list[Trajectory], pad_token_id: int) -> TokenBatch:
     """Pads trajectories on the right and aligns per-token data with next-token targets."""
     length = max(t.num_tokens for t in trajectories)
@@ -185,11 +214,16 @@ class Policy:
         loss_cfg = self.config.loss
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
+        mismatch = _Mismatch()
         for start in range(0, size, micro):
             rows = slice(start, start + micro)
             logprobs = self._logprobs(self.model, batch, rows)
             mask = batch.mask[rows].to(self.device)
             behaviour = batch.behaviour_logprobs[rows].to(self.device)
+            # Tokens the engine sampled from exactly these weights: any difference between
+            # its logprobs and ours is train/inference mismatch, not staleness.
+            same_weights = mask * (batch.policy_versions[rows].to(self.device) == trainer_version)
+            mismatch.add(logprobs.detach(), behaviour, same_weights)
             reference = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -220,6 +254,7 @@ class Policy:
         )
         self.optimizer.step()
         metrics.update(sums)
+        metrics.update(mismatch.metrics())
         metrics.update(grad_norm=float(grad_norm), step_seconds=time.perf_counter() - started)
         return metrics
 

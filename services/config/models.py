@@ -283,6 +283,10 @@ class RolloutServerConfig(StrictModel):
     """torch device, e.g. `cpu` or `cuda:0`."""
     threads: int = Field(1, ge=1)
     """CPU threads torch may use in this process (keep the sum over processes <= cores)."""
+    interruptible: bool = True
+    """A weight update that arrives mid-generation is applied between two decoding steps:
+    the tokens so far are kept, the rest come from the new weights, and each token is
+    tagged with its version (partial rollouts). False: updates wait for the batch."""
     await_weights: bool = False
     """Hold generation requests until the trainer has sent weights. Set on a rollout-server
     started again mid-run (`rollwire train` does), so it never samples from the initial
