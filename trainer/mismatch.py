@@ -73,9 +73,7 @@ async def measure(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         vocab = int(model.get_input_embeddings().weight.shape[0])
         rng = random.Random(seed)
-        prompts = [
-            [rng.randrange(1, vocab) for _ in range(prompt_tokens)] for _ in range(requests)
-        ]
+        prompts = [[rng.randrange(1, vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
         sampling = rollout_pb2.SamplingParams(
             temperature=temperature, max_new_tokens=max_new_tokens
         )
