@@ -8,6 +8,7 @@ arguments, then imports what the chosen command needs. `rollwire env-server
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -400,8 +401,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LAUNCHER_PID = "ROLLWIRE_LAUNCHER_PID"
+"""Set by `rollwire train`/`up` for the services it starts: they end when it does."""
+
+
+def _end_with_the_launcher() -> None:
+    """A service started by `rollwire train` gets SIGTERM when the launcher dies, however
+    it dies (even SIGKILL, when its own clean-up never runs), so none is left orphaned.
+    Linux only (prctl PR_SET_PDEATHSIG); elsewhere the launcher's own stop() is all."""
+    expected = os.environ.get(LAUNCHER_PID)
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != expected:  # the launcher died before the line above
+        sys.exit("rollwire: the launcher that started this service is gone")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _end_with_the_launcher()
     return args.handler(args)
 
 

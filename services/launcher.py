@@ -90,6 +90,7 @@ class Stack:
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
             "TOKENIZERS_PARALLELISM": "false",
+            "ROLLWIRE_LAUNCHER_PID": str(os.getpid()),  # services end when this process does
         }
         log_path = self.run_dir / "logs" / f"{name}.log"
         service = Service(

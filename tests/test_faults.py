@@ -148,3 +148,45 @@ def test_every_kind_of_process_killed_mid_run_loses_nothing_and_trains_nothing_t
         f"({len(trained)} prompts) once each in {max_steps} steps"
     )
     assert_no_process_left(run_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_services_end_when_their_launcher_is_killed(tmp_path) -> None:
+    """SIGKILL gives `rollwire up` no chance to stop its services; they end on their own."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "rollwire.services.cli", "up"]
+    for item in [*SHORT_RUN, f"run.output_dir={run_dir}"]:
+        command += ["--set", item]
+    launcher = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    names = ("buffer", "reward-server", "rollout-server")
+    deadline = time.monotonic() + 240
+    while not all((run_dir / "logs" / f"{name}.ready").exists() for name in names):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the stack did not start"
+        time.sleep(0.2)
+    pids = [int((run_dir / "logs" / f"{name}.pid").read_text()) for name in names]
+    os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone, not its services' groups
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
+        time.sleep(0.2)
+    for pid in alive:  # clean up before failing
+        os.killpg(pid, signal.SIGKILL)
+    assert alive == [], "services outlived their launcher"
+    assert_no_process_left(run_dir)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
