@@ -132,6 +132,8 @@ def producers_main(
                     trajectory_id=f"{group_id}/s{sample}",
                     group_id=group_id,
                     sample_index=sample,
+                    # One prompt ordinal per group, as the orchestrator numbers them.
+                    prompt_ordinal=index * groups_each + group,
                     timings={"generate": 1.8, "reward": 0.01, "put": time.monotonic()},
                 )
                 for sample in range(GROUP_SIZE)

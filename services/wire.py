@@ -89,7 +89,9 @@ class Trajectory:
     sample_index: int
     """Index of this sample within its group."""
     prompt_ordinal: int
-    """Monotonic ordinal of the dataset prompt, for exactly-once accounting."""
+    """Monotonic ordinal of the dataset prompt, for exactly-once accounting: one group per
+    ordinal. Once the buffer has finished with an ordinal (trained or dropped), anything
+    sent again under it is a duplicate, kept nowhere (counted in buffer_duplicates)."""
     source: str
     """Env id or dataset name."""
     domain: str
