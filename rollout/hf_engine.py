@@ -1,8 +1,11 @@
 """Generation with a Hugging Face causal LM, batching concurrent requests together.
 
-Requests that arrive while the engine is busy, or within `batch_wait_seconds`
-of each other, are generated as one left-padded batch with a KV cache; each row
-keeps its own sampling parameters, stop tokens, length limit and seed.
+Requests that arrive within `batch_wait_seconds` of each other start as one
+left-padded batch with a KV cache; each row keeps its own sampling parameters,
+stop tokens, length limit and seed. Batching is continuous: a request that
+arrives while a batch runs joins it between two decoding steps (the batch is
+laid out again with the newcomers and its cache rebuilt), and each request is
+answered as soon as its own row ends, not when the batch drains.
 
 All model work runs on one worker thread, so a weight swap never overlaps a
 forward pass and no request sees half a model.
@@ -20,7 +23,9 @@ With `interruptible=False` an update waits for the batch in flight to end.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -113,7 +118,13 @@ class HFEngine:
             tuple[dict[str, torch.Tensor], int, concurrent.futures.Future[float]] | None
         ) = None
         self.interrupted_batches = 0
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._draining = False
+        # Requests not yet in a batch. A deque (thread-safe appends and pops): the batch
+        # loop takes new batches from it, the worker takes rows joining a running batch.
+        self._intake: collections.deque[_Pending] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.joined_rows = 0
         self._inflight: dict[str, _Pending] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._loop_task: asyncio.Task[None] | None = None
@@ -129,13 +140,14 @@ class HFEngine:
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        return len(self._intake)
 
     def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every parameter a weight update may set."""
         return {name: (tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()}
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._loop_task = asyncio.get_running_loop().create_task(
             self._batch_loop(), name="batch-loop"
         )
@@ -146,8 +158,8 @@ class HFEngine:
         self.abort(all_requests=True)
         if self._loop_task is not None:
             self._loop_task.cancel()
-        while not self._queue.empty():
-            pending = self._queue.get_nowait()
+        while self._intake:
+            pending = self._intake.popleft()
             if not pending.future.done():
                 pending.future.set_exception(RuntimeError("the engine is shutting down"))
         self._worker.shutdown(wait=False, cancel_futures=True)
@@ -184,7 +196,8 @@ class HFEngine:
             raise RequestError(f"request id {request_id!r} is already in flight")
         self._inflight[request_id] = pending
         try:
-            await self._queue.put(pending)
+            self._intake.append(pending)
+            self._arrived.set()
             return await pending.future
         finally:
             self._inflight.pop(request_id, None)
@@ -221,9 +234,15 @@ class HFEngine:
                 self._pending_update = (tensors, version, waiting)
         if waiting is not None:
             return await asyncio.wrap_future(waiting)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._worker, self._apply_weights, tensors, version
-        )
+        # Not interruptible: the running batch takes no newcomers, so it drains and the
+        # update comes next (a batch that kept taking joiners would hold it back forever).
+        self._draining = True
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._worker, self._apply_weights, tensors, version
+            )
+        finally:
+            self._draining = False
 
     def _take_update(self) -> bool:
         """Applies the update waiting for the generation loop, if any (worker thread)."""
@@ -258,80 +277,90 @@ class HFEngine:
         loop = asyncio.get_running_loop()
         while True:
             # Idle until work arrives: this wait is the engine's resting state.
-            batch = [await self._queue.get()]
+            while not self._intake:
+                self._arrived.clear()
+                await self._arrived.wait()
             deadline = loop.time() + self.batch_wait_seconds
-            while len(batch) < self.max_batch_size:
-                if not self._queue.empty():
-                    batch.append(self._queue.get_nowait())
-                    continue
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
+            while len(self._intake) < self.max_batch_size and loop.time() < deadline:
+                self._arrived.clear()
                 try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                    await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
                 except TimeoutError:
                     break
-            self.running = len(batch)
+            batch = [
+                self._intake.popleft() for _ in range(min(len(self._intake), self.max_batch_size))
+            ]
             try:
-                results = await loop.run_in_executor(self._worker, self._generate_batch, batch)
-            except Exception as error:  # a model failure fails this batch, not the engine
+                await loop.run_in_executor(self._worker, self._generate_batch, batch)
+            except Exception:  # every row was answered by the worker, failed or not
                 log.exception("generation failed", extra={"batch_size": len(batch)})
-                for pending in batch:
-                    if not pending.future.done():
-                        pending.future.set_exception(error)
-                continue
             finally:
                 self.running = 0
-            for pending, result in zip(batch, results, strict=True):
-                if not pending.future.done():
-                    pending.future.set_result(result)
 
-    def _generate_batch(self, batch: list[_Pending]) -> list[Generation]:
+    def _deliver(self, pending: _Pending, result: Generation | BaseException) -> None:
+        """Answers one request from the worker thread, as soon as its row is done."""
+
+        def settle() -> None:
+            if pending.future.done():
+                return
+            if isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
+            self._loop.call_soon_threadsafe(settle)
+
+    def _generate_batch(self, batch: list[_Pending]) -> None:
+        """Generates `batch` and the requests that join it, answering each when it ends."""
         with self._update_lock:
             self._generating = True
+        rows: list[_Row] = []
         try:
-            return self._decode(batch)
+            self._decode(batch, rows)
+        except Exception as error:  # a model failure fails these requests, not the engine
+            for row in rows:
+                if row.finish is None:
+                    self._deliver(row.pending, error)
+            raise
         finally:
             with self._update_lock:
                 self._generating = False
             self._take_update()  # one that came after the last step: applied before the next batch
 
     @torch.inference_mode()
-    def _decode(self, batch: list[_Pending]) -> list[Generation]:
-        started = time.monotonic()
-        size = len(batch)
-        longest = max(len(p.prompt_ids) for p in batch)
-        input_ids = torch.full((size, longest), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((size, longest), dtype=torch.long)
-        for row, pending in enumerate(batch):
-            input_ids[row, longest - len(pending.prompt_ids) :] = torch.tensor(pending.prompt_ids)
-            attention[row, longest - len(pending.prompt_ids) :] = 1
-        specs = [p.spec for p in batch]
-        generators: list[torch.Generator | None] = []
-        for pending in batch:
-            generator = None
-            if pending.spec.seed is not None:
-                generator = torch.Generator()
-                generator.manual_seed(pending.spec.seed)
-            generators.append(generator)
-        outputs: list[list[int]] = [[] for _ in batch]
-        logprobs: list[list[float]] = [[] for _ in batch]
-        versions: list[list[int]] = [[] for _ in batch]
-        finish: list[str | None] = [None] * size
-        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        cache = None
-        step_ids, step_positions = input_ids, positions
-        sequence = input_ids  # every row's prompt and tokens so far, for a cache rebuild
+    def _decode(self, batch: list[_Pending], rows: list[_Row]) -> None:
+        """The decoding loop of one batch. Rows are (re)laid out left-padded with a fresh
+        KV cache when requests join it between two steps (continuous batching) or new
+        weights arrive (interruptible generation); finished rows answer at once and stay
+        in the batch, ignored, until the next layout drops them."""
+        rows.extend(_Row.start(pending) for pending in batch)
         version = self._version
+        layout = True
         interrupted = False
-        for _ in range(max(p.spec.max_new_tokens for p in batch)):
+        cache = step_ids = step_positions = attention = None
+        while any(row.finish is None for row in rows):
             if self._pending_update is not None and self._take_update():
-                # New weights mid-batch: rebuild every row's cache under them, keep the tokens.
-                version = self._version
-                interrupted = True
-                cache = None
-                step_ids = sequence
+                self.interrupted_batches += not interrupted
+                version, layout, interrupted = self._version, True, True
+            room = self.max_batch_size - sum(row.finish is None for row in rows)
+            joining = []
+            while room > 0 and self._intake and not self._draining:
+                try:
+                    joining.append(_Row.start(self._intake.popleft()))
+                except IndexError:  # taken by the batch loop meanwhile
+                    break
+                room -= 1
+            if joining:
+                self.joined_rows += len(joining)
+                layout = True
+            if layout:
+                rows[:] = [row for row in rows if row.finish is None] + joining
+                step_ids, attention = self._left_padded([row.sequence for row in rows])
                 step_positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+                cache, layout = None, False
+            self.running = len(rows)
             out = self.model(
                 input_ids=step_ids.to(self.device),
                 attention_mask=attention.to(self.device),
@@ -340,39 +369,75 @@ class HFEngine:
                 use_cache=True,
             )
             cache = out.past_key_values
-            tokens, chosen = sample_next(out.logits[:, -1, :].cpu(), specs, generators)
-            for row, pending in enumerate(batch):
-                if finish[row] is not None:
-                    continue
-                if pending.aborted.is_set():
-                    finish[row] = "abort"
-                    continue
-                token = int(tokens[row])
-                outputs[row].append(token)
-                logprobs[row].append(float(chosen[row]))
-                versions[row].append(version)
-                if token in pending.spec.stop_token_ids:
-                    finish[row] = "stop"
-                elif len(outputs[row]) >= pending.spec.max_new_tokens:
-                    finish[row] = "length"
-            if all(reason is not None for reason in finish):
-                break
-            step_ids = tokens[:, None]
-            sequence = torch.cat([sequence, step_ids], dim=1)
-            attention = torch.cat([attention, torch.ones((size, 1), dtype=torch.long)], dim=1)
-            step_positions = step_positions[:, -1:] + 1
-        elapsed = time.monotonic() - started
-        self.generated_tokens += sum(len(o) for o in outputs)
-        self.interrupted_batches += interrupted
-        return [
-            Generation(
-                token_ids=outputs[row],
-                logprobs=logprobs[row],
-                policy_versions=versions[row],
-                finish_reason=finish[row] or "length",
-                policy_version=version,
-                queue_seconds=started - pending.enqueued,
-                generate_seconds=elapsed,
+            tokens, chosen = sample_next(
+                out.logits[:, -1, :].cpu(),
+                [row.pending.spec for row in rows],
+                [row.generator for row in rows],
             )
-            for row, pending in enumerate(batch)
-        ]
+            for index, row in enumerate(rows):
+                if row.finish is not None:
+                    continue
+                if row.pending.aborted.is_set():
+                    row.finish = "abort"
+                else:
+                    row.add(int(tokens[index]), float(chosen[index]), version)
+                if row.finish is not None:
+                    self.generated_tokens += len(row.tokens)
+                    self._deliver(row.pending, row.result(version))
+            step_ids = tokens[:, None]
+            attention = torch.cat([attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+            step_positions = step_positions[:, -1:] + 1
+
+    def _left_padded(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = max(len(sequence) for sequence in sequences)
+        ids = torch.full((len(sequences), longest), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(sequences), longest), dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            ids[row, longest - len(sequence) :] = torch.tensor(sequence)
+            attention[row, longest - len(sequence) :] = 1
+        return ids, attention
+
+
+@dataclass
+class _Row:
+    """One request inside a running batch."""
+
+    pending: _Pending
+    generator: torch.Generator | None
+    started: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+    @classmethod
+    def start(cls, pending: _Pending) -> _Row:
+        generator = None
+        if pending.spec.seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(pending.spec.seed)
+        return cls(pending, generator, time.monotonic())
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.pending.prompt_ids + self.tokens
+
+    def add(self, token: int, logprob: float, version: int) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if token in self.pending.spec.stop_token_ids:
+            self.finish = "stop"
+        elif len(self.tokens) >= self.pending.spec.max_new_tokens:
+            self.finish = "length"
+
+    def result(self, version: int) -> Generation:
+        return Generation(
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            policy_versions=self.versions,
+            finish_reason=self.finish or "length",
+            policy_version=version,
+            queue_seconds=self.started - self.pending.enqueued,
+            generate_seconds=time.monotonic() - self.started,
+        )

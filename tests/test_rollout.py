@@ -210,6 +210,45 @@ async def test_an_update_mid_generation_keeps_the_tokens_and_tags_each_with_its_
         assert result.logprobs[switch:] == pytest.approx(now[switch:], abs=1e-4)
 
 
+async def test_a_request_joins_a_running_batch_and_is_answered_when_its_row_ends(
+    tiny_model_path,
+) -> None:
+    engine = HFEngine(tiny_model_path, max_batch_size=8)
+    await engine.start()
+    try:
+        forward = engine.model.forward
+
+        def slowed(*args, **kwargs):
+            time.sleep(0.002)
+            return forward(*args, **kwargs)
+
+        engine.model.forward = slowed
+        long = asyncio.ensure_future(
+            engine.generate("long", [5, 6, 7], SamplingSpec(max_new_tokens=50, seed=1))
+        )
+        for _ in range(1000):
+            if engine.running:
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.03)
+        short = await asyncio.wait_for(
+            engine.generate("short", [9, 10], SamplingSpec(max_new_tokens=5, seed=2)), 10
+        )
+        assert not long.done(), "the short request waited for the long one"
+        assert engine.joined_rows == 1
+        first = await asyncio.wait_for(long, 30)
+        alone = await engine.generate("again", [9, 10], SamplingSpec(max_new_tokens=5, seed=2))
+    finally:
+        await engine.close()
+    # Joining mid-batch changes nothing about what either request gets.
+    assert short.token_ids == alone.token_ids
+    assert short.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    assert len(first.token_ids) == 50
+    assert first.logprobs == pytest.approx(
+        reference_logprobs(engine.model, [5, 6, 7], first.token_ids), abs=1e-4
+    )
+
+
 async def test_an_engine_that_is_not_interruptible_updates_between_batches(
     tiny_model_path,
 ) -> None:

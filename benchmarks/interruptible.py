@@ -1,0 +1,53 @@
+"""Interruptible generation on and off: the same asynchronous run, side by side.
+
+    .venv/bin/python benchmarks/interruptible.py [-c CONFIG] [--set key=value ...]
+
+Runs `rollwire train` in rl.mode=async twice, with rollout_server.interruptible
+false (a weight update waits for the batch being generated to end, and the
+trainer waits for the update) and true (the update lands between two decoding
+steps; responses keep their tokens and carry two versions). Prints wall time,
+trajectories/s, the trainer's idle fraction, mean publish time and the held-out
+reward, and the ratio of the two. Extra `--set` options apply to both runs;
+longer responses (orchestrator.max_new_tokens) make the difference larger.
+Anchor: AReaL reports +12-17% throughput from interruptible generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from sync_vs_async import run  # benchmarks/sync_vs_async.py, beside this file
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-c", "--config", help="run configuration for both runs")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as temp:
+        for flag in ("false", "true"):
+            root = Path(temp) / f"interruptible-{flag}"
+            root.mkdir()
+            overrides = [*args.overrides, f"rollout_server.interruptible={flag}"]
+            rows[flag] = run("async", overrides, root, args.config)
+            steps = [
+                json.loads(line)
+                for line in (root / "async" / "metrics" / "trainer.jsonl").read_text().splitlines()
+            ]
+            rows[flag]["publish_s"] = sum(s["publish_seconds"] for s in steps) / len(steps)
+    keys = list(rows["false"])
+    print(f"{'':>26} " + " ".join(f"{k:>14}" for k in keys))
+    for flag, label in (("false", "waits for the batch"), ("true", "interruptible")):
+        print(f"{label:>26} " + " ".join(f"{rows[flag][k]:>14.3f}" for k in keys))
+    print(
+        f"\ninterruptible / waiting: wall {rows['true']['wall_seconds'] / rows['false']['wall_seconds']:.2f}x, "
+        f"trajectories/s {rows['true']['trajectories_per_second'] / rows['false']['trajectories_per_second']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
