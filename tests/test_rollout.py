@@ -163,6 +163,24 @@ async def test_weight_update_is_versioned_and_changes_the_model(engine) -> None:
         await engine.update_weights(new, version=1)
 
 
+def slow_down(engine: HFEngine, seconds: float = 0.002) -> None:
+    """Makes every forward pass of `engine` take at least `seconds` longer."""
+    forward = engine.model.forward
+
+    def slowed(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = slowed
+
+
+async def until_running(engine: HFEngine, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not engine.running:
+        assert time.monotonic() < deadline, "the engine never started a batch"
+        await asyncio.sleep(0.005)
+
+
 async def test_an_update_mid_generation_keeps_the_tokens_and_tags_each_with_its_version(
     tiny_model_path,
 ) -> None:
@@ -173,23 +191,14 @@ async def test_an_update_mid_generation_keeps_the_tokens_and_tags_each_with_its_
     try:
         old_model = copy.deepcopy(engine.model)
         new = perturbed(engine)
-        forward = engine.model.forward
-
-        def slowed(*args, **kwargs):  # so the update lands mid-batch on any machine
-            time.sleep(0.002)
-            return forward(*args, **kwargs)
-
-        engine.model.forward = slowed
+        slow_down(engine)  # so what happens mid-batch does, on any machine
         long = SamplingSpec(max_new_tokens=engine.max_context - 4, seed=5)
         prompts = [[5, 6, 7], [9]]
         running = [
             asyncio.ensure_future(engine.generate(f"long{i}", p, long))
             for i, p in enumerate(prompts)
         ]
-        for _ in range(1000):
-            if engine.running:
-                break
-            await asyncio.sleep(0.005)
+        await until_running(engine)
         await asyncio.sleep(0.05)  # some tokens in
         await asyncio.wait_for(engine.update_weights(new, version=1), 10)
         assert not all(task.done() for task in running), "the update waited for the batch"
@@ -216,20 +225,11 @@ async def test_a_request_joins_a_running_batch_and_is_answered_when_its_row_ends
     engine = HFEngine(tiny_model_path, max_batch_size=8)
     await engine.start()
     try:
-        forward = engine.model.forward
-
-        def slowed(*args, **kwargs):
-            time.sleep(0.002)
-            return forward(*args, **kwargs)
-
-        engine.model.forward = slowed
+        slow_down(engine)
         long = asyncio.ensure_future(
             engine.generate("long", [5, 6, 7], SamplingSpec(max_new_tokens=50, seed=1))
         )
-        for _ in range(1000):
-            if engine.running:
-                break
-            await asyncio.sleep(0.005)
+        await until_running(engine)
         await asyncio.sleep(0.03)
         short = await asyncio.wait_for(
             engine.generate("short", [9, 10], SamplingSpec(max_new_tokens=5, seed=2)), 10
@@ -255,20 +255,11 @@ async def test_an_engine_that_is_not_interruptible_updates_between_batches(
     engine = HFEngine(tiny_model_path, max_batch_size=8, interruptible=False)
     await engine.start()
     try:
-        forward = engine.model.forward
-
-        def slowed(*args, **kwargs):
-            time.sleep(0.002)
-            return forward(*args, **kwargs)
-
-        engine.model.forward = slowed
+        slow_down(engine)
         task = asyncio.ensure_future(
             engine.generate("long", [5, 6], SamplingSpec(max_new_tokens=50, seed=5))
         )
-        for _ in range(1000):
-            if engine.running:
-                break
-            await asyncio.sleep(0.005)
+        await until_running(engine)
         await engine.update_weights(perturbed(engine), version=1)
         await asyncio.sleep(0)  # the batch's results were set before the update ran
         assert task.done() and task.result().policy_versions == [0] * 50
