@@ -53,8 +53,6 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _serve(command: str, args: argparse.Namespace) -> int:
-    import importlib
-
     from rollwire.services.config import ConfigError, write_resolved_config
 
     section_name, module_name, _ = GRPC_SERVICES[command]
@@ -101,7 +99,6 @@ def _process(command: str, runner: str) -> Callable[[argparse.Namespace], int]:
     """A command whose body is `runner(config)` ("module:function"), imported only when run."""
 
     def run(args: argparse.Namespace) -> int:
-        import importlib
 
         from rollwire.services.config import write_resolved_config
 

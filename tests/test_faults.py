@@ -21,6 +21,24 @@ from tests.test_train import SHORT_RUN, assert_no_process_left, jsonl
 KINDS = ("buffer", "reward-server", "rollout-server", "orchestrator", "trainer")
 
 
+def start_rollwire(
+    command: str, overrides: list[str], tmp_path: Path, output: int
+) -> subprocess.Popen:
+    """`rollwire COMMAND --set ...` in its own session, with a private model cache."""
+    argv = [sys.executable, "-m", "rollwire.services.cli", command]
+    for item in overrides:
+        argv += ["--set", item]
+    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        argv,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
 def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float) -> None:
     trainer_log = run_dir / "metrics" / "trainer.jsonl"
     deadline = time.monotonic() + timeout
@@ -81,18 +99,7 @@ def test_every_kind_of_process_killed_mid_run_loses_nothing_and_trains_nothing_t
         "trainer.checkpoint_every=2",
         f"run.output_dir={run_dir}",
     ]
-    command = [sys.executable, "-m", "rollwire.services.cli", "train"]
-    for item in overrides:
-        command += ["--set", item]
-    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    process = start_rollwire("train", overrides, tmp_path, subprocess.PIPE)
     killed: list[tuple[str, int, float]] = []
     try:
         for n, name in enumerate(order):
@@ -155,16 +162,8 @@ def test_every_kind_of_process_killed_mid_run_loses_nothing_and_trains_nothing_t
 def test_services_end_when_their_launcher_is_killed(tmp_path) -> None:
     """SIGKILL gives `rollwire up` no chance to stop its services; they end on their own."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "rollwire.services.cli", "up"]
-    for item in [*SHORT_RUN, f"run.output_dir={run_dir}"]:
-        command += ["--set", item]
-    launcher = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
+    launcher = start_rollwire(
+        "up", [*SHORT_RUN, f"run.output_dir={run_dir}"], tmp_path, subprocess.DEVNULL
     )
     names = ("buffer", "reward-server", "rollout-server")
     deadline = time.monotonic() + 240
