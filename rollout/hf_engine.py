@@ -35,30 +35,17 @@ from pathlib import Path
 
 import torch
 
+from rollwire.rollout.engine import (
+    ContextTooLong,
+    Generation,
+    RequestError,
+    validate_request,
+)
 from rollwire.rollout.sampling import SamplingSpec, sample_next
 
+__all__ = ["ContextTooLong", "Generation", "HFEngine", "RequestError"]
+
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (empty prompt, bad ids, too long)."""
-
-
-class ContextTooLong(RequestError):
-    """Prompt plus max_new_tokens exceeds the model's context."""
-
-
-@dataclass
-class Generation:
-    """The result of one request."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    policy_versions: list[int]
-    finish_reason: str  # "stop", "length" or "abort"
-    policy_version: int
-    queue_seconds: float
-    generate_seconds: float
 
 
 @dataclass
@@ -168,19 +155,7 @@ class HFEngine:
 
     def validate(self, prompt_ids: list[int], spec: SamplingSpec) -> None:
         """Raises RequestError for a request that cannot be served."""
-        if not prompt_ids:
-            raise RequestError("prompt_token_ids is empty")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise RequestError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if spec.max_new_tokens < 1:
-            raise RequestError("max_new_tokens must be at least 1")
-        if spec.temperature < 0 or not 0 <= spec.top_p <= 1 or spec.top_k < 0:
-            raise RequestError("temperature must be >= 0, top_p in [0, 1] and top_k >= 0")
-        if len(prompt_ids) + spec.max_new_tokens > self.max_context:
-            raise ContextTooLong(
-                f"prompt of {len(prompt_ids)} tokens plus max_new_tokens {spec.max_new_tokens} "
-                f"exceeds the model's context of {self.max_context}"
-            )
+        validate_request(prompt_ids, spec, self.vocab_size, self.max_context)
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], spec: SamplingSpec

@@ -12,7 +12,7 @@ import grpc
 import grpc.aio
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.hf_engine import ContextTooLong, HFEngine, RequestError
+from rollwire.rollout.engine import ContextTooLong, Engine, RequestError, UpdateUnsupported
 from rollwire.rollout.sampling import SamplingSpec
 from rollwire.rollout.weights import WeightAssembler, WeightStreamError
 from rollwire.services.config import RolloutServerConfig
@@ -50,7 +50,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """Generate, Abort, UpdateWeights and GetStatus over an engine."""
 
     def __init__(
-        self, engine: HFEngine, await_weights: bool = False, watch_seconds: float = 300.0
+        self, engine: Engine, await_weights: bool = False, watch_seconds: float = 300.0
     ) -> None:
         self.engine = engine
         self._started = False
@@ -173,6 +173,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await self._reject(
                 context, grpc.StatusCode.FAILED_PRECONDITION, "stale_version", str(error)
             )
+        except UpdateUnsupported as error:
+            await self._reject(
+                context, grpc.StatusCode.UNIMPLEMENTED, "updates_unsupported", str(error)
+            )
         COUNTERS.inc("rollout_weight_updates")
         self._has_weights.set()
         log.info(
@@ -208,20 +212,44 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await self.engine.close()
 
 
-def build_engine(config: RolloutServerConfig) -> HFEngine:
+def build_engine(config: RolloutServerConfig) -> Engine:
     """The engine named in the config, loaded and ready."""
     import torch
 
     torch.set_num_threads(config.threads)
-    if config.engine != "hf":
-        raise ValueError(
-            f"rollout_server.engine {config.engine!r} is not available in this version; use 'hf'"
-        )
+    if config.engine == "openai":
+        from rollwire.rollout.openai_engine import OpenAIEngine
+
+        return OpenAIEngine(config.base_url, model_path=config.model_path, **config.engine_args)
     model_path = config.model_path
     if model_path is None:
         from rollwire.rollout.tiny import ensure_tiny_model
 
         model_path = ensure_tiny_model(default_model_path())
+    if config.engine == "vllm":
+        from rollwire.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            model_path,
+            max_batch_size=config.max_batch_size,
+            dtype=config.dtype,
+            interruptible=config.interruptible,
+            seed=config.seed,
+            engine_args=config.engine_args,
+        )
+    if config.engine == "sglang":
+        from rollwire.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(
+            model_path,
+            max_batch_size=config.max_batch_size,
+            dtype=config.dtype,
+            interruptible=config.interruptible,
+            seed=config.seed,
+            engine_args=config.engine_args,
+        )
+    from rollwire.rollout.hf_engine import HFEngine
+
     return HFEngine(
         model_path,
         max_batch_size=config.max_batch_size,

