@@ -5,7 +5,8 @@
 A Qwen2-shaped model of about --mb MB (float32) is built offline. For 1 and 2
 rollout-servers (each `rollwire rollout-server`, its own process, HF engine) the
 trainer's own code path (`rollwire.trainer.loop.publish`) sends a new version
-to all of them at once, in chunks of 1, 4 and 16 MiB; a row's time runs from
+to all of them at once, in chunks of 1, 4 and 16 MiB, and by gloo broadcast in a weight group
+(`trainer.weight_transport: group`, formed before timing); a row's time runs from
 the first chunk to the last server's acknowledgement, which comes once the
 weights are copied into the served model (so it includes applying them).
 
@@ -38,6 +39,7 @@ from rollwire.proto.v1 import rollout_pb2_grpc
 from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
 from rollwire.services.client import open_channel, wait_for_serving
 from rollwire.trainer.loop import publish
+from rollwire.trainer.weight_sync import GroupPublisher
 
 MiB = 1 << 20
 
@@ -53,6 +55,7 @@ def build_model(folder: Path, target_mb: float) -> tuple[Path, int]:
         num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=4,
+        head_dim=64,
     )
     path = ensure_tiny_model(folder / "model", spec)
     from transformers import AutoModelForCausalLM
@@ -122,18 +125,33 @@ class _Policy:
 
 
 async def time_updates(
-    addresses: list[str], policy: _Policy, chunk: int, repeats: int, first_version: int
+    addresses: list[str],
+    policy: _Policy,
+    chunk: int,
+    repeats: int,
+    first_version: int,
+    broadcast: bool = False,
 ) -> list[float]:
+    """Seconds of each of `repeats` updates: gRPC streams of `chunk` bytes, or (`broadcast`)
+    gloo broadcasts in a weight group formed first (trainer.weight_transport: group)."""
     channels = [open_channel(address) for address in addresses]
+    group = None
     try:
         for address, channel in zip(addresses, channels, strict=True):
             await wait_for_serving(channel, timeout=60, target=address)
         stubs = [rollout_pb2_grpc.RolloutServiceStub(c) for c in channels]
+        if broadcast:
+            group = await GroupPublisher.form(stubs, "127.0.0.1", "gloo", 300.0)
         times = []
         for repeat in range(repeats):
-            times.append(await publish(stubs, policy, first_version + repeat, chunk, timeout=300))
+            version = first_version + repeat
+            times.append(await publish(stubs, policy, version, chunk, timeout=300, group=group))
+        if group is not None and not group.usable:
+            raise SystemExit("the weight group failed during the benchmark")
         return times
     finally:
+        if group is not None:
+            group.close()
         for channel in channels:
             await channel.close()
 
@@ -191,10 +209,15 @@ def main() -> None:
             raw = statistics.median(time_raw(payload, count) for _ in range(args.repeats))
             servers = Servers(count, model, work)
             try:
-                for chunk_mib in (1, 4, 16):
+                for chunk_mib in (1, 4, 16, "bcast"):
                     times = asyncio.run(
                         time_updates(
-                            servers.addresses, policy, chunk_mib * MiB, args.repeats, version
+                            servers.addresses,
+                            policy,
+                            4 * MiB if chunk_mib == "bcast" else chunk_mib * MiB,
+                            args.repeats,
+                            version,
+                            broadcast=chunk_mib == "bcast",
                         )
                     )
                     version += args.repeats
@@ -216,7 +239,8 @@ def main() -> None:
             )
         print(
             "\nupdate s: median of the repeats, first chunk to the last server's answer "
-            "(weights applied); raw s: the same bytes over one TCP socket per receiver."
+            "(weights applied); raw s: the same bytes over one TCP socket per receiver; "
+            "chunk 'bcast': gloo broadcasts in a weight group (trainer.weight_transport: group)."
         )
         json.dump(rows, sys.stderr)
 

@@ -56,6 +56,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._started = False
         self.watchdog = Watchdog("rollout-server")
         self.watch_seconds = watch_seconds
+        self._group = None  # this server's WeightGroup membership, once it joined one
         self._has_weights = asyncio.Event()
         if not await_weights:
             self._has_weights.set()
@@ -195,6 +196,105 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             apply_seconds=apply_seconds,
         )
 
+    async def JoinWeightGroup(
+        self, request: rollout_pb2.JoinWeightGroupRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.JoinWeightGroupResponse:
+        from rollwire.rollout.weight_group import BACKENDS, WeightGroup, WeightGroupError
+
+        problem = None
+        if not request.address or not 0 < request.port < 65536:
+            problem = "address and port (1-65535) of the rendezvous store are required"
+        elif not 2 <= request.world_size <= 4096 or not 0 < request.rank < request.world_size:
+            problem = f"rank {request.rank} of {request.world_size}: need 0 < rank < world_size"
+        elif request.backend not in BACKENDS or not request.group_id:
+            problem = f"backend must be one of {BACKENDS} and group_id set"
+        elif not 0 < request.timeout_seconds <= 3600:
+            problem = "timeout_seconds must lie in (0, 3600]"
+        if problem is not None:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_group", problem)
+        device = "cpu" if request.backend == "gloo" else str(getattr(self.engine, "device", "cuda"))
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        try:
+            self._group = await asyncio.to_thread(
+                WeightGroup,
+                request.address,
+                request.port,
+                request.rank,
+                request.world_size,
+                request.backend,
+                request.group_id,
+                request.timeout_seconds,
+                device,
+            )
+        except (WeightGroupError, ValueError) as error:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "group_failed", str(error))
+        COUNTERS.inc("rollout_weight_groups_joined")
+        return rollout_pb2.JoinWeightGroupResponse(device=str(self._group.device))
+
+    async def ReceiveWeights(
+        self, request: rollout_pb2.ReceiveWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.UpdateWeightsResponse:
+        from rollwire.rollout.weight_group import WeightGroupError
+        from rollwire.rollout.weights import DTYPES
+
+        group = self._group
+        if group is None or request.group_id != group.group_id:
+            await self._reject(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no_group",
+                f"this rollout-server is not in weight group {request.group_id!r}",
+            )
+        served = self.engine.parameter_specs()
+        specs, problem = [], None
+        for tensor in request.tensors:
+            if tensor.name not in served or tuple(tensor.shape) != served[tensor.name][0]:
+                problem = f"{tensor.name}: not a parameter of the served model with that shape"
+            elif tensor.dtype not in DTYPES:
+                problem = f"{tensor.name}: unsupported dtype {tensor.dtype!r}"
+            specs.append((tensor.name, tensor.dtype, tuple(tensor.shape)))
+        if problem is not None or not specs:
+            # Not taking part breaks the broadcast for everyone: leave the group.
+            group.close()
+            self._group = None
+            await self._reject(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "bad_weights", problem or "no tensors"
+            )
+        started = time.perf_counter()
+        try:
+            tensors = await asyncio.to_thread(group.receive, specs)
+        except WeightGroupError as error:
+            group.close()
+            self._group = None
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "group_failed", str(error))
+        tensors = {name: t.to(served[name][1]) for name, t in tensors.items()}
+        try:
+            apply_seconds = await self.engine.update_weights(tensors, request.version)
+        except ValueError as error:
+            await self._reject(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "stale_version", str(error)
+            )
+        COUNTERS.inc("rollout_weight_updates")
+        self._has_weights.set()
+        received = sum(t.numel() * t.element_size() for t in tensors.values())
+        log.info(
+            "weights received by broadcast",
+            extra={
+                "version": request.version,
+                "tensors": len(tensors),
+                "bytes": received,
+                "seconds": round(time.perf_counter() - started, 4),
+            },
+        )
+        return rollout_pb2.UpdateWeightsResponse(
+            version=request.version,
+            bytes_received=received,
+            tensors=len(tensors),
+            apply_seconds=apply_seconds,
+        )
+
     async def GetStatus(
         self, request: rollout_pb2.RolloutStatusRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.RolloutStatus:
@@ -208,6 +308,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
 
     async def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
         self.watchdog.stop()
         await self.engine.close()
 

@@ -20,6 +20,7 @@ from typing import Any
 import grpc.aio
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from rollwire.rollout.weight_group import WeightGroupError
 from rollwire.rollout.weights import iter_weight_chunks
 from rollwire.services.buffer_client import BufferError, BufferTrainerClient
 from rollwire.services.client import describe_error, open_channel, wait_for_serving
@@ -31,6 +32,7 @@ from rollwire.services.telemetry import dump_tasks_on_signal
 from rollwire.services.watchdog import Watchdog
 from rollwire.services.wire import Batch
 from rollwire.trainer.policy import Policy
+from rollwire.trainer.weight_sync import GroupPublisher
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ class TrainerState:
         # Trained since the last checkpoint; the buffer holds them until one commits them.
         self.uncommitted_ids: list[str] = []
         self.resumed_from_step: int | None = None
+        # Rank 0 of the weight group (trainer.weight_transport: group), while it holds.
+        self.weight_group: GroupPublisher | None = None
 
 
 class MetricsLog:
@@ -83,15 +87,31 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 async def publish(
-    stubs: list[Any], policy: Policy, version: int, chunk_bytes: int, timeout: float = 120.0
+    stubs: list[Any],
+    policy: Policy,
+    version: int,
+    chunk_bytes: int,
+    timeout: float = 120.0,
+    group: GroupPublisher | None = None,
 ) -> float:
     """Sends the weights to every rollout-server at once; returns the seconds it took.
 
-    A server that cannot be reached (restarting) is skipped and counted;
-    `catch_up` brings it to the current version once it is back.
+    By broadcast in the weight group when there is one (`trainer.weight_transport:
+    group`); if that fails the group is dropped for good and the servers behind get
+    the version as gRPC streams. A server that cannot be reached (restarting) is
+    skipped and counted; `catch_up` brings it to the current version once it is back.
     """
     started = time.perf_counter()
     named = policy.named_weights()
+    if group is not None and group.usable:
+        try:
+            await group.publish(stubs, named, version)
+            return time.perf_counter() - started
+        except WeightGroupError as error:
+            COUNTERS.inc("weight_group_failures")
+            log.warning("weights go as gRPC streams from now on: %s", error)
+            await catch_up(stubs, policy, version, chunk_bytes)
+            return time.perf_counter() - started
     replies = await asyncio.gather(
         *(
             stub.UpdateWeights(iter_weight_chunks(named, version, chunk_bytes), timeout=timeout)
@@ -304,7 +324,10 @@ async def _step(
     state.step += 1
     state.state = "publishing"
     metrics["publish_seconds"] = await publish(
-        rollout_stubs, policy, state.version, trainer.weight_chunk_bytes
+        rollout_stubs, policy, state.version, trainer.weight_chunk_bytes, group=state.weight_group
+    )
+    metrics["weights_by_group"] = float(
+        state.weight_group is not None and state.weight_group.usable
     )
     trained_ids = [t.trajectory_id for t in trajectories]
     record = {
@@ -454,7 +477,13 @@ async def run(config: RunConfig, model_path: Path) -> int:
             loop.add_signal_handler(signum, request_stop)
         dump_tasks_on_signal(loop, "trainer")
         await resume(config, policy, state, stubs, buffer)
-        await train(config, policy, state, stubs, buffer)
+        if config.trainer.weight_transport == "group":
+            state.weight_group = await form_weight_group(config, policy, stubs)
+        try:
+            await train(config, policy, state, stubs, buffer)
+        finally:
+            if state.weight_group is not None:
+                state.weight_group.close()
         log.info("training finished", extra={"steps": state.step, "policy_version": state.version})
         return 0
     finally:
@@ -462,6 +491,26 @@ async def run(config: RunConfig, model_path: Path) -> int:
         for channel in channels:
             await channel.close()
         await runtime.stop(grace=1)
+
+
+async def form_weight_group(
+    config: RunConfig, policy: Policy, stubs: list[Any]
+) -> GroupPublisher | None:
+    """The weight group of this trainer and every rollout-server, or None (weights then go
+    as gRPC streams) when it does not form."""
+    trainer = config.trainer
+    try:
+        return await GroupPublisher.form(
+            stubs,
+            trainer.weight_group_address,
+            trainer.weight_group_backend,
+            trainer.weight_group_timeout_seconds,
+            device=trainer.device,
+        )
+    except WeightGroupError as error:
+        COUNTERS.inc("weight_group_failures")
+        log.warning("no weight group, weights go as gRPC streams: %s", error)
+        return None
 
 
 def run_trainer(config: RunConfig) -> int:

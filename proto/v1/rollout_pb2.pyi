@@ -145,3 +145,47 @@ class RolloutStatus(_message.Message):
     waiting_requests: int
     generated_tokens: int
     def __init__(self, policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+
+class JoinWeightGroupRequest(_message.Message):
+    __slots__ = ("address", "port", "rank", "world_size", "backend", "group_id", "timeout_seconds")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    port: int
+    rank: int
+    world_size: int
+    backend: str
+    group_id: str
+    timeout_seconds: float
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., group_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class JoinWeightGroupResponse(_message.Message):
+    __slots__ = ("device",)
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    def __init__(self, device: _Optional[str] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReceiveWeightsRequest(_message.Message):
+    __slots__ = ("version", "group_id", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    group_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, version: _Optional[int] = ..., group_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...

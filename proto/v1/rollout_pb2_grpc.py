@@ -59,6 +59,16 @@ class RolloutServiceStub:
                 request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
                 response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.JoinWeightGroup = channel.unary_unary(
+                '/rollwire.v1.RolloutService/JoinWeightGroup',
+                request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.JoinWeightGroupRequest.SerializeToString,
+                response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.JoinWeightGroupResponse.FromString,
+                _registered_method=True)
+        self.ReceiveWeights = channel.unary_unary(
+                '/rollwire.v1.RolloutService/ReceiveWeights',
+                request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.SerializeToString,
+                response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -109,6 +119,28 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinWeightGroup(self, request, context):
+        """Joins the trainer's weight group: a torch.distributed process group of its
+        own (NCCL between GPUs, gloo on CPUs) whose rank 0 is the trainer. Returns
+        once the group has formed. INVALID_ARGUMENT for impossible parameters;
+        UNAVAILABLE when the group does not form within timeout_seconds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReceiveWeights(self, request, context):
+        """New weights by broadcast in the weight group: the request names the
+        tensors in the order the trainer broadcasts them; the reply comes once
+        they are received and swapped in (atomically, as with UpdateWeights).
+        FAILED_PRECONDITION when this server is in no group (or another one) or
+        the version is not newer; INVALID_ARGUMENT when the tensors do not match
+        the served model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +168,16 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.RolloutStatusRequest.FromString,
                     response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+            'JoinWeightGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinWeightGroup,
+                    request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.JoinWeightGroupRequest.FromString,
+                    response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.JoinWeightGroupResponse.SerializeToString,
+            ),
+            'ReceiveWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReceiveWeights,
+                    request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.FromString,
+                    response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +315,60 @@ class RolloutService:
             '/rollwire.v1.RolloutService/GetStatus',
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinWeightGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.RolloutService/JoinWeightGroup',
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.JoinWeightGroupRequest.SerializeToString,
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.JoinWeightGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReceiveWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.RolloutService/ReceiveWeights',
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.SerializeToString,
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -414,6 +414,18 @@ class TrainerConfig(StrictModel):
     """Waiting longer than this for a batch is an error naming what to check."""
     weight_chunk_bytes: int = Field(4 * MiB, ge=1024)
     """Size of one chunk of a weight update."""
+    weight_transport: Literal["stream", "group"] = "stream"
+    """How new weights reach the rollout-servers. `stream`: a chunked gRPC stream to each
+    (any engine, any network). `group`: broadcasts in a process group of the trainer and
+    every rollout-server (NCCL between GPUs, gloo on CPUs), the control still on gRPC; if
+    a member is lost the run goes on with streams (`weight_group_failures`)."""
+    weight_group_address: str = "127.0.0.1"
+    """`group`: the address rollout-servers reach this trainer's rendezvous store at (the
+    port is picked by the OS)."""
+    weight_group_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """`group`: NCCL when this trainer has a CUDA GPU (auto), else gloo."""
+    weight_group_timeout_seconds: float = Field(60.0, gt=0)
+    """`group`: how long forming the group, or one broadcast, may take."""
 
 
 CHAIN_SUM_SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
