@@ -44,9 +44,14 @@ def run(mode: str, overrides: list[str], root: Path, config: str | None) -> dict
         json.loads(line)
         for line in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines()
     ]
-    evals = [
-        json.loads(line) for line in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()
-    ]
+    eval_log = run_dir / "metrics" / "eval.jsonl"
+    evals = (
+        [json.loads(line) for line in eval_log.read_text().splitlines()]
+        if eval_log.exists()
+        else []
+    )
+    if not evals:  # orchestrator.eval_dataset=null
+        evals = [{"eval_reward": float("nan")}]
     return {
         "wall_seconds": wall,
         "training_seconds": steps[-1]["elapsed_seconds"],
