@@ -174,6 +174,9 @@ class HFEngine:
             self._intake.append(pending)
             self._arrived.set()
             return await pending.future
+        except asyncio.CancelledError:  # the caller went away (deadline, hang-up): stop its row
+            pending.aborted.set()
+            raise
         finally:
             self._inflight.pop(request_id, None)
 

@@ -214,7 +214,10 @@ class Orchestrator:
             ),
         )
         stub = self.rollout[next(self._next_rollout)]
-        return await self._with_retries(lambda: stub.Generate(request), "generate")
+        return await self._with_retries(
+            lambda: stub.Generate(request, timeout=self.settings.generate_timeout_seconds),
+            "generate",
+        )
 
     async def _score_episode(
         self, spec: Any, prompt: str, response: str, info: dict[str, Any]
@@ -304,7 +307,10 @@ class Orchestrator:
             sampling=self._sampling(temperature),
         )
         stub = self.rollout[next(self._next_rollout)]
-        return await self._with_retries(lambda: stub.Generate(request), "generate")
+        return await self._with_retries(
+            lambda: stub.Generate(request, timeout=self.settings.generate_timeout_seconds),
+            "generate",
+        )
 
     async def generate_group(
         self, prompt_ids: list[int], ordinal: int | None = None
@@ -321,7 +327,10 @@ class Orchestrator:
             num_samples=self.rl.group_size,
         )
         stub = self.rollout[next(self._next_rollout)]
-        reply = await self._with_retries(lambda: stub.GenerateGroup(request), "generate")
+        reply = await self._with_retries(
+            lambda: stub.GenerateGroup(request, timeout=self.settings.generate_timeout_seconds),
+            "generate",
+        )
         return list(reply.samples)
 
     async def score(self, task: Task, responses: list[str]) -> list[reward_pb2.ScoreResult]:

@@ -277,6 +277,9 @@ class VLLMEngine:
             self._intake.append(pending)
             self._wake.set()
             return await pending.future
+        except asyncio.CancelledError:  # the caller went away (deadline, hang-up): stop it
+            self.abort([request_id])
+            raise
         finally:
             self._inflight.pop(request_id, None)
 

@@ -181,6 +181,26 @@ async def until_running(engine: HFEngine, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
+async def test_a_request_whose_caller_went_away_stops_generating(tiny_model_path) -> None:
+    """A deadline past or a hung-up client cancels the handler; its row must not run on."""
+    engine = HFEngine(tiny_model_path, max_batch_size=8)
+    await engine.start()
+    try:
+        slow_down(engine, 0.02)
+        gone = asyncio.ensure_future(engine.generate("gone", [5], SamplingSpec(max_new_tokens=60)))
+        await until_running(engine)
+        gone.cancel()
+        deadline = time.monotonic() + 5
+        while engine.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert engine.running == 0, "the cancelled request kept its row"
+        assert engine.generated_tokens < 60
+        result = await engine.generate("next", [5], SamplingSpec(max_new_tokens=3))
+        assert len(result.token_ids) == 3
+    finally:
+        await engine.close()
+
+
 async def test_an_update_mid_generation_keeps_the_tokens_and_tags_each_with_its_version(
     tiny_model_path,
 ) -> None:

@@ -49,6 +49,7 @@ class TrainerState:
         self.last_metrics: dict[str, float] = {}
         self.checkpoint_requests: list[asyncio.Future[str]] = []
         self.stop_requested = False
+        self.stop_requested_at = 0.0
         # Trained since the last checkpoint; the buffer holds them until one commits them.
         self.uncommitted_ids: list[str] = []
         self.resumed_from_step: int | None = None
@@ -179,7 +180,9 @@ async def resume(
             seen.append(status.policy_version)
         except grpc.aio.AioRpcError:
             pass  # not up: it gets the weights when it is (catch_up)
-    status = await _buffer_call(buffer.status, "status", config.trainer.batch_timeout_seconds)
+    status = await _buffer_call(
+        buffer.status, "status", config.trainer.batch_timeout_seconds, state
+    )
     seen.append(int(status["trainer_version"]))
     if max(seen) > state.version:
         state.version = max(seen) + 1
@@ -187,6 +190,7 @@ async def resume(
         functools.partial(buffer.resume, committed, state.version, state.step),
         "resume",
         config.trainer.batch_timeout_seconds,
+        state,
     )
     # A server at the checkpoint's version holds its very weights (a version is never
     # reused); the others get them now.
@@ -289,6 +293,7 @@ async def _wait_for_batch(
             ),
             "get",
             trainer.batch_timeout_seconds,
+            state,
         )
         if batch is not None:
             return batch
@@ -344,6 +349,7 @@ async def _step(
         ),
         "ack",
         trainer.batch_timeout_seconds,
+        state,
     )
     if not commit_now:
         state.uncommitted_ids.extend(trained_ids)
@@ -351,14 +357,22 @@ async def _step(
     state.last_metrics = metrics
 
 
-async def _buffer_call(call: Any, what: str, patience: float) -> Any:
+STOP_PATIENCE_SECONDS = 10.0
+
+
+async def _buffer_call(
+    call: Any, what: str, patience: float, state: TrainerState | None = None
+) -> Any:
     """Runs a blocking buffer call, retrying while the buffer does not answer (it may be
-    restarting: it rebuilds from its log) for up to `patience` seconds."""
+    restarting: it rebuilds from its log) for up to `patience` seconds, and for no more
+    than 10 s once a stop was asked for (SIGTERM must not wait out a dead buffer)."""
     deadline = time.monotonic() + patience
     while True:
         try:
             return await asyncio.to_thread(call)
         except BufferError as error:
+            if state is not None and state.stop_requested:
+                deadline = min(deadline, state.stop_requested_at + STOP_PATIENCE_SECONDS)
             if "refused" in str(error) or time.monotonic() > deadline:
                 raise
             COUNTERS.inc("trainer_buffer_retries", call=what)
@@ -395,7 +409,7 @@ async def checkpoint(
     state.last_checkpoint = path
     log.info("checkpoint written", extra={"path": path, "step": state.step})
     if buffer is not None and uncommitted:
-        await _buffer_call(functools.partial(buffer.commit, uncommitted), "commit", patience)
+        await _buffer_call(functools.partial(buffer.commit, uncommitted), "commit", patience, state)
         del state.uncommitted_ids[: len(uncommitted)]
     for request in state.checkpoint_requests:
         if not request.done():
@@ -472,6 +486,7 @@ async def run(config: RunConfig, model_path: Path) -> int:
 
         def request_stop() -> None:
             state.stop_requested = True
+            state.stop_requested_at = time.monotonic()
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, request_stop)
@@ -522,6 +537,6 @@ def run_trainer(config: RunConfig) -> int:
     model_path = config.trainer.model_path or default_model_path()
     try:
         return asyncio.run(run(config, Path(model_path)))
-    except (OSError, ValueError, TimeoutError, grpc.aio.AioRpcError) as error:
+    except (OSError, ValueError, TimeoutError, BufferError, grpc.aio.AioRpcError) as error:
         log.error("trainer stopped: %s", describe_error(error))
         return 1

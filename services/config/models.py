@@ -559,6 +559,11 @@ class OrchestratorConfig(StrictModel):
     """Wrap the prompt in the tokenizer's chat template as one user turn."""
     max_new_tokens: int = Field(10, ge=1)
     """Longest response."""
+    generate_timeout_seconds: float = Field(600.0, gt=0)
+    """Deadline of one Generate or GenerateGroup call. A call waits behind the others the
+    rollout-server is generating (long responses, many groups in flight), so it gets more
+    than `client.default_timeout_seconds`; one past it is aborted on the server and run
+    again."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling; keep 1 for RL so behaviour logprobs are of the full softmax."""
     sampling_seed: int | None = 0
