@@ -57,6 +57,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.watchdog = Watchdog("rollout-server")
         self.watch_seconds = watch_seconds
         self._group = None  # this server's WeightGroup membership, once it joined one
+        # Set when the engine broke for good: the process then exits 1 (and is restarted).
+        self.fatal = asyncio.Event()
         self._has_weights = asyncio.Event()
         if not await_weights:
             self._has_weights.set()
@@ -104,6 +106,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         except RequestError as error:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", str(error))
         except RuntimeError as error:
+            if getattr(self.engine, "failure", None) is not None and not self.fatal.is_set():
+                log.error("the engine failed; this rollout-server exits to be started again")
+                self.fatal.set()
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "shutting_down", str(error))
         COUNTERS.inc("rollout_generated_tokens", amount=len(result.token_ids))
         return rollout_pb2.GenerateResponse(

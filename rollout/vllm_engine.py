@@ -183,6 +183,11 @@ class VLLMEngine:
             "seed": seed,
             **(engine_args or {}),
         }
+        if not torch.cuda.is_available():
+            # vLLM 0.32 rewinds a seeded request's generator when a chunked prefill
+            # discards its sample, which CPU generators cannot do ("CPU Generator does
+            # not use offset"): many long prompts at once broke the engine. Whole prefills.
+            arguments.setdefault("enable_chunked_prefill", False)
         started = time.perf_counter()
         self.engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**arguments))
         log.info(
@@ -205,7 +210,7 @@ class VLLMEngine:
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self.failure: BaseException | None = None
 
     def _warm_up(self) -> None:
         """One short generation before serving: vLLM's first step takes seconds (kernel and
@@ -265,8 +270,8 @@ class VLLMEngine:
     async def generate(
         self, request_id: str, prompt_ids: list[int], spec: SamplingSpec
     ) -> Generation:
-        if self._closed or self._failure is not None:
-            raise RuntimeError(f"the engine is shutting down ({self._failure or 'closed'})")
+        if self._closed or self.failure is not None:
+            raise RuntimeError(f"the engine is shutting down ({self.failure or 'closed'})")
         self.validate(prompt_ids, spec)
         if request_id in self._inflight:
             raise RequestError(f"request id {request_id!r} is already in flight")
@@ -329,7 +334,7 @@ class VLLMEngine:
                     self._wake.wait(0.5)
         except BaseException as error:  # the engine broke: every waiting request hears why
             log.exception("vLLM engine failed")
-            self._failure = error
+            self.failure = error
             for track in list(self._tracks.values()):
                 self._deliver(track.pending, error)
             while self._intake:

@@ -156,8 +156,14 @@ class ServiceRuntime:
             ready.unlink()
         log.info("stopped", extra={"counters": COUNTERS.snapshot()})
 
-    async def serve_until_signalled(self, extra_shutdown: Callable[[], Any] | None = None) -> int:
-        """Serves until SIGTERM or SIGINT, then stops gracefully; returns the exit code 0."""
+    async def serve_until_signalled(
+        self,
+        extra_shutdown: Callable[[], Any] | None = None,
+        fatal: Sequence[asyncio.Event] = (),
+    ) -> int:
+        """Serves until SIGTERM or SIGINT, then stops gracefully and returns 0; or until a
+        servicer sets one of its `fatal` events (it cannot serve any more: say, its engine
+        broke), then stops and returns 1, so that a supervisor starts it again."""
         loop = asyncio.get_running_loop()
         requested = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -166,15 +172,20 @@ class ServiceRuntime:
         # a server that dies ends the wait too.
         termination = asyncio.ensure_future(self.server.wait_for_termination())
         signalled = asyncio.ensure_future(requested.wait())
-        await asyncio.wait({termination, signalled}, return_when=asyncio.FIRST_COMPLETED)
-        signalled.cancel()
+        broken = [asyncio.ensure_future(event.wait()) for event in fatal]
+        await asyncio.wait({termination, signalled, *broken}, return_when=asyncio.FIRST_COMPLETED)
+        code = 1 if any(task.done() for task in broken) else 0
+        if code:
+            log.error("a servicer cannot go on: stopping with exit code 1")
+        for task in (signalled, *broken):
+            task.cancel()
         if extra_shutdown is not None:
             result = extra_shutdown()
             if asyncio.iscoroutine(result):
                 await result
         await self.stop()
         termination.cancel()
-        return 0
+        return code
 
 
 def run_service(
@@ -207,7 +218,8 @@ def run_service(
                     if asyncio.iscoroutine(result):
                         await result
 
-        return await runtime.serve_until_signalled(close_servicers)
+        fatal = [r.servicer.fatal for r in registrations if hasattr(r.servicer, "fatal")]
+        return await runtime.serve_until_signalled(close_servicers, fatal)
 
     try:
         return asyncio.run(main())

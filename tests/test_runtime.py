@@ -249,3 +249,48 @@ async def test_a_server_restarted_on_its_old_port_is_reached_at_once(start_servi
             await fresh.close()
     finally:
         await dead.close()
+
+
+async def test_a_fatal_servicer_stops_the_service_with_exit_code_one() -> None:
+    """A servicer that can no longer serve (its engine broke) sets its `fatal` event: the
+    service stops and returns 1, so a supervisor (the launcher) starts it again."""
+    runtime = ServiceRuntime("test", ServerConfig(grace_seconds=0.5))
+    await runtime.start([trainer_registration()])
+    fatal = asyncio.Event()
+    serving = asyncio.ensure_future(runtime.serve_until_signalled(fatal=[fatal]))
+    await asyncio.sleep(0.1)
+    assert not serving.done()
+    fatal.set()
+    assert await asyncio.wait_for(serving, 10) == 1
+
+
+async def test_a_rollout_server_whose_engine_broke_is_fatal(tiny_model_path) -> None:
+    from rollwire.proto.v1 import rollout_pb2
+    from rollwire.rollout.hf_engine import HFEngine
+    from rollwire.rollout.server import RolloutServicer
+
+    engine = HFEngine(tiny_model_path, max_batch_size=2)
+    servicer = RolloutServicer(engine)
+
+    async def broken(*args, **kwargs):
+        engine.failure = RuntimeError("the device went away")
+        raise RuntimeError(f"the engine is shutting down ({engine.failure})")
+
+    engine.generate = broken
+
+    class Context:
+        async def abort(self, code, details):
+            raise grpc.aio.AbortError(details)
+
+        def time_remaining(self):
+            return 10.0
+
+        def set_trailing_metadata(self, metadata):
+            pass
+
+    with pytest.raises(grpc.aio.AbortError, match="device went away"):
+        await servicer.Generate(
+            rollout_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2]), Context()
+        )
+    assert servicer.fatal.is_set()
+    await servicer.close()

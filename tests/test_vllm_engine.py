@@ -82,7 +82,7 @@ def untied_model_path(tmp_path_factory):
 def make_engine(path, **options):
     from rollwire.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(path, max_batch_size=16, **options)
+    engine = VLLMEngine(path, **{"max_batch_size": 16, **options})
     engine.start_worker()
     return engine
 
@@ -148,6 +148,24 @@ async def test_seeds_and_stop_tokens(engine) -> None:
             await engine.generate("g2", [5, 6], SamplingSpec(max_new_tokens=8, temperature=0))
         ).token_ids
     )
+
+
+async def test_many_seeded_long_prompts_at_once(tiny_model_path) -> None:
+    """More prompt tokens than one step takes (2048): with chunked prefill vLLM 0.32 broke
+    on CPU ("CPU Generator does not use offset") for seeded requests; interrupted updates
+    resubmit exactly such a crowd."""
+    engine = make_engine(tiny_model_path, max_batch_size=128)
+    try:
+        results = await asyncio.gather(
+            *(
+                engine.generate(f"c{i}", [5 + i % 50] * 40, SamplingSpec(max_new_tokens=4, seed=i))
+                for i in range(128)
+            )
+        )
+        assert all(len(result.token_ids) == 4 for result in results)
+        assert engine.failure is None
+    finally:
+        await engine.close()
 
 
 async def test_bad_requests_are_refused_before_reaching_vllm(engine) -> None:
