@@ -89,7 +89,10 @@ def make_engine(path, **options):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
-    engine = make_engine(tiny_model_path)
+    """One engine for the tests that only generate. Closing an in-process vLLM engine tears
+    down vLLM's process-wide parallel state, so the tests that start and close engines of
+    their own come after every test that uses this one (pytest keeps file order)."""
+    engine = make_engine(tiny_model_path, max_batch_size=128)
     yield engine
     asyncio.run(engine.close())
 
@@ -150,22 +153,18 @@ async def test_seeds_and_stop_tokens(engine) -> None:
     )
 
 
-async def test_many_seeded_long_prompts_at_once(tiny_model_path) -> None:
+async def test_many_seeded_long_prompts_at_once(engine) -> None:
     """More prompt tokens than one step takes (2048): with chunked prefill vLLM 0.32 broke
     on CPU ("CPU Generator does not use offset") for seeded requests; interrupted updates
     resubmit exactly such a crowd."""
-    engine = make_engine(tiny_model_path, max_batch_size=128)
-    try:
-        results = await asyncio.gather(
-            *(
-                engine.generate(f"c{i}", [5 + i % 50] * 40, SamplingSpec(max_new_tokens=4, seed=i))
-                for i in range(128)
-            )
+    results = await asyncio.gather(
+        *(
+            engine.generate(f"c{i}", [5 + i % 50] * 40, SamplingSpec(max_new_tokens=4, seed=i))
+            for i in range(128)
         )
-        assert all(len(result.token_ids) == 4 for result in results)
-        assert engine.failure is None
-    finally:
-        await engine.close()
+    )
+    assert all(len(result.token_ids) == 4 for result in results)
+    assert engine.failure is None
 
 
 async def test_bad_requests_are_refused_before_reaching_vllm(engine) -> None:

@@ -298,7 +298,9 @@ class RolloutServerConfig(StrictModel):
     interruptible: bool = True
     """A weight update that arrives mid-generation is applied between two decoding steps:
     the tokens so far are kept, the rest come from the new weights, and each token is
-    tagged with its version (partial rollouts). False: updates wait for the batch."""
+    tagged with its version (partial rollouts). False: updates wait for the batch.
+    Measured on 2 CPU cores: +9% trajectories/s with vLLM on long responses; with HF it
+    cost 12-15% in generation-bound runs (it recomputes every row's KV cache at an update)."""
     await_weights: bool = False
     """Hold generation requests until the trainer has sent weights. Set on a rollout-server
     started again mid-run (`rollwire train` does), so it never samples from the initial
