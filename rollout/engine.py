@@ -86,6 +86,24 @@ def validate_request(
         )
 
 
+def model_folder(model_path: str | Path) -> Path:
+    """`model_path` as a Path; FileNotFoundError unless it holds a Hugging Face model."""
+    path = Path(model_path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"no Hugging Face model at {path}: expected a folder with config.json and weights"
+        )
+    return path
+
+
+def model_limits(path: Path) -> tuple[int, int]:
+    """(vocabulary size, context length) of the model at `path`, from its config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return int(config.vocab_size), int(getattr(config, "max_position_embeddings", 1 << 30))
+
+
 def checkpoint_parameter_specs(
     model_path: Path, dtype: str
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

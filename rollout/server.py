@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import logging
 import time
 from pathlib import Path
@@ -319,6 +320,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await self.engine.close()
 
 
+# Engines in this process that take the same arguments; imported only when chosen.
+IN_PROCESS_ENGINES = {
+    "vllm": ("rollwire.rollout.vllm_engine", "VLLMEngine"),
+    "sglang": ("rollwire.rollout.sglang_engine", "SGLangEngine"),
+}
+
+
 def build_engine(config: RolloutServerConfig) -> Engine:
     """The engine named in the config, loaded and ready."""
     import torch
@@ -339,21 +347,10 @@ def build_engine(config: RolloutServerConfig) -> Engine:
         from rollwire.rollout.tiny import ensure_tiny_model
 
         model_path = ensure_tiny_model(default_model_path())
-    if config.engine == "vllm":
-        from rollwire.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(
-            model_path,
-            max_batch_size=config.max_batch_size,
-            dtype=config.dtype,
-            interruptible=config.interruptible,
-            seed=config.seed,
-            engine_args=config.engine_args,
-        )
-    if config.engine == "sglang":
-        from rollwire.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(
+    if config.engine in IN_PROCESS_ENGINES:
+        module, name = IN_PROCESS_ENGINES[config.engine]
+        engine_class = getattr(importlib.import_module(module), name)
+        return engine_class(
             model_path,
             max_batch_size=config.max_batch_size,
             dtype=config.dtype,

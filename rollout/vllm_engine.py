@@ -48,6 +48,8 @@ from rollwire.rollout.engine import (
     Generation,
     RequestError,
     checkpoint_parameter_specs,
+    model_folder,
+    model_limits,
     validate_request,
 )
 from rollwire.rollout.sampling import SamplingSpec
@@ -155,22 +157,14 @@ class VLLMEngine:
         seed: int = 0,
         engine_args: dict[str, Any] | None = None,
     ) -> None:
-        from transformers import AutoConfig
-
-        path = Path(model_path)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(
-                f"no Hugging Face model at {path}: expected a folder with config.json and weights"
-            )
+        path = model_folder(model_path)
         vllm = import_vllm()
         from vllm.sampling_params import RequestOutputKind
 
         self._vllm = vllm
         self._delta = RequestOutputKind.DELTA
         self.model_path = path
-        config = AutoConfig.from_pretrained(path)
-        self.vocab_size = int(config.vocab_size)
-        self.max_context = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.vocab_size, self.max_context = model_limits(path)
         self._specs = checkpoint_parameter_specs(path, dtype)
         arguments: dict[str, Any] = {
             "model": str(path),

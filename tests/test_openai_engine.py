@@ -25,6 +25,7 @@ import torch
 from rollwire.rollout.engine import RequestError, UpdateUnsupported
 from rollwire.rollout.openai_engine import OpenAIEngine, ServerError
 from rollwire.rollout.sampling import SamplingSpec
+from tests.engine_checks import hf_model, load_into, perturbed, recomputed
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 torch.set_num_threads(1)
@@ -183,33 +184,6 @@ def stop_group(process: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def recomputed(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
-    return logprobs.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
-
-
-def perturbed(model, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: p.detach() + 0.5 * p.detach().std() * torch.randn(p.shape, generator=generator)
-        for name, p in model.named_parameters()
-    }
-
-
-def load_into(model, tensors) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(tensors[name])
 
 
 @pytest.mark.vllm

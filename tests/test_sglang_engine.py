@@ -25,6 +25,7 @@ from rollwire.rollout.sglang_engine import SGLangEngine
 from rollwire.rollout.weights import iter_weight_chunks
 from rollwire.services.client import open_channel
 from rollwire.services.server import Registration
+from tests.engine_checks import hf_model, load_into, logits_after, perturbed, recomputed
 
 torch.set_num_threads(1)
 # float32 on the GPU against a float32 recomputation on the CPU: different kernels (and
@@ -48,38 +49,6 @@ def on_gpu(test):
         reason="SGLang is not installed here (its wheels need a CUDA GPU): on a GPU machine "
         "`pip install 'rollwire[sglang]'`",
     )(test)
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def logits_after(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The trainer's next-token logits at each generated position: [len(tokens), V]."""
-    with torch.no_grad():
-        return model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-
-
-def recomputed(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    """The trainer's logprobs of `tokens` after `prompt` (temperature 1, no truncation)."""
-    logprobs = torch.log_softmax(logits_after(model, prompt, tokens), dim=-1)
-    return logprobs.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
-
-
-def perturbed(model, seed: int, scale: float = 0.5) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: p.detach() + scale * p.detach().std() * torch.randn(p.shape, generator=generator)
-        for name, p in model.named_parameters()
-    }
-
-
-def load_into(model, tensors: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(tensors[name])
 
 
 def tiny(folder, **shape):

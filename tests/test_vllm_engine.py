@@ -22,6 +22,7 @@ from rollwire.rollout.server import RolloutServicer
 from rollwire.rollout.weights import iter_weight_chunks
 from rollwire.services.client import open_channel
 from rollwire.services.server import Registration
+from tests.engine_checks import hf_model, load_into, perturbed, recomputed
 
 pytestmark = [
     pytest.mark.vllm,
@@ -32,34 +33,6 @@ pytestmark = [
     ),
 ]
 torch.set_num_threads(1)
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def recomputed(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    """The trainer's logprobs of `tokens` after `prompt` (temperature 1, no truncation)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
-    return logprobs.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
-
-
-def perturbed(model, seed: int, scale: float = 0.5) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: p.detach() + scale * p.detach().std() * torch.randn(p.shape, generator=generator)
-        for name, p in model.named_parameters()
-    }
-
-
-def load_into(model, tensors: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(tensors[name])
 
 
 @pytest.fixture(scope="module")
