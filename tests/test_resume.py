@@ -19,6 +19,10 @@ EXACT = [
     "rl.max_staleness=0",
     # One request at a time: a row's logits do not depend on what it was batched with.
     "rollout_server.max_batch_size=1",
+    # One group at a time, in ordinal order: which groups are whole when the trainer asks
+    # must not depend on timing (a resumed orchestrator reruns an unfinished ordinal while
+    # later ones would otherwise be generated beside it, and a later one could win).
+    "orchestrator.max_concurrent_groups=1",
     "orchestrator.sampling_seed=7",
 ]
 
