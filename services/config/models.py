@@ -571,8 +571,9 @@ class OrchestratorConfig(StrictModel):
     sampling_seed: int | None = 0
     """Each sampled response of a training group gets a seed made from this, the prompt's
     ordinal and the sample's index, so the samples of a run are reproducible (with the HF
-    engine at `rollout_server.max_batch_size: 1` bit for bit: exact resume). None: samples
-    draw from the engine's own generator. Multi-turn episodes draw from the engine's."""
+    engine at `rollout_server.max_batch_size: 1` and `max_concurrent_groups: 1` bit for
+    bit: exact resume). None: samples draw from the engine's own generator. Multi-turn
+    episodes draw from the engine's."""
     max_concurrent_groups: int = Field(64, ge=1)
     """Groups being generated and scored at once."""
     request_attempts: int = Field(5, ge=1)
