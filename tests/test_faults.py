@@ -52,9 +52,18 @@ def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: 
 
 
 def kill(run_dir: Path, name: str) -> int:
-    pid = int((run_dir / "logs" / f"{name}.pid").read_text())
-    os.killpg(pid, signal.SIGKILL)
-    return pid
+    """SIGKILL to the process group of `name`'s current process. A pid file naming a
+    process already gone (the launcher is starting it again) is read again until the new
+    process has written its own, for up to 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        pid = int((run_dir / "logs" / f"{name}.pid").read_text())
+        try:
+            os.killpg(pid, signal.SIGKILL)
+            return pid
+        except ProcessLookupError:
+            assert time.monotonic() < deadline, f"{name}: no live process in its pid file"
+            time.sleep(0.2)
 
 
 def effective_training(records: list[dict]) -> list[dict]:
