@@ -47,6 +47,7 @@ from rollwire.rollout.engine import (
     RequestError,
     UpdateUnsupported,
     checkpoint_parameter_specs,
+    model_limits,
     validate_request,
 )
 from rollwire.rollout.sampling import SamplingSpec
@@ -120,10 +121,7 @@ class OpenAIEngine:
         self.vocab_size = 1 << 31
         self.max_context = int(entry.get("max_model_len") or 1 << 30)
         if (local / "config.json").exists():
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(local)
-            self.vocab_size = int(config.vocab_size)
+            self.vocab_size = model_limits(local)[0]
             self._specs = checkpoint_parameter_specs(local, dtype)
         elif update_weights != "none":
             raise ValueError(
