@@ -62,7 +62,7 @@ def run(
     mode: str, overrides: list[str], run_dir: Path, cache: Path, steps: int
 ) -> dict[str, float]:
     """One `rollwire train` of `steps` steps; its trainer metrics at the last one."""
-    command = [sys.executable, "-m", "rollwire.services.cli", "train"]
+    command = [sys.executable, "-m", "rollwire.services.app.cli", "train"]
     items = (f"run.output_dir={run_dir}", f"rl.mode={mode}", *overrides)
     for item in (*items, f"rl.max_steps={steps}"):
         command += ["--set", item]

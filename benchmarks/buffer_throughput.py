@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/buffer_throughput.py [--dir /path/on/the/real/disk]
 
 Payloads are real wire frames: a 128-token Trajectory through
-rollwire.services.wire.encode (about 2.7 KB), the same as benchmarks/durable_log.py.
+rollwire.services.core.wire.encode (about 2.7 KB), the same as benchmarks/durable_log.py.
 
 Raw rows: one PUSH process sends to one PULL process over loopback TCP, either
 packing the frame's msgpack map inside the send loop or sending pre-packed
@@ -49,7 +49,7 @@ import numpy as np
 import zmq
 from durable_log import realistic_trajectory  # benchmarks/durable_log.py, beside this file
 
-from rollwire.services.wire import SCHEMA_VERSION, Trajectory, _trajectory_body, encode
+from rollwire.services.core.wire import SCHEMA_VERSION, Trajectory, _trajectory_body, encode
 
 GROUP_SIZE = 8
 TIMEOUT = 120.0
@@ -118,7 +118,7 @@ def raw_row(spawn: Any, count: int, pack_in_loop: bool) -> dict[str, Any]:
 def producers_main(
     endpoint: str, producers: int, groups_each: int, results: Any, whole_groups: bool = False
 ) -> None:
-    from rollwire.services.buffer_client import BufferProducer
+    from rollwire.services.buffer.client import BufferProducer
 
     base = template()
 
@@ -158,7 +158,7 @@ def producers_main(
 
 
 def trainer_main(endpoint: str, total: int, batch_groups: int, results: Any) -> None:
-    from rollwire.services.buffer_client import BufferTrainerClient
+    from rollwire.services.buffer.client import BufferTrainerClient
 
     client = BufferTrainerClient(endpoint, timeout=TIMEOUT)
     client.status()
@@ -187,7 +187,7 @@ def start_buffer(
         python += ["-m", "cProfile", "-o", str(profile)]
     command = [
         *python,
-        *("-m", "rollwire.services.cli", "buffer", "--ready-file", str(ready)),
+        *("-m", "rollwire.services.app.cli", "buffer", "--ready-file", str(ready)),
         *("--set", f"buffer.durable={str(durable).lower()}"),
         *("--set", f"buffer.log_sync={sync}"),
         *("--set", f"rl.group_size={GROUP_SIZE}"),

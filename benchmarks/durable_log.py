@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/durable_log.py [--dir /path/on/the/real/disk]
 
 Payloads are real wire frames: a 128-token Trajectory through
-rollwire.services.wire.encode (about 2.7 KB). Each durable-log row is compared
+rollwire.services.core.wire.encode (about 2.7 KB). Each durable-log row is compared
 with a plain loop that writes the same payloads to one file through a buffered
 `file.write` and fsyncs as often as that sync mode does (never / every 64
 records / every record), measured in the same run on the same disk; the replay
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rollwire.services.durable_log import DurableLog
-from rollwire.services.wire import Trajectory, encode
+from rollwire.services.buffer.durable_log import DurableLog
+from rollwire.services.core.wire import Trajectory, encode
 
 BATCH = 64
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
 from rollwire.rollout.weights import iter_weight_chunks
-from rollwire.services.client import open_channel, wait_for_serving
+from rollwire.services.core.client import open_channel, wait_for_serving
+from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
 
 PROMPT = [20, 24, 3, 14, 3, 23, 22, 3, 32]  # "15 + 43 =" in the tiny tokenizer
 BATCHES = (1, 8, 32, 128)
@@ -52,7 +52,7 @@ def start_server(engine: str, model_path: Path, scratch: Path) -> tuple[subproce
         [
             sys.executable,
             "-m",
-            "rollwire.services.cli",
+            "rollwire.services.app.cli",
             "rollout-server",
             "--port",
             "0",

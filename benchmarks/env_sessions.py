@@ -31,7 +31,7 @@ def resident_mib(pid: int) -> float:
 
 async def measure(address: str, count: int, pid: int) -> dict[str, float]:
     from rollwire.envs.client import RemoteEnvs
-    from rollwire.services.config import ClientConfig
+    from rollwire.services.core.config import ClientConfig
 
     envs = RemoteEnvs(address, ClientConfig(default_timeout_seconds=120))
     try:
@@ -69,7 +69,7 @@ def main() -> None:
             [
                 sys.executable,
                 "-m",
-                "rollwire.services.cli",
+                "rollwire.services.app.cli",
                 "env-server",
                 "--port",
                 "0",

@@ -114,7 +114,7 @@ def openenv_app(use_step_async: bool) -> Any:
 
 def serve_rollwire(ready_file: str) -> int:
     register_rollwire_env()
-    from rollwire.services.cli import main
+    from rollwire.services.app.cli import main
 
     return main(
         [
@@ -174,7 +174,7 @@ async def client_rollwire(kind: str, addresses: list[str], sessions: int, steps:
     if kind == "host":
         return host_loop(sessions, steps, repeats)
     from rollwire.envs.client import LocalEnvs, RemoteEnvs
-    from rollwire.services.config import ClientConfig, EnvServerConfig
+    from rollwire.services.core.config import ClientConfig, EnvServerConfig
 
     if kind == "local":
         register_rollwire_env()
@@ -201,7 +201,7 @@ async def client_rollwire(kind: str, addresses: list[str], sessions: int, steps:
 def host_loop(sessions: int, steps: int, repeats: int) -> float:
     register_rollwire_env()
     from rollwire.envs.host import SessionHost
-    from rollwire.services.config import EnvServerConfig
+    from rollwire.services.core.config import EnvServerConfig
 
     host = SessionHost(EnvServerConfig(max_sessions=100_000))
     session_ids = [host.reset(ENV_ID)[0] for _ in range(sessions)]

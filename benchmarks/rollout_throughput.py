@@ -25,8 +25,8 @@ import torch
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.hf_engine import HFEngine
 from rollwire.rollout.sampling import SamplingSpec
-from rollwire.rollout.tiny import ensure_tiny_model
-from rollwire.services.client import open_channel, wait_for_serving
+from rollwire.services.core.client import open_channel, wait_for_serving
+from rollwire.services.core.tiny import ensure_tiny_model
 
 PROMPT = [20, 24, 3, 14, 3, 23, 22, 3, 32]  # "15 + 43 =" in the tiny tokenizer
 
@@ -96,7 +96,7 @@ def main() -> None:
             [
                 sys.executable,
                 "-m",
-                "rollwire.services.cli",
+                "rollwire.services.app.cli",
                 "rollout-server",
                 "--port",
                 "0",

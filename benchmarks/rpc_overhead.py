@@ -24,10 +24,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rollwire.envs.games import GuessTheNumber
 from rollwire.envs.server import registrations
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
-from rollwire.services.client import open_channel
-from rollwire.services.config import AuthConfig, ClientConfig, EnvServerConfig, ServerConfig
-from rollwire.services.server import ServiceRuntime
-from rollwire.services.structs import to_struct
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.config import AuthConfig, ClientConfig, EnvServerConfig, ServerConfig
+from rollwire.services.core.server import ServiceRuntime
+from rollwire.services.core.structs import to_struct
 
 ENV_CONFIG = EnvServerConfig(max_sessions=100_000)
 

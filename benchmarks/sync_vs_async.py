@@ -24,7 +24,7 @@ def run(mode: str, overrides: list[str], root: Path, config: str | None) -> dict
     command = [
         sys.executable,
         "-m",
-        "rollwire.services.cli",
+        "rollwire.services.app.cli",
         "train",
         "--set",
         f"run.output_dir={run_dir}",

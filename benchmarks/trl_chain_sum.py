@@ -19,9 +19,9 @@ import time
 import torch
 
 from rollwire.reward.scorers import ScoreInput, reasoning_gym_score
-from rollwire.rollout.datasets import load_tasks
-from rollwire.services.config import load_config
-from rollwire.services.launcher import prepare_model
+from rollwire.services.app.launcher import prepare_model
+from rollwire.services.core.config import load_config
+from rollwire.services.core.datasets import load_tasks
 
 
 def main() -> None:

@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 
 from rollwire.proto.v1 import rollout_pb2_grpc
-from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
-from rollwire.services.client import open_channel, wait_for_serving
+from rollwire.services.core.client import open_channel, wait_for_serving
+from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
 from rollwire.trainer.loop import publish
-from rollwire.trainer.weight_sync import GroupPublisher
+from rollwire.trainer.weight_sender import GroupPublisher
 
 MiB = 1 << 20
 
@@ -77,7 +77,7 @@ class Servers:
                 [
                     sys.executable,
                     "-m",
-                    "rollwire.services.cli",
+                    "rollwire.services.app.cli",
                     "rollout-server",
                     "--set",
                     f"rollout_server.model_path={model}",

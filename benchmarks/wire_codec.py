@@ -16,7 +16,7 @@ import time
 import msgpack
 import numpy as np
 
-from rollwire.services.wire import Trajectory, _trajectory_body, decode, encode
+from rollwire.services.core.wire import Trajectory, _trajectory_body, decode, encode
 
 
 def trajectory(tokens: int, rng: np.random.Generator) -> Trajectory:

@@ -44,9 +44,9 @@ import grpc.aio
 from google.protobuf import json_format
 
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
-from rollwire.services.client import check_health, describe_error, open_channel
-from rollwire.services.config import ClientConfig
-from rollwire.services.structs import to_struct
+from rollwire.services.core.client import check_health, describe_error, open_channel
+from rollwire.services.core.config import ClientConfig
+from rollwire.services.core.structs import to_struct
 
 Outcome = Literal["pass", "fail", "warn", "skip"]
 ENV_SERVICE = "rollwire.v1.EnvService"

@@ -16,7 +16,7 @@ import grpc.aio
 
 from rollwire.envs.check import UNKNOWN_ENV_ID, CheckFailed, CheckSkipped, Reply, _code_name
 from rollwire.proto.v1 import env_pb2
-from rollwire.services.client import describe_error
+from rollwire.services.core.client import describe_error
 
 if TYPE_CHECKING:
     from rollwire.envs.check import _Suite

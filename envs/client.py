@@ -44,9 +44,9 @@ from opentelemetry import trace
 from rollwire.envs.base import EnvSpec
 from rollwire.envs.host import EnvCallError, ResetResult, SessionHost, StepResult
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
-from rollwire.services.client import open_channel
-from rollwire.services.config import ClientConfig, EnvServerConfig
-from rollwire.services.structs import from_struct, to_struct
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.config import ClientConfig, EnvServerConfig
+from rollwire.services.core.structs import from_struct, to_struct
 
 __all__ = [
     "EnvBackend",

@@ -37,8 +37,8 @@ from typing import Any
 
 from rollwire.envs import registry
 from rollwire.envs.base import Env, EnvSpec, InvalidAction
-from rollwire.services.config import EnvServerConfig
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.config import EnvServerConfig
+from rollwire.services.core.metrics import COUNTERS
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from contextlib import contextmanager
 
 from rollwire.envs.base import EnvSpec
 from rollwire.envs.client import EnvBackend, EnvServerLost, LocalEnvs, RemoteEnvs
-from rollwire.services.config import ClientConfig, EnvServerConfig
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.config import ClientConfig, EnvServerConfig
+from rollwire.services.core.metrics import COUNTERS
 
 log = logging.getLogger(__name__)
 

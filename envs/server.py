@@ -41,10 +41,10 @@ from google.protobuf import struct_pb2
 
 from rollwire.envs.host import EnvCallError, SessionHost, StepResult
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
-from rollwire.services.config import EnvServerConfig
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration
-from rollwire.services.structs import from_struct
+from rollwire.services.core.config import EnvServerConfig
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.server import Registration
+from rollwire.services.core.structs import from_struct
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = env_pb2.DESCRIPTOR.services_by_name["EnvService"].full_name
@@ -59,7 +59,7 @@ def fill_struct(struct: struct_pb2.Struct, data: dict[str, Any]) -> None:
 
     Plain data goes in directly; anything Struct cannot hold (non-str keys,
     numpy scalars, objects) goes through JSON with str() as the fallback,
-    which is what `rollwire.services.structs.to_struct` does for every dict.
+    which is what `rollwire.services.core.structs.to_struct` does for every dict.
     """
     try:
         struct.update(data)

@@ -16,8 +16,8 @@ from typing import Any
 
 from rollwire.envs.base import Env, InvalidAction, StepResult
 from rollwire.envs.games import int_kwarg
-from rollwire.rollout.datasets import ReasoningGymTasks, Task
-from rollwire.services.config.models import ReasoningGymDataset
+from rollwire.services.core.config.models import ReasoningGymDataset
+from rollwire.services.core.datasets import ReasoningGymTasks, Task
 
 
 class MissingDependency(ImportError, ValueError):

@@ -18,10 +18,10 @@ import grpc.aio
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
 from rollwire.reward.pool import ScorerFailed, ScoringPool
 from rollwire.reward.scorers import ScoreInput, scorer_table
-from rollwire.services.config import RewardServerConfig
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration, reject
-from rollwire.services.structs import from_struct
+from rollwire.services.core.config import RewardServerConfig
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.server import Registration, reject
+from rollwire.services.core.structs import from_struct
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name

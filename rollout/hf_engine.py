@@ -75,7 +75,7 @@ class HFEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        from rollwire.rollout.tiny import quiet_transformers
+        from rollwire.services.core.tiny import quiet_transformers
 
         quiet_transformers()
         path = Path(model_path)

@@ -16,11 +16,11 @@ from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.engine import ContextTooLong, Engine, RequestError, UpdateUnsupported
 from rollwire.rollout.sampling import SamplingSpec
 from rollwire.rollout.weights import WeightAssembler, WeightStreamError
-from rollwire.services.config import RolloutServerConfig
-from rollwire.services.files import cache_dir
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration, reject
-from rollwire.services.watchdog import Watchdog
+from rollwire.services.core.config import RolloutServerConfig
+from rollwire.services.core.files import cache_dir
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.server import Registration, reject
+from rollwire.services.core.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
@@ -344,7 +344,7 @@ def build_engine(config: RolloutServerConfig) -> Engine:
         )
     model_path = config.model_path
     if model_path is None:
-        from rollwire.rollout.tiny import ensure_tiny_model
+        from rollwire.services.core.tiny import ensure_tiny_model
 
         model_path = ensure_tiny_model(default_model_path())
     if config.engine in IN_PROCESS_ENGINES:

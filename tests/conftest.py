@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from rollwire.services.config import ServerConfig
-from rollwire.services.server import Registration, ServiceRuntime
+from rollwire.services.core.config import ServerConfig
+from rollwire.services.core.server import Registration, ServiceRuntime
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def spawn() -> Iterator:
         child.kill()
 
 
-ROLLWIRE = [sys.executable, "-m", "rollwire.services.cli"]
+ROLLWIRE = [sys.executable, "-m", "rollwire.services.app.cli"]
 
 
 # ---------------------------------------------------------------- TLS material
@@ -204,7 +204,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small Llama with the character tokenizer, built offline once per test session."""
-    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
 
     spec = TinySpec(
         hidden_size=32,

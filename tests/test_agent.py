@@ -11,13 +11,13 @@ import pytest
 
 from rollwire.envs.base import EnvSpec
 from rollwire.envs.client import EnvServerLost, LocalEnvs
+from rollwire.envs.demos import demo_batches, demonstrator
 from rollwire.envs.host import EnvCallError
 from rollwire.envs.pool import EnvPool, expand_addresses
 from rollwire.proto.v1 import rollout_pb2
-from rollwire.rollout.agent import ChatTurns, EpisodeFailed, EpisodeRunner, PlainTurns
-from rollwire.rollout.datasets import EnvTasks
-from rollwire.rollout.demos import demo_batches, demonstrator
-from rollwire.services.config import AgentConfig, EnvDataset, EnvServerConfig
+from rollwire.rollout.orchestrator.agent import ChatTurns, EpisodeFailed, EpisodeRunner, PlainTurns
+from rollwire.services.core.config import AgentConfig, EnvDataset, EnvServerConfig
+from rollwire.services.core.datasets import EnvTasks
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}[{{ m.role }}]\n{{ m.content }}<eos>\n{% endfor %}"
@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from rollwire.rollout.tiny import build_tokenizer
+    from rollwire.services.core.tiny import build_tokenizer
 
     return build_tokenizer()
 
@@ -131,7 +131,7 @@ def test_plain_turns_and_loss_mask_cover_only_generated_tokens(tokenizer) -> Non
 
 
 def test_chat_turns_build_exactly_what_the_template_renders() -> None:
-    from rollwire.rollout.tiny import build_tokenizer
+    from rollwire.services.core.tiny import build_tokenizer
 
     chat = build_tokenizer()
     chat.chat_template = CHAT_TEMPLATE
@@ -360,7 +360,7 @@ def test_env_call_errors_other_than_bad_actions_fail_the_episode(tokenizer) -> N
 
 
 def test_groups_dropped_as_stale_are_launched_again() -> None:
-    from rollwire.rollout.orchestrator import launch_capacity
+    from rollwire.rollout.orchestrator.loop import launch_capacity
 
     # Version 3, bound 1, 8 groups a step: groups for steps 4 and 5 may exist.
     assert launch_capacity(3, 1, 8, 100, dropped_groups=0) == 40
@@ -397,7 +397,7 @@ def test_a_hung_server_is_left_for_another(tokenizer) -> None:
 def test_a_full_buffer_slows_the_producer_instead_of_losing_the_trajectory() -> None:
     from types import SimpleNamespace
 
-    from rollwire.rollout.orchestrator import put_group_with_backpressure
+    from rollwire.rollout.orchestrator.loop import put_group_with_backpressure
 
     class Producer:
         """Refuses the group's second trajectory `full_for` times with `reason`."""
@@ -431,7 +431,7 @@ def test_a_full_buffer_slows_the_producer_instead_of_losing_the_trajectory() -> 
 
 
 def test_dynamic_sampling_drops_uniform_groups_up_to_its_budget() -> None:
-    from rollwire.rollout.orchestrator import DynamicSampling
+    from rollwire.rollout.orchestrator.loop import DynamicSampling
 
     off = DynamicSampling(enabled=False, per_step=10)
     assert not off.drops([1.0, 1.0], version=0)

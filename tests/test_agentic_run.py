@@ -33,7 +33,7 @@ GUESS_RUN = [
 
 
 def train_command(run_dir: Path, *overrides: str) -> list[str]:
-    command = [sys.executable, "-m", "rollwire.services.cli", "train"]
+    command = [sys.executable, "-m", "rollwire.services.app.cli", "train"]
     for item in (f"run.output_dir={run_dir}", *overrides):
         command += ["--set", item]
     return command

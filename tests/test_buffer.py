@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import zmq
 
-from rollwire.services.buffer import BufferServer, BufferState
-from rollwire.services.buffer_client import BufferError, BufferProducer, BufferTrainerClient
-from rollwire.services.wire import Trajectory
+from rollwire.services.buffer.client import BufferError, BufferProducer, BufferTrainerClient
+from rollwire.services.buffer.server import BufferServer, BufferState
+from rollwire.services.core.wire import Trajectory
 
 _ORDINALS: dict[str, int] = {}
 

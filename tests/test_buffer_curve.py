@@ -18,12 +18,12 @@ import yaml
 import zmq
 import zmq.auth
 
-from rollwire.services.buffer import BufferServer, BufferState
-from rollwire.services.buffer_client import BufferError, BufferProducer, BufferTrainerClient
-from rollwire.services.config import ConfigError, load_config, write_resolved_config
-from rollwire.services.config.models import CurveClientConfig, CurveServerConfig
-from rollwire.services.curve import DENIED_COUNTER, CurveError, keygen, server_keys
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.buffer.client import BufferError, BufferProducer, BufferTrainerClient
+from rollwire.services.buffer.server import BufferServer, BufferState
+from rollwire.services.core.config import ConfigError, load_config, write_resolved_config
+from rollwire.services.core.config.models import CurveClientConfig, CurveServerConfig
+from rollwire.services.core.curve import DENIED_COUNTER, CurveError, keygen, server_keys
+from rollwire.services.core.metrics import COUNTERS
 from tests.test_buffer import trajectory
 
 
@@ -166,7 +166,7 @@ async def test_zmq_auth_certificates_work_too(tmp_path) -> None:
 
 def test_keygen_writes_a_private_secret_file(tmp_path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "rollwire.services.curve", "keygen", str(tmp_path), "node"],
+        [sys.executable, "-m", "rollwire.services.core.curve", "keygen", str(tmp_path), "node"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rollwire.services.buffer import BufferServer, BufferState, TrajectoryLog
-from rollwire.services.buffer_client import BufferProducer, BufferTrainerClient
+from rollwire.services.buffer.client import BufferProducer, BufferTrainerClient
+from rollwire.services.buffer.server import BufferServer, BufferState, TrajectoryLog
 from tests.test_buffer import trajectory
 
 
@@ -122,7 +122,7 @@ async def test_a_log_that_cannot_be_written_refuses_puts_until_it_can(
 CHILD = r"""
 import json, sys, threading
 from pathlib import Path
-from rollwire.services.buffer import BufferServer, BufferState, TrajectoryLog
+from rollwire.services.buffer.server import BufferServer, BufferState, TrajectoryLog
 state = BufferState(group_size=2, max_staleness=5)
 trajectory_log = TrajectoryLog(Path(sys.argv[1]), sync="always")
 trajectory_log.restore(state, 1 << 20)

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from rollwire.services.buffer import BufferState, TrajectoryLog
-from rollwire.services.ledger import OrdinalLedger
+from rollwire.services.buffer.ledger import OrdinalLedger
+from rollwire.services.buffer.server import BufferState, TrajectoryLog
 from tests.test_buffer import trajectory
 from tests.test_buffer_durable import Running
 
@@ -80,7 +80,7 @@ def test_the_log_keeps_trained_groups_out_of_service_and_the_ledger_past_deletio
         state.requeue_unacked()
         return state, trajectory_log
 
-    from rollwire.services.wire import encode
+    from rollwire.services.core.wire import encode
 
     state, trajectory_log = reopen()
     names = [f"g{n}" for n in range(12)]

@@ -21,7 +21,7 @@ class _Blocked:
         if name.partition(".")[0] in ("torch", "transformers"):
             raise ImportError(f"{name} is blocked: light services must not import it")
 sys.meta_path.insert(0, _Blocked())
-from rollwire.services.cli import main
+from rollwire.services.app.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 CLI = [sys.executable, "-c", WITHOUT_TORCH]
@@ -88,7 +88,7 @@ def test_light_install_in_its_own_environment(spawn, tmp_path) -> None:
 @pytest.mark.parametrize("service", ["env-server", "reward-server"])
 def test_help_imports_no_torch(service) -> None:
     code = (
-        "import sys\nfrom rollwire.services.cli import main\n"
+        "import sys\nfrom rollwire.services.app.cli import main\n"
         f"try:\n    main([{service!r}, '--help'])\nexcept SystemExit:\n    pass\n"
         "print('heavy:', sorted(m for m in ('torch', 'transformers', 'grpc', 'pydantic') if m in sys.modules))"
     )

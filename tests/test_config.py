@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollwire.services.config import (
+from rollwire.services.core.config import (
     ConfigError,
     RunConfig,
     load_config,
@@ -140,7 +140,7 @@ def test_config_modules_import_neither_torch_nor_grpc() -> None:
     import subprocess
 
     code = (
-        "import sys, rollwire.services.config as c; c.load_config(environ={}); "
+        "import sys, rollwire.services.core.config as c; c.load_config(environ={}); "
         "print(sorted(m for m in ('torch', 'grpc', 'zmq') if m in sys.modules))"
     )
     out = subprocess.run(

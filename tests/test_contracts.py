@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollwire.services import protogen
+from rollwire.services.app import protogen
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -19,7 +19,7 @@ def run_check(proto_dir: Path) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "rollwire.services.protogen",
+            "rollwire.services.app.protogen",
             "--check",
             "--proto-dir",
             str(proto_dir),
@@ -66,7 +66,7 @@ def test_regenerating_restores_a_clean_check(tmp_path) -> None:
     folder = copy_protos(tmp_path)
     (folder / "trainer_pb2.pyi").write_text("stale\n")
     write = subprocess.run(
-        [sys.executable, "-m", "rollwire.services.protogen", "--proto-dir", str(folder)],
+        [sys.executable, "-m", "rollwire.services.app.protogen", "--proto-dir", str(folder)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from rollwire.rollout.datasets import Task, cycle, load_tasks
-from rollwire.services.config.models import FileDataset, ReasoningGymDataset
+from rollwire.services.core.config.models import FileDataset, ReasoningGymDataset
+from rollwire.services.core.datasets import Task, cycle, load_tasks
 
 
 def test_reasoning_gym_tasks_are_lazy_and_deterministic() -> None:

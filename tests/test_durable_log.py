@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollwire.services.durable_log import (
+from rollwire.services.buffer.durable_log import (
     HEADER_BYTES,
     DurableLog,
     LogCorrupted,
@@ -28,7 +28,7 @@ from rollwire.services.durable_log import (
     encode_record,
     segment_name,
 )
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.metrics import COUNTERS
 
 
 def payload(index: int) -> bytes:
@@ -318,7 +318,7 @@ def test_a_second_process_is_refused_the_lock(tmp_path) -> None:
             [
                 sys.executable,
                 "-c",
-                "import sys; from rollwire.services.durable_log import DurableLog, LogLocked\n"
+                "import sys; from rollwire.services.buffer.durable_log import DurableLog, LogLocked\n"
                 "try: DurableLog(sys.argv[1])\n"
                 "except LogLocked as e: print(e); sys.exit(3)\n",
                 str(tmp_path),
@@ -384,7 +384,7 @@ def test_replay_matches_a_model_list(steps) -> None:
 CHILD = textwrap.dedent(
     """
     import sys
-    from rollwire.services.durable_log import DurableLog
+    from rollwire.services.buffer.durable_log import DurableLog
 
     log = DurableLog(sys.argv[1], segment_bytes=4096, sync="always")
     offset = 0

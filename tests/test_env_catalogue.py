@@ -25,8 +25,8 @@ from rollwire.envs.tasks import ReasoningGymEnv
 from rollwire.envs.tools import CalcError, ToolUse, calculate, format_number
 from rollwire.proto.v1 import env_pb2
 from rollwire.reward.scorers import ScoreInput, reasoning_gym_score
-from rollwire.services.config import EnvServerConfig
-from rollwire.services.structs import from_struct, to_struct
+from rollwire.services.core.config import EnvServerConfig
+from rollwire.services.core.structs import from_struct, to_struct
 
 GEM_MISSING = importlib.util.find_spec("gem") is None
 GEM_SKIP = "gem-llm is not installed here (pip install 'rollwire[gem]' in a venv of its own)"

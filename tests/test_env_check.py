@@ -24,12 +24,12 @@ from grpc_health.v1 import health_pb2
 
 from rollwire.envs.check import CHECKS, CheckOptions, CheckReport, ServerUnreachable, run_checks
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
-from rollwire.services.client import check_health, open_channel
-from rollwire.services.server import Registration
-from rollwire.services.structs import from_struct, to_struct
+from rollwire.services.core.client import check_health, open_channel
+from rollwire.services.core.server import Registration
+from rollwire.services.core.structs import from_struct, to_struct
 
 REPO = Path(__file__).resolve().parent.parent
-ROLLWIRE = [sys.executable, "-m", "rollwire.services.cli"]
+ROLLWIRE = [sys.executable, "-m", "rollwire.services.app.cli"]
 NODE_ENV = REPO / "examples" / "node-env"
 SERVICE_NAME = "rollwire.v1.EnvService"
 LAST_INTEGER = re.compile(r"-?\d+")
@@ -368,7 +368,7 @@ async def test_cli_rejects_bad_arguments_with_2() -> None:
 @pytest.mark.multiproc
 def test_env_check_help_imports_nothing_heavy() -> None:
     code = (
-        "import sys\nfrom rollwire.services.cli import main\n"
+        "import sys\nfrom rollwire.services.app.cli import main\n"
         "try:\n    main(['env-check', '--help'])\nexcept SystemExit:\n    pass\n"
         "print('heavy:', sorted(m for m in ('torch', 'grpc', 'pydantic') if m in sys.modules))"
     )

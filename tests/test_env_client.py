@@ -21,9 +21,9 @@ from rollwire.envs.client import EnvBackend, EnvCallError, EnvServerLost, LocalE
 from rollwire.envs.host import SessionHost
 from rollwire.envs.server import EnvServicer, registrations
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
-from rollwire.services.client import open_channel
-from rollwire.services.config import ClientConfig, EnvServerConfig
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.config import ClientConfig, EnvServerConfig
+from rollwire.services.core.metrics import COUNTERS
 
 CONFIG = EnvServerConfig(max_sessions=4, max_action_bytes=32)
 CLIENT = ClientConfig(default_timeout_seconds=10)
@@ -475,7 +475,7 @@ class Stuck(Env):
         return "late", 0.0, False, False, {}
 
 registry.register("stuck", Stuck, "sleeps in step")
-from rollwire.services.cli import main
+from rollwire.services.app.cli import main
 sys.exit(main(["env-server", "--port", "0", "--ready-file", sys.argv[1],
                "--set", "telemetry.log_level=warning"]))
 """
@@ -553,7 +553,7 @@ async def test_host_counts_a_pending_blocking_reset_against_the_limit() -> None:
 @pytest.mark.integration
 async def test_streams_carry_the_token_too(start_service) -> None:
     """grpc.aio files a channel interceptor under one call type only; streams need their own."""
-    from rollwire.services.config import AuthConfig, ServerConfig
+    from rollwire.services.core.config import AuthConfig, ServerConfig
 
     runtime = await start_service(
         registrations(CONFIG), ServerConfig(auth=AuthConfig(token="s3cret"))

@@ -12,9 +12,9 @@ from rollwire.envs.base import Env, InvalidAction
 from rollwire.envs.games import GuessTheNumber
 from rollwire.envs.server import EnvServicer, registrations
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
-from rollwire.services.client import open_channel
-from rollwire.services.config import EnvServerConfig
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.config import EnvServerConfig
+from rollwire.services.core.metrics import COUNTERS
 
 
 def play(env: GuessTheNumber, seed: int) -> tuple[int, list[str]]:
@@ -222,7 +222,7 @@ def test_server_refuses_unregistered_env_ids_in_config() -> None:
 def test_env_plugins_are_imported_and_bad_ones_named(tmp_path, monkeypatch) -> None:
     from rollwire.envs import registry
     from rollwire.envs.host import SessionHost
-    from rollwire.services.config import EnvServerConfig
+    from rollwire.services.core.config import EnvServerConfig
 
     (tmp_path / "my_envs_plugin.py").write_text(
         "from rollwire.envs.games import GuessTheNumber\n"

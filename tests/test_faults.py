@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rollwire.services.durable_log import DurableLog
+from rollwire.services.buffer.durable_log import DurableLog
 from tests.test_train import SHORT_RUN, assert_no_process_left, jsonl
 
 KINDS = ("buffer", "reward-server", "rollout-server", "orchestrator", "trainer")
@@ -25,7 +25,7 @@ def start_rollwire(
     command: str, overrides: list[str], tmp_path: Path, output: int
 ) -> subprocess.Popen:
     """`rollwire COMMAND --set ...` in its own session, with a private model cache."""
-    argv = [sys.executable, "-m", "rollwire.services.cli", command]
+    argv = [sys.executable, "-m", "rollwire.services.app.cli", command]
     for item in overrides:
         argv += ["--set", item]
     env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}

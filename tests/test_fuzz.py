@@ -29,12 +29,12 @@ from rollwire.reward.server import registrations as reward_registrations
 from rollwire.rollout.hf_engine import HFEngine
 from rollwire.rollout.sampling import SamplingSpec
 from rollwire.rollout.server import RolloutServicer
-from rollwire.services.buffer import BufferServer, BufferState, TrajectoryLog
-from rollwire.services.buffer_client import BufferProducer, BufferTrainerClient
-from rollwire.services.client import check_health, open_channel
-from rollwire.services.config import EnvServerConfig, RewardServerConfig
-from rollwire.services.server import Registration
-from rollwire.services.wire import encode
+from rollwire.services.buffer.client import BufferProducer, BufferTrainerClient
+from rollwire.services.buffer.server import BufferServer, BufferState, TrajectoryLog
+from rollwire.services.core.client import check_health, open_channel
+from rollwire.services.core.config import EnvServerConfig, RewardServerConfig
+from rollwire.services.core.server import Registration
+from rollwire.services.core.wire import encode
 from rollwire.trainer.loop import TrainerServicer, TrainerState
 from tests.test_buffer import trajectory
 

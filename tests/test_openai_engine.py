@@ -122,7 +122,7 @@ def vllm_server(tmp_path_factory):
     worker extension and the dev routes; killed by its process group at the end."""
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed here")
-    from rollwire.rollout.tiny import ensure_tiny_model
+    from rollwire.services.core.tiny import ensure_tiny_model
 
     path = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
     port = free_port()

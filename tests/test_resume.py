@@ -53,7 +53,7 @@ def prepare(tmp_path: Path) -> list[str]:
 
 
 def train(run_dir: Path, cache: Path, steps: int, extra: list[str]) -> None:
-    command = [sys.executable, "-m", "rollwire.services.cli", "train"]
+    command = [sys.executable, "-m", "rollwire.services.app.cli", "train"]
     for item in [*EXACT, *extra, f"rl.max_steps={steps}", f"run.output_dir={run_dir}"]:
         command += ["--set", item]
     env = {

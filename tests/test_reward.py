@@ -20,9 +20,9 @@ from rollwire.reward.scorers import (
     reasoning_gym_score,
 )
 from rollwire.reward.server import registrations
-from rollwire.services.client import open_channel
-from rollwire.services.config import RewardServerConfig
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.config import RewardServerConfig
+from rollwire.services.core.metrics import COUNTERS
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ from rollwire.rollout.hf_engine import ContextTooLong, HFEngine, RequestError
 from rollwire.rollout.sampling import SamplingSpec, processed_logprobs
 from rollwire.rollout.server import RolloutServicer
 from rollwire.rollout.weights import WeightAssembler, WeightStreamError, iter_weight_chunks
-from rollwire.services.client import open_channel
-from rollwire.services.server import Registration
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.server import Registration
 
 torch.set_num_threads(1)
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
@@ -133,8 +133,11 @@ async def test_bad_requests(engine) -> None:
 
 
 async def test_abort_returns_tokens_so_far(engine) -> None:
+    # Slowed and waited for: on a fast machine 60 tiny-model tokens end in under 0.1 s.
+    slow_down(engine, 0.01)
     slow = asyncio.ensure_future(engine.generate("long", [5], SamplingSpec(max_new_tokens=60)))
-    await asyncio.sleep(0.1)
+    await until_running(engine)
+    await asyncio.sleep(0.05)
     assert engine.abort(["long", "unknown"]) == 1
     result = await slow
     assert result.finish_reason == "abort" and 0 < len(result.token_ids) < 60
@@ -426,7 +429,7 @@ def test_rollout_server_process(spawn, tmp_path, tiny_model_path) -> None:
     import sys
 
     ready = tmp_path / "ready"
-    cli = [sys.executable, "-m", "rollwire.services.cli"]
+    cli = [sys.executable, "-m", "rollwire.services.app.cli"]
     child = spawn(
         [
             *cli,

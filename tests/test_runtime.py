@@ -10,10 +10,10 @@ import grpc.aio
 import pytest
 
 from rollwire.proto.v1 import trainer_pb2, trainer_pb2_grpc
-from rollwire.services.client import check_health, open_channel, wait_for_serving
-from rollwire.services.config import AuthConfig, ClientConfig, ServerConfig, TLSConfig
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration, ServiceRuntime
+from rollwire.services.core.client import check_health, open_channel, wait_for_serving
+from rollwire.services.core.config import AuthConfig, ClientConfig, ServerConfig, TLSConfig
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.server import Registration, ServiceRuntime
 
 pytestmark = pytest.mark.integration
 SERVICE = "rollwire.v1.TrainerService"

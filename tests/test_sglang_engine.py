@@ -23,8 +23,8 @@ from rollwire.rollout.sampling import SamplingSpec, processed_logprobs
 from rollwire.rollout.server import RolloutServicer
 from rollwire.rollout.sglang_engine import SGLangEngine
 from rollwire.rollout.weights import iter_weight_chunks
-from rollwire.services.client import open_channel
-from rollwire.services.server import Registration
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.server import Registration
 from tests.engine_checks import hf_model, load_into, logits_after, perturbed, recomputed
 
 torch.set_num_threads(1)
@@ -52,7 +52,7 @@ def on_gpu(test):
 
 
 def tiny(folder, **shape):
-    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
 
     spec = TinySpec(
         hidden_size=32,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollwire.rollout.datasets import MixtureTasks, Task
-from rollwire.services.buffer import BufferState
-from rollwire.services.config import RunConfig
+from rollwire.services.buffer.server import BufferState
+from rollwire.services.core.config import RunConfig
+from rollwire.services.core.datasets import MixtureTasks, Task
 from tests.test_buffer import trajectory
 
 

@@ -50,7 +50,7 @@ def rollwire_train(
     command = [
         sys.executable,
         "-m",
-        "rollwire.services.cli",
+        "rollwire.services.app.cli",
         "train",
         *(["-c", str(config)] if config is not None else []),
         "--set",
@@ -122,9 +122,9 @@ def test_checkpoint_loads_with_from_pretrained(tmp_path) -> None:
     """A trainer checkpoint is a Hugging Face folder: the model and tokenizer load as they are."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
-    from rollwire.services.config import RLSection, TrainerConfig
-    from rollwire.trainer.policy import Policy
+    from rollwire.services.core.config import RLSection, TrainerConfig
+    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
+    from rollwire.trainer.model import Policy
 
     base = ensure_tiny_model(
         tmp_path / "tiny", TinySpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
@@ -148,10 +148,10 @@ def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -
     import numpy as np
     import torch
 
-    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
-    from rollwire.services.config import RLSection, TrainerConfig
-    from rollwire.services.wire import Trajectory
-    from rollwire.trainer.policy import Policy, collate
+    from rollwire.services.core.config import RLSection, TrainerConfig
+    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.core.wire import Trajectory
+    from rollwire.trainer.model import Policy, collate
 
     base = ensure_tiny_model(
         tmp_path / "tiny", TinySpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2)

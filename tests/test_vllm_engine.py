@@ -20,8 +20,8 @@ from rollwire.rollout.engine import ContextTooLong, RequestError
 from rollwire.rollout.sampling import SamplingSpec
 from rollwire.rollout.server import RolloutServicer
 from rollwire.rollout.weights import iter_weight_chunks
-from rollwire.services.client import open_channel
-from rollwire.services.server import Registration
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.server import Registration
 from tests.engine_checks import hf_model, load_into, perturbed, recomputed
 
 pytestmark = [
@@ -37,7 +37,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def untied_model_path(tmp_path_factory):
-    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
 
     spec = TinySpec(
         hidden_size=32,

@@ -10,10 +10,10 @@ import pytest
 from opentelemetry import trace
 
 from rollwire.proto.v1 import trainer_pb2, trainer_pb2_grpc
-from rollwire.services.client import open_channel
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration
-from rollwire.services.watchdog import Watchdog
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.server import Registration
+from rollwire.services.core.watchdog import Watchdog
 
 
 class Clock:
@@ -32,7 +32,7 @@ def test_late_work_is_reported_once_per_deadline_with_its_trace_id(caplog) -> No
     clock = Clock()
     watchdog = Watchdog("test", clock=clock)
     before = COUNTERS.get("watchdog_stuck", kind="group")
-    with caplog.at_level(logging.WARNING, "rollwire.services.watchdog"):
+    with caplog.at_level(logging.WARNING, "rollwire.services.core.watchdog"):
         with watchdog.watch("group", "ordinal 7", seconds=10) as entry:
             assert len(entry.trace_id) == 32 and entry.trace_id == current_trace_id()
             clock.now += 9
@@ -99,7 +99,7 @@ async def test_the_patrol_reports_stuck_tasks_and_calls_carry_the_trace_id(
             return entry.trace_id
 
     try:
-        with caplog.at_level(logging.WARNING, "rollwire.services.watchdog"):
+        with caplog.at_level(logging.WARNING, "rollwire.services.core.watchdog"):
             task = asyncio.ensure_future(stuck_group())
             for _ in range(100):
                 if any(r.msg.startswith("stuck") for r in caplog.records):

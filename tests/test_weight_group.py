@@ -12,11 +12,11 @@ import torch
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.hf_engine import HFEngine
 from rollwire.rollout.server import RolloutServicer
-from rollwire.services.client import open_channel
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.server import Registration
 from rollwire.trainer.loop import publish
-from rollwire.trainer.weight_sync import GroupPublisher
+from rollwire.trainer.weight_sender import GroupPublisher
 from tests.test_train import SHORT_RUN, jsonl, rollwire_train
 
 torch.set_num_threads(1)

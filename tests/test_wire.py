@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollwire.services.wire import (
+from rollwire.services.core.wire import (
     SCHEMA_VERSION,
     Batch,
     Trajectory,

@@ -22,17 +22,17 @@ import grpc.aio
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from rollwire.rollout.weight_group import WeightGroupError
 from rollwire.rollout.weights import iter_weight_chunks
-from rollwire.services.buffer_client import BufferError, BufferTrainerClient
-from rollwire.services.client import describe_error, open_channel, wait_for_serving
-from rollwire.services.config import RunConfig
-from rollwire.services.files import latest_checkpoint
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.server import Registration, ServiceRuntime
-from rollwire.services.telemetry import dump_tasks_on_signal
-from rollwire.services.watchdog import Watchdog
-from rollwire.services.wire import Batch
-from rollwire.trainer.policy import Policy
-from rollwire.trainer.weight_sync import GroupPublisher
+from rollwire.services.buffer.client import BufferError, BufferTrainerClient
+from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
+from rollwire.services.core.config import RunConfig
+from rollwire.services.core.files import latest_checkpoint
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.server import Registration, ServiceRuntime
+from rollwire.services.core.telemetry import dump_tasks_on_signal
+from rollwire.services.core.watchdog import Watchdog
+from rollwire.services.core.wire import Batch
+from rollwire.trainer.model import Policy
+from rollwire.trainer.weight_sender import GroupPublisher
 
 log = logging.getLogger(__name__)
 
@@ -531,7 +531,7 @@ async def form_weight_group(
 def run_trainer(config: RunConfig) -> int:
     """`rollwire trainer`: train until rl.max_steps (or SIGTERM), checkpoint, exit 0."""
     from rollwire.rollout.server import default_model_path
-    from rollwire.services.telemetry import configure_logging
+    from rollwire.services.core.telemetry import configure_logging
 
     configure_logging("trainer", config.telemetry.log_level, config.telemetry.log_format)
     model_path = config.trainer.model_path or default_model_path()

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.services.client import open_channel
-from rollwire.services.config import ClientConfig
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.config import ClientConfig
 from rollwire.trainer.algorithms import token_logprobs
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rollwire.rollout.datasets import Task
+from rollwire.services.core.datasets import Task
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def warm_up_on(
     """Supervised steps on batches drawn by `batch(rng, size)`; the loss covers taught tokens only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollwire.rollout.tiny import quiet_transformers
+    from rollwire.services.core.tiny import quiet_transformers
 
     quiet_transformers()
     torch.set_num_threads(threads)

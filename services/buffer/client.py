@@ -1,6 +1,6 @@
 """Clients of the replay buffer: producers (orchestrators) and the trainer.
 
-Both speak the protocol in `rollwire.services.buffer` over a DEALER socket and
+Both speak the protocol in `rollwire.services.buffer.server` over a DEALER socket and
 never wait without a timeout. A producer re-sends a put that was not
 acknowledged in time, with the same sequence number and trajectory id; the
 buffer keeps one copy, so a retry can never duplicate a trajectory.
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from rollwire.services.curve import ClientKeys, client_keys, secure_client
-from rollwire.services.wire import Batch, Trajectory, decode_batch, encode
+from rollwire.services.core.curve import ClientKeys, client_keys, secure_client
+from rollwire.services.core.wire import Batch, Trajectory, decode_batch, encode
 
 if TYPE_CHECKING:
-    from rollwire.services.config.models import CurveClientConfig
+    from rollwire.services.core.config.models import CurveClientConfig
 
 _CURVE_HINT = (
     "; CURVE is on: check that this client's public key is among the buffer's "

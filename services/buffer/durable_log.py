@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.metrics import COUNTERS
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from opentelemetry import trace
 
-from rollwire.services.config import ServerConfig
-from rollwire.services.files import write_atomically
-from rollwire.services.interceptors import ServerInterceptor
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.config import ServerConfig
+from rollwire.services.core.files import write_atomically
+from rollwire.services.core.interceptors import ServerInterceptor
+from rollwire.services.core.metrics import COUNTERS
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def run_service(
     called inside the event loop so servicers can create asyncio objects.
     Returns the process exit code: 0 after a clean stop, 1 if it could not start.
     """
-    from rollwire.services.telemetry import configure_logging, configure_tracing
+    from rollwire.services.core.telemetry import configure_logging, configure_tracing
 
     configure_logging(name, config.telemetry.log_level, config.telemetry.log_format)
     provider = configure_tracing(name, config.telemetry.trace_exporter)

@@ -23,7 +23,7 @@ import grpc.aio
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from rollwire.services.metrics import COUNTERS, Counters
+from rollwire.services.core.metrics import COUNTERS, Counters
 
 log = logging.getLogger(__name__)
 

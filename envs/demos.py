@@ -3,7 +3,7 @@
 A fresh model cannot act in an environment at all, so RL on it has no signal.
 Before an agentic run, the warm-up teaches it from episodes that a script
 plays in the environment itself, rendered into tokens exactly as the agent
-loop renders them (`rollwire.rollout.agent`), with the loss on the script's
+loop renders them (`rollwire.rollout.orchestrator.agent`), with the loss on the script's
 actions only. The scripts are deliberately imperfect — like demonstrations of
 uneven quality — so that RL has something to improve.
 

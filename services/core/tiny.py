@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rollwire.services.files import staged_directory
+from rollwire.services.core.files import staged_directory
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 ANSWER_TAGS = ("<answer>", "</answer>")

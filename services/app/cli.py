@@ -44,7 +44,7 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from rollwire.services.config import ConfigError, load_config
+    from rollwire.services.core.config import ConfigError, load_config
 
     try:
         return load_config(args.config, args.overrides)
@@ -53,7 +53,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _serve(command: str, args: argparse.Namespace) -> int:
-    from rollwire.services.config import ConfigError, write_resolved_config
+    from rollwire.services.core.config import ConfigError, write_resolved_config
 
     section_name, module_name, _ = GRPC_SERVICES[command]
     config = _load(args)
@@ -67,7 +67,7 @@ def _serve(command: str, args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         config.run.output_dir = args.run_dir
         write_resolved_config(config, args.run_dir)
-    from rollwire.services.server import run_service
+    from rollwire.services.core.server import run_service
 
     module = importlib.import_module(module_name)
     if command == "rollout-server":
@@ -79,8 +79,8 @@ def _serve(command: str, args: argparse.Namespace) -> int:
 
 
 def _buffer(args: argparse.Namespace) -> int:
-    from rollwire.services.buffer import run_buffer
-    from rollwire.services.config import write_resolved_config
+    from rollwire.services.buffer.server import run_buffer
+    from rollwire.services.core.config import write_resolved_config
 
     config = _load(args)
     try:
@@ -100,7 +100,7 @@ def _process(command: str, runner: str) -> Callable[[argparse.Namespace], int]:
 
     def run(args: argparse.Namespace) -> int:
 
-        from rollwire.services.config import write_resolved_config
+        from rollwire.services.core.config import write_resolved_config
 
         config = _load(args)
         if args.run_dir is not None:
@@ -117,15 +117,15 @@ PROCESSES: dict[str, tuple[str, str]] = {
         "train on batches from the buffer and publish weights (TrainerService)",
     ),
     "up": (
-        "rollwire.services.run:run_up",
+        "rollwire.services.app.run:run_up",
         "start the servers of a run as local processes, until Ctrl-C",
     ),
     "train": (
-        "rollwire.services.run:run_train",
+        "rollwire.services.app.run:run_train",
         "train end to end, every service a local process (no -c: the built-in default)",
     ),
     "orchestrator": (
-        "rollwire.rollout.orchestrator:run_orchestrator",
+        "rollwire.rollout.orchestrator.loop:run_orchestrator",
         "drive episodes and send scored trajectories to the buffer",
     ),
 }
@@ -136,7 +136,7 @@ def _health(args: argparse.Namespace) -> int:
 
     import grpc.aio
 
-    from rollwire.services.client import (
+    from rollwire.services.core.client import (
         check_health,
         describe_error,
         open_channel,
@@ -312,7 +312,7 @@ def _env_check(args: argparse.Namespace) -> int:
         format_table,
         run_checks,
     )
-    from rollwire.services.config import AuthConfig
+    from rollwire.services.core.config import AuthConfig
 
     client = _load(args).client
     if args.token is not None:

@@ -11,8 +11,8 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
-from rollwire.services.config import ClientConfig
-from rollwire.services.interceptors import ClientInterceptor
+from rollwire.services.core.config import ClientConfig
+from rollwire.services.core.interceptors import ClientInterceptor
 
 
 def describe_error(error: BaseException) -> str:

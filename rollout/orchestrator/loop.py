@@ -29,14 +29,14 @@ import grpc.aio
 import numpy as np
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.datasets import Task, cycle, load_tasks, task_at
-from rollwire.services.buffer_client import BufferError, BufferProducer
-from rollwire.services.client import describe_error, open_channel, wait_for_serving
-from rollwire.services.config import EnvDataset, RunConfig
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.structs import to_struct
-from rollwire.services.watchdog import Watchdog
-from rollwire.services.wire import Trajectory
+from rollwire.services.buffer.client import BufferError, BufferProducer
+from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
+from rollwire.services.core.config import EnvDataset, RunConfig
+from rollwire.services.core.datasets import Task, cycle, load_tasks, task_at
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.structs import to_struct
+from rollwire.services.core.watchdog import Watchdog
+from rollwire.services.core.wire import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class Orchestrator:
         """Asks the env-servers what they offer (waiting for them to come up) and sets up
         the episode runner."""
         from rollwire.envs.client import EnvServerLost
-        from rollwire.rollout.agent import EpisodeRunner
+        from rollwire.rollout.orchestrator.agent import EpisodeRunner
 
         deadline = time.monotonic() + self.config.client.connect_timeout_seconds
         while True:
@@ -619,12 +619,12 @@ def run_orchestrator(config: RunConfig) -> int:
 
     from transformers import AutoTokenizer
 
-    from rollwire.rollout.tiny import quiet_transformers
+    from rollwire.services.core.tiny import quiet_transformers
 
     quiet_transformers()
 
     from rollwire.rollout.server import default_model_path
-    from rollwire.services.telemetry import configure_logging, dump_tasks_on_signal
+    from rollwire.services.core.telemetry import configure_logging, dump_tasks_on_signal
 
     configure_logging("orchestrator", config.telemetry.log_level, config.telemetry.log_format)
     endpoints = config.endpoints

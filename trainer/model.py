@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollwire.services.config import RLSection, TrainerConfig
-from rollwire.services.files import staged_directory
-from rollwire.services.wire import Trajectory
+from rollwire.services.core.config import RLSection, TrainerConfig
+from rollwire.services.core.files import staged_directory
+from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.algorithms import (
     group_advantages,
     policy_loss,
@@ -119,7 +119,7 @@ class Policy:
     def __init__(self, model_path: str | Path, config: TrainerConfig, rl: RLSection) -> None:
         from transformers import AutoModelForCausalLM
 
-        from rollwire.rollout.tiny import quiet_transformers
+        from rollwire.services.core.tiny import quiet_transformers
 
         quiet_transformers()
         torch.set_num_threads(config.threads)

@@ -3,13 +3,13 @@
 Imports neither torch nor grpc, so every tool can read a config cheaply.
 """
 
-from rollwire.services.config.loader import (
+from rollwire.services.core.config.loader import (
     ConfigError,
     load_config,
     parse_assignment,
     write_resolved_config,
 )
-from rollwire.services.config.models import (
+from rollwire.services.core.config.models import (
     AgentConfig,
     AuthConfig,
     BufferConfig,

@@ -1,7 +1,7 @@
 """Generates the Python code for the `.proto` contracts, or checks it for drift.
 
-    python -m rollwire.services.protogen          # regenerate proto/v1/*_pb2*.py{,i}
-    python -m rollwire.services.protogen --check  # exit 1 if the committed code differs
+    python -m rollwire.services.app.protogen          # regenerate proto/v1/*_pb2*.py{,i}
+    python -m rollwire.services.app.protogen --check  # exit 1 if the committed code differs
 
 The `.proto` files live in `proto/v1/`. protoc sees them under the virtual path
 `rollwire/proto/v1/`, so the generated modules import each other as
@@ -17,11 +17,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parent.parent / "proto" / "v1"
+PROTO_DIR = Path(__file__).resolve().parents[2] / "proto" / "v1"
 VIRTUAL_ROOT = "rollwire/proto"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 INIT_TEXT = (
-    '"""Generated gRPC code for rollwire.v1; do not edit. See rollwire.services.protogen."""\n'
+    '"""Generated gRPC code for rollwire.v1; do not edit. See rollwire.services.app.protogen."""\n'
 )
 
 
@@ -66,7 +66,7 @@ def drift(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
     problems = []
     for name in sorted(expected.keys() | actual.keys()):
         if name not in actual:
-            problems.append(f"{name}: missing; run `python -m rollwire.services.protogen`")
+            problems.append(f"{name}: missing; run `python -m rollwire.services.app.protogen`")
         elif name not in expected:
             problems.append(f"{name}: generated file with no .proto behind it; delete it")
         elif expected[name] != actual[name]:

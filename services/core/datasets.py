@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollwire.services.config.models import (
+from rollwire.services.core.config.models import (
     EnvDataset,
     FileDataset,
     MixtureDataset,

@@ -29,10 +29,10 @@ from rollwire.envs.client import EnvBackend, EnvServerLost
 from rollwire.envs.host import EnvCallError
 from rollwire.envs.pool import EnvPool
 from rollwire.proto.v1 import rollout_pb2
-from rollwire.rollout.datasets import Task
-from rollwire.services.config import AgentConfig
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.wire import Trajectory
+from rollwire.services.core.config import AgentConfig
+from rollwire.services.core.datasets import Task
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.wire import Trajectory
 
 log = logging.getLogger(__name__)
 

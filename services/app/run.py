@@ -13,15 +13,15 @@ import signal
 import time
 from pathlib import Path
 
-from rollwire.services.config import RunConfig, write_resolved_config
-from rollwire.services.files import latest_checkpoint
-from rollwire.services.launcher import (
+from rollwire.services.app.launcher import (
     LaunchError,
     Stack,
     prepare_model,
     start_servers,
     thread_budget,
 )
+from rollwire.services.core.config import RunConfig, write_resolved_config
+from rollwire.services.core.files import latest_checkpoint
 
 log = logging.getLogger(__name__)
 

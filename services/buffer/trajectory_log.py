@@ -1,5 +1,5 @@
 """The buffer's durable record: accepted trajectories and what became of them, on a
-`rollwire.services.durable_log.DurableLog`, and how a buffer rebuilds from it."""
+`rollwire.services.buffer.durable_log.DurableLog`, and how a buffer rebuilds from it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollwire.services.durable_log import DurableLog
-from rollwire.services.ledger import OrdinalLedger
-from rollwire.services.wire import Trajectory, decode_trajectory
+from rollwire.services.buffer.durable_log import DurableLog
+from rollwire.services.buffer.ledger import OrdinalLedger
+from rollwire.services.core.wire import Trajectory, decode_trajectory
 
 if TYPE_CHECKING:
-    from rollwire.services.buffer import BufferState
+    from rollwire.services.buffer.server import BufferState
 
 log = logging.getLogger(__name__)
 

@@ -110,7 +110,7 @@ def _one_of(inline: Any, file: Path | None, what: str, required: bool = True) ->
 class CurveServerConfig(StrictModel):
     """ZeroMQ CURVE on the buffer's producer and trainer sockets: traffic is encrypted
     and only clients whose public key is allowed get through. Make key pairs with
-    `python -m rollwire.services.curve keygen DIR NAME`."""
+    `python -m rollwire.services.core.curve keygen DIR NAME`."""
 
     secret_key: SecretStr | None = None
     """The buffer's secret key (40 Z85 characters). Prefer `secret_key_file` or the
@@ -663,7 +663,7 @@ class WarmupConfig(StrictModel):
     """Examples generated for the stage."""
     demo_kwargs: dict[str, Any] = {}
     """For an `env` dataset: arguments of the env's scripted demonstrator, whose episodes
-    are the warm-up examples (see `rollwire.rollout.demos`)."""
+    are the warm-up examples (see `rollwire.envs.demos`)."""
     off_by_one_rate: float = Field(0.6, ge=0, le=1)
     """Fraction of integer answers taught as reference + 1: a deliberately flawed
     starting point, like a model tuned on noisy demonstrations, whose systematic
@@ -683,7 +683,7 @@ class RunSection(StrictModel):
     """Env-servers `rollwire train` starts for an `env` dataset when `endpoints.env_servers`
     is empty."""
     tiny_model: dict[str, int] = {}
-    """Shape overrides of the built-in tiny model (fields of `rollwire.rollout.tiny.TinySpec`)."""
+    """Shape overrides of the built-in tiny model (fields of `rollwire.services.core.tiny.TinySpec`)."""
 
 
 class RunConfig(StrictModel):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.metrics import COUNTERS
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from rollwire.services.config.models import RunConfig
-from rollwire.services.files import write_atomically
+from rollwire.services.core.config.models import RunConfig
+from rollwire.services.core.files import write_atomically
 
 ENV_PREFIX = "ROLLWIRE__"
 RESOLVED_NAME = "resolved_config.yaml"

@@ -2,7 +2,7 @@
 
 Key files come in two formats, and both are read everywhere a key file is taken:
 
-- ours, written by `python -m rollwire.services.curve keygen DIR NAME`: `NAME.key`
+- ours, written by `python -m rollwire.services.core.curve keygen DIR NAME`: `NAME.key`
   (mode 0600) holds the secret key and `NAME.pub` the public key, each as the
   first line that is not a `#` comment, in Z85 (40 characters);
 - `zmq.auth.create_certificates`' certificates: `NAME.key` with a `public-key`,
@@ -28,12 +28,12 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from rollwire.services.config.models import (
+from rollwire.services.core.config.models import (
     CurveClientConfig,
     CurveServerConfig,
     check_curve_key,
 )
-from rollwire.services.metrics import COUNTERS
+from rollwire.services.core.metrics import COUNTERS
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def keygen(folder: Path, name: str) -> tuple[Path, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rollwire.services.curve", description="CURVE keys for the buffer."
+        prog="python -m rollwire.services.core.curve", description="CURVE keys for the buffer."
     )
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("keygen", help="write DIR/NAME.key (secret) and DIR/NAME.pub")

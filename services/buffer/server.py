@@ -28,7 +28,7 @@ trainer socket (the trainer connects a DEALER)
 
 JSON bodies are UTF-8; `seq` is the producer's 8-byte sequence number, echoed.
 A put is acknowledged once the trajectory is held in memory and written to the
-buffer's log (`rollwire.services.durable_log`; a burst of puts shares one
+buffer's log (`rollwire.services.buffer.durable_log`; a burst of puts shares one
 fsync before their acks go out). Producers retry a put that was not
 acknowledged with the same trajectory id; the buffer answers a duplicate with
 accepted=true and keeps one copy. Anything malformed gets an answer that says
@@ -47,7 +47,7 @@ finished prompt ordinal still counts as seen. Segments holding only consumed
 trajectories are deleted, after a snapshot of the ordinal ledger is written.
 
 Security: with `buffer.curve` set, both sockets are ZeroMQ CURVE servers and only
-clients whose public key is allowed complete the handshake (`rollwire.services.curve`);
+clients whose public key is allowed complete the handshake (`rollwire.services.core.curve`);
 a refused client's messages never arrive here, and the refusal is counted.
 
 Staleness: with trainer version v and bound k, a group any of whose generated
@@ -69,15 +69,15 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from rollwire.services.curve import DENIED_COUNTER, ZapHandler, secure_server, server_keys
-from rollwire.services.durable_log import LogError, LogWriteError
-from rollwire.services.ledger import OrdinalLedger
-from rollwire.services.metrics import COUNTERS
-from rollwire.services.trajectory_log import TrajectoryLog
-from rollwire.services.wire import Batch, Trajectory, WireError, decode_trajectory, encode
+from rollwire.services.buffer.durable_log import LogError, LogWriteError
+from rollwire.services.buffer.ledger import OrdinalLedger
+from rollwire.services.buffer.trajectory_log import TrajectoryLog
+from rollwire.services.core.curve import DENIED_COUNTER, ZapHandler, secure_server, server_keys
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.wire import Batch, Trajectory, WireError, decode_trajectory, encode
 
 if TYPE_CHECKING:
-    from rollwire.services.config.models import CurveServerConfig
+    from rollwire.services.core.config.models import CurveServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -397,7 +397,7 @@ class BufferServer:
 
         Raises:
             OSError: a port cannot be bound.
-            rollwire.services.curve.CurveError: a CURVE key or key file is unusable.
+            rollwire.services.core.curve.CurveError: a CURVE key or key file is unusable.
         """
         self.state = state
         self.max_frame_bytes = max_frame_bytes
@@ -703,8 +703,8 @@ class BufferServer:
 
 def run_buffer(config: Any) -> int:
     """`rollwire buffer`: serve until SIGTERM/SIGINT; returns the exit code."""
-    from rollwire.services.server import write_atomically
-    from rollwire.services.telemetry import configure_logging
+    from rollwire.services.core.server import write_atomically
+    from rollwire.services.core.telemetry import configure_logging
 
     configure_logging("buffer", config.telemetry.log_level, config.telemetry.log_format)
     section = config.buffer

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from rollwire.services.config import RunConfig
-from rollwire.services.files import cache_dir, staged_directory
+from rollwire.services.core.config import RunConfig
+from rollwire.services.core.files import cache_dir, staged_directory
 
 SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
 RESTARTABLE = ("buffer", "reward-server", "env-server", "rollout-server", "trainer", "orchestrator")
@@ -81,7 +81,14 @@ class Stack:
         ready_file = self.run_dir / "logs" / f"{name}.ready" if ready else None
         if ready_file is not None and ready_file.exists():
             ready_file.unlink()
-        argv = [sys.executable, "-m", "rollwire.services.cli", command, "-c", str(self.config_path)]
+        argv = [
+            sys.executable,
+            "-m",
+            "rollwire.services.app.cli",
+            command,
+            "-c",
+            str(self.config_path),
+        ]
         if ready_file is not None:
             argv += ["--ready-file", str(ready_file)]
         threads = str(self.threads.get(command, 1))
@@ -215,7 +222,7 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
                 f"rollout_server.model_path {path} is not a Hugging Face model folder (no config.json)"
             )
         return path
-    from rollwire.rollout.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
 
     spec = TinySpec(**config.run.tiny_model)
     base = ensure_tiny_model(cache_dir() / f"tiny-{_digest(spec.__dict__)}", spec)
@@ -225,7 +232,7 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     dataset = config.orchestrator.dataset
     if dataset.type == "env":
         return _warm_up_agent(config, base, spec, progress)
-    from rollwire.rollout.datasets import load_tasks
+    from rollwire.services.core.datasets import load_tasks
     from rollwire.trainer.sft import warm_up
 
     dataset = _warm_up_dataset(dataset, warmup.seed, warmup.dataset_size)
@@ -277,9 +284,9 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
     """Warm-up on episodes a scripted demonstrator plays in the run's environment."""
     from transformers import AutoTokenizer
 
+    from rollwire.envs.demos import demo_batches
     from rollwire.envs.registry import load_plugins
-    from rollwire.rollout.agent import ChatTurns, PlainTurns
-    from rollwire.rollout.demos import demo_batches
+    from rollwire.rollout.orchestrator.agent import ChatTurns, PlainTurns
     from rollwire.trainer.sft import warm_up_on
 
     warmup, dataset, orchestrator = config.warmup, config.orchestrator.dataset, config.orchestrator

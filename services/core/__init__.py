@@ -1,0 +1,1 @@
+"""The shared core: wire schema, config, the gRPC runtime, telemetry, metrics, watchdog, retry, files."""
