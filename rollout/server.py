@@ -7,7 +7,6 @@ import dataclasses
 import importlib
 import logging
 import time
-from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -17,7 +16,6 @@ from rollwire.rollout.engine import ContextTooLong, Engine, RequestError, Update
 from rollwire.rollout.sampling import SamplingSpec
 from rollwire.rollout.weights import WeightAssembler, WeightStreamError
 from rollwire.services.core.config import RolloutServerConfig
-from rollwire.services.core.files import cache_dir
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.server import Registration, reject
 from rollwire.services.core.watchdog import Watchdog
@@ -29,11 +27,6 @@ FINISH_REASONS = {
     "length": rollout_pb2.FINISH_REASON_LENGTH,
     "abort": rollout_pb2.FINISH_REASON_ABORT,
 }
-
-
-def default_model_path() -> Path:
-    """Where the built-in tiny model lives: $ROLLWIRE_CACHE_DIR or ~/.cache/rollwire, then tiny-model."""
-    return cache_dir() / "tiny-model"
 
 
 def sampling_spec(params: rollout_pb2.SamplingParams) -> SamplingSpec:
@@ -344,7 +337,7 @@ def build_engine(config: RolloutServerConfig) -> Engine:
         )
     model_path = config.model_path
     if model_path is None:
-        from rollwire.services.core.tiny import ensure_tiny_model
+        from rollwire.services.core.tiny import default_model_path, ensure_tiny_model
 
         model_path = ensure_tiny_model(default_model_path())
     if config.engine in IN_PROCESS_ENGINES:

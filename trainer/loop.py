@@ -530,8 +530,8 @@ async def form_weight_group(
 
 def run_trainer(config: RunConfig) -> int:
     """`rollwire trainer`: train until rl.max_steps (or SIGTERM), checkpoint, exit 0."""
-    from rollwire.rollout.server import default_model_path
     from rollwire.services.core.telemetry import configure_logging
+    from rollwire.services.core.tiny import default_model_path
 
     configure_logging("trainer", config.telemetry.log_level, config.telemetry.log_format)
     model_path = config.trainer.model_path or default_model_path()

@@ -623,8 +623,8 @@ def run_orchestrator(config: RunConfig) -> int:
 
     quiet_transformers()
 
-    from rollwire.rollout.server import default_model_path
     from rollwire.services.core.telemetry import configure_logging, dump_tasks_on_signal
+    from rollwire.services.core.tiny import default_model_path
 
     configure_logging("orchestrator", config.telemetry.log_level, config.telemetry.log_format)
     endpoints = config.endpoints

@@ -15,11 +15,16 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rollwire.services.core.files import staged_directory
+from rollwire.services.core.files import cache_dir, staged_directory
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 ANSWER_TAGS = ("<answer>", "</answer>")
 BUILD_MARKER = "rollwire_tiny.json"
+
+
+def default_model_path() -> Path:
+    """Where the built-in tiny model lives: $ROLLWIRE_CACHE_DIR or ~/.cache/rollwire, then tiny-model."""
+    return cache_dir() / "tiny-model"
 
 
 @dataclass(frozen=True)
