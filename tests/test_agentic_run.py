@@ -86,7 +86,7 @@ def test_killing_one_of_two_env_servers_loses_no_episode(tmp_path) -> None:
 @pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
 @pytest.mark.skipif(
     not (REPO / "examples" / "node-env" / "node_modules").exists(),
-    reason="examples/node-env/node_modules is missing: run `npm ci` there (.ci/run does)",
+    reason="examples/node-env/node_modules is missing: run `bash deploy/install.sh` (the README's install command)",
 )
 def test_short_agentic_run_on_the_node_env_server(tmp_path, spawn) -> None:
     ready = tmp_path / "node.ready"

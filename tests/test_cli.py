@@ -25,6 +25,7 @@ from rollwire.services.app.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 CLI = [sys.executable, "-c", WITHOUT_TORCH]
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -70,10 +71,12 @@ def test_light_service_serves_without_torch_and_stops_on_sigterm(spawn, tmp_path
 @pytest.mark.multiproc
 def test_light_install_in_its_own_environment(spawn, tmp_path) -> None:
     """The done criterion as stated: a virtual environment with only rollwire[env,reward], no torch."""
-    python = os.environ.get("ROLLWIRE_LIGHT_PYTHON")
+    light = REPO / ".venv-light" / "bin" / "python"
+    python = os.environ.get("ROLLWIRE_LIGHT_PYTHON") or (str(light) if light.exists() else None)
     if not python:
         pytest.skip(
-            "set ROLLWIRE_LIGHT_PYTHON to the python of a venv holding only rollwire[env,reward] (.ci/run does)"
+            "no light environment: run `bash deploy/install.sh` (the README's install command), "
+            "or set ROLLWIRE_LIGHT_PYTHON to a venv's python holding only rollwire[env,reward]"
         )
     no_torch = subprocess.run(
         [python, "-c", "import torch"], capture_output=True, text=True, timeout=60

