@@ -4,7 +4,7 @@
 
 A Qwen2-shaped model of about --mb MB (float32) is built offline. For 1 and 2
 rollout-servers (each `rollwire rollout-server`, its own process, HF engine) the
-trainer's own code path (`rollwire.trainer.loop.publish`) sends a new version
+trainer's own code path (`rollwire.trainer.weight_sender.publish`) sends a new version
 to all of them at once, in chunks of 1, 4 and 16 MiB, and by gloo broadcast in a weight group
 (`trainer.weight_transport: group`, formed before timing); a row's time runs from
 the first chunk to the last server's acknowledgement, which comes once the
@@ -38,8 +38,7 @@ import torch
 from rollwire.proto.v1 import rollout_pb2_grpc
 from rollwire.services.core.client import open_channel, wait_for_serving
 from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
-from rollwire.trainer.loop import publish
-from rollwire.trainer.weight_sender import GroupPublisher
+from rollwire.trainer.weight_sender import GroupPublisher, publish
 
 MiB = 1 << 20
 

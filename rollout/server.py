@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import importlib
 import logging
-import time
 
 import grpc
 import grpc.aio
@@ -14,7 +13,13 @@ import grpc.aio
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.engine import ContextTooLong, Engine, RequestError, UpdateUnsupported
 from rollwire.rollout.sampling import SamplingSpec
-from rollwire.rollout.weights import WeightAssembler, WeightStreamError
+from rollwire.rollout.weights import (
+    NotInWeightGroup,
+    WeightGroupError,
+    WeightGroupRequestError,
+    WeightReceiver,
+    WeightStreamError,
+)
 from rollwire.services.core.config import RolloutServerConfig
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.server import Registration, reject
@@ -41,7 +46,8 @@ def sampling_spec(params: rollout_pb2.SamplingParams) -> SamplingSpec:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """Generate, Abort, UpdateWeights and GetStatus over an engine."""
+    """Generate, Abort, GetStatus and the weight calls over an engine; the weight calls
+    are a `WeightReceiver`'s, their errors mapped to gRPC status codes here."""
 
     def __init__(
         self, engine: Engine, await_weights: bool = False, watch_seconds: float = 300.0
@@ -50,7 +56,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._started = False
         self.watchdog = Watchdog("rollout-server")
         self.watch_seconds = watch_seconds
-        self._group = None  # this server's WeightGroup membership, once it joined one
+        self.weights = WeightReceiver(engine)
         # Set when the engine broke for good: the process then exits 1 (and is restarted).
         self.fatal = asyncio.Event()
         self._has_weights = asyncio.Event()
@@ -158,13 +164,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def UpdateWeights(
         self, request_iterator, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
-        started = time.perf_counter()
-        assembler = WeightAssembler(self.engine.parameter_specs(), self.engine.version)
         try:
-            async for chunk in request_iterator:
-                assembler.add(chunk)
-            tensors, version = assembler.finish()
-            apply_seconds = await self.engine.update_weights(tensors, version)
+            reply = await self.weights.take_stream(request_iterator)
         except WeightStreamError as error:
             await self._reject(
                 context, getattr(grpc.StatusCode, error.code), "bad_weights", str(error)
@@ -177,122 +178,39 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await self._reject(
                 context, grpc.StatusCode.UNIMPLEMENTED, "updates_unsupported", str(error)
             )
-        COUNTERS.inc("rollout_weight_updates")
         self._has_weights.set()
-        log.info(
-            "weights updated",
-            extra={
-                "version": version,
-                "tensors": len(tensors),
-                "bytes": assembler.bytes_received,
-                "seconds": round(time.perf_counter() - started, 4),
-            },
-        )
-        return rollout_pb2.UpdateWeightsResponse(
-            version=version,
-            bytes_received=assembler.bytes_received,
-            tensors=len(tensors),
-            apply_seconds=apply_seconds,
-        )
+        return reply
 
     async def JoinWeightGroup(
         self, request: rollout_pb2.JoinWeightGroupRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.JoinWeightGroupResponse:
-        from rollwire.rollout.weight_group import BACKENDS, WeightGroup, WeightGroupError
-
-        problem = None
-        if not request.address or not 0 < request.port < 65536:
-            problem = "address and port (1-65535) of the rendezvous store are required"
-        elif not 2 <= request.world_size <= 4096 or not 0 < request.rank < request.world_size:
-            problem = f"rank {request.rank} of {request.world_size}: need 0 < rank < world_size"
-        elif request.backend not in BACKENDS or not request.group_id:
-            problem = f"backend must be one of {BACKENDS} and group_id set"
-        elif not 0 < request.timeout_seconds <= 3600:
-            problem = "timeout_seconds must lie in (0, 3600]"
-        if problem is not None:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_group", problem)
-        device = "cpu" if request.backend == "gloo" else str(getattr(self.engine, "device", "cuda"))
-        if self._group is not None:
-            self._group.close()
-            self._group = None
         try:
-            self._group = await asyncio.to_thread(
-                WeightGroup,
-                request.address,
-                request.port,
-                request.rank,
-                request.world_size,
-                request.backend,
-                request.group_id,
-                request.timeout_seconds,
-                device,
-            )
+            group = await self.weights.join(request)
+        except WeightGroupRequestError as error:  # before ValueError: it is one
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_group", str(error))
         except (WeightGroupError, ValueError) as error:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "group_failed", str(error))
-        COUNTERS.inc("rollout_weight_groups_joined")
-        return rollout_pb2.JoinWeightGroupResponse(device=str(self._group.device))
+        return rollout_pb2.JoinWeightGroupResponse(device=str(group.device))
 
     async def ReceiveWeights(
         self, request: rollout_pb2.ReceiveWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
-        from rollwire.rollout.weight_group import WeightGroupError
-        from rollwire.rollout.weights import DTYPES
-
-        group = self._group
-        if group is None or request.group_id != group.group_id:
-            await self._reject(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "no_group",
-                f"this rollout-server is not in weight group {request.group_id!r}",
-            )
-        served = self.engine.parameter_specs()
-        specs, problem = [], None
-        for tensor in request.tensors:
-            if tensor.name not in served or tuple(tensor.shape) != served[tensor.name][0]:
-                problem = f"{tensor.name}: not a parameter of the served model with that shape"
-            elif tensor.dtype not in DTYPES:
-                problem = f"{tensor.name}: unsupported dtype {tensor.dtype!r}"
-            specs.append((tensor.name, tensor.dtype, tuple(tensor.shape)))
-        if problem is not None or not specs:
-            # Not taking part breaks the broadcast for everyone: leave the group.
-            group.close()
-            self._group = None
-            await self._reject(
-                context, grpc.StatusCode.INVALID_ARGUMENT, "bad_weights", problem or "no tensors"
-            )
-        started = time.perf_counter()
         try:
-            tensors = await asyncio.to_thread(group.receive, specs)
+            reply = await self.weights.receive(request)
+        except NotInWeightGroup as error:
+            await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, "no_group", str(error))
+        except WeightStreamError as error:
+            await self._reject(
+                context, getattr(grpc.StatusCode, error.code), "bad_weights", str(error)
+            )
         except WeightGroupError as error:
-            group.close()
-            self._group = None
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, "group_failed", str(error))
-        tensors = {name: t.to(served[name][1]) for name, t in tensors.items()}
-        try:
-            apply_seconds = await self.engine.update_weights(tensors, request.version)
-        except ValueError as error:
+        except ValueError as error:  # a concurrent update got there first
             await self._reject(
                 context, grpc.StatusCode.FAILED_PRECONDITION, "stale_version", str(error)
             )
-        COUNTERS.inc("rollout_weight_updates")
         self._has_weights.set()
-        received = sum(t.numel() * t.element_size() for t in tensors.values())
-        log.info(
-            "weights received by broadcast",
-            extra={
-                "version": request.version,
-                "tensors": len(tensors),
-                "bytes": received,
-                "seconds": round(time.perf_counter() - started, 4),
-            },
-        )
-        return rollout_pb2.UpdateWeightsResponse(
-            version=request.version,
-            bytes_received=received,
-            tensors=len(tensors),
-            apply_seconds=apply_seconds,
-        )
+        return reply
 
     async def GetStatus(
         self, request: rollout_pb2.RolloutStatusRequest, context: grpc.aio.ServicerContext
@@ -307,8 +225,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
 
     async def close(self) -> None:
-        if self._group is not None:
-            self._group.close()
+        self.weights.close()
         self.watchdog.stop()
         await self.engine.close()
 

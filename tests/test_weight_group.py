@@ -15,8 +15,7 @@ from rollwire.rollout.server import RolloutServicer
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.server import Registration
-from rollwire.trainer.loop import publish
-from rollwire.trainer.weight_sender import GroupPublisher
+from rollwire.trainer.weight_sender import GroupPublisher, publish
 from tests.test_train import SHORT_RUN, jsonl, rollwire_train
 
 torch.set_num_threads(1)

@@ -2,8 +2,9 @@
 
     rollwire trainer -c run.yaml
 
-The loop below is the whole of training; everything else is set-up and the
-TrainerService that reports on it.
+The loop below is the whole of training; everything else is set-up. Weights go out
+through `rollwire.trainer.weight_sender`; the TrainerService that reports on the
+loop is `rollwire.trainer.servicer`.
 """
 
 from __future__ import annotations
@@ -19,134 +20,23 @@ from typing import Any
 
 import grpc.aio
 
-from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from rollwire.rollout.weight_group import WeightGroupError
-from rollwire.rollout.weights import iter_weight_chunks
+from rollwire.proto.v1 import rollout_pb2_grpc, trainer_pb2_grpc
 from rollwire.services.buffer.client import BufferError, BufferTrainerClient
 from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.files import latest_checkpoint
 from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.retry import RetryPolicy, call_with_retries
 from rollwire.services.core.server import Registration, ServiceRuntime
 from rollwire.services.core.telemetry import dump_tasks_on_signal
 from rollwire.services.core.watchdog import Watchdog
 from rollwire.services.core.wire import Batch
 from rollwire.trainer.model import Policy
-from rollwire.trainer.weight_sender import GroupPublisher
+from rollwire.trainer.records import Clock, MetricsLog, open_trained_log
+from rollwire.trainer.servicer import TrainerServicer, TrainerState
+from rollwire.trainer.weight_sender import catch_up, form_weight_group, publish, served_versions
 
 log = logging.getLogger(__name__)
-
-
-class TrainerState:
-    """What the TrainerService reports, updated by the loop."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.version = 0
-        self.state = "starting"
-        self.trained = 0
-        self.last_checkpoint = ""
-        self.last_metrics: dict[str, float] = {}
-        self.checkpoint_requests: list[asyncio.Future[str]] = []
-        self.stop_requested = False
-        self.stop_requested_at = 0.0
-        # Trained since the last checkpoint; the buffer holds them until one commits them.
-        self.uncommitted_ids: list[str] = []
-        self.resumed_from_step: int | None = None
-        # Rank 0 of the weight group (trainer.weight_transport: group), while it holds.
-        self.weight_group: GroupPublisher | None = None
-
-
-class MetricsLog:
-    """Metrics as JSON lines and, when tensorboard is installed, TensorBoard events."""
-
-    def __init__(self, run_dir: Path) -> None:
-        (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-        self._file = (run_dir / "metrics" / "trainer.jsonl").open("a")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._board = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            log.warning("tensorboard is not installed; metrics go to JSON lines only")
-            self._board = None
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
-        self._file.flush()
-        if self._board is not None:
-            for key, value in metrics.items():
-                self._board.add_scalar(f"train/{key}", value, step)
-
-    def close(self) -> None:
-        self._file.close()
-        if self._board is not None:
-            self._board.close()
-
-
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-async def publish(
-    stubs: list[Any],
-    policy: Policy,
-    version: int,
-    chunk_bytes: int,
-    timeout: float = 120.0,
-    group: GroupPublisher | None = None,
-) -> float:
-    """Sends the weights to every rollout-server at once; returns the seconds it took.
-
-    By broadcast in the weight group when there is one (`trainer.weight_transport:
-    group`); if that fails the group is dropped for good and the servers behind get
-    the version as gRPC streams. A server that cannot be reached (restarting) is
-    skipped and counted; `catch_up` brings it to the current version once it is back.
-    """
-    started = time.perf_counter()
-    named = policy.named_weights()
-    if group is not None and group.usable:
-        try:
-            await group.publish(stubs, named, version)
-            return time.perf_counter() - started
-        except WeightGroupError as error:
-            COUNTERS.inc("weight_group_failures")
-            log.warning("weights go as gRPC streams from now on: %s", error)
-            await catch_up(stubs, policy, version, chunk_bytes)
-            return time.perf_counter() - started
-    replies = await asyncio.gather(
-        *(
-            stub.UpdateWeights(iter_weight_chunks(named, version, chunk_bytes), timeout=timeout)
-            for stub in stubs
-        ),
-        return_exceptions=True,
-    )
-    for reply in replies:
-        if isinstance(reply, grpc.aio.AioRpcError) and reply.code() in _UNREACHABLE:
-            COUNTERS.inc("trainer_publish_missed")
-            log.warning("a rollout-server missed version %d: %s", version, describe_error(reply))
-        elif isinstance(reply, BaseException):
-            raise reply
-        elif reply.version != version:
-            raise RuntimeError(f"a rollout-server took version {reply.version}, not {version}")
-    return time.perf_counter() - started
-
-
-async def catch_up(stubs: list[Any], policy: Policy, version: int, chunk_bytes: int) -> int:
-    """Sends the weights to every reachable rollout-server behind `version` (one that was
-    restarted starts from the initial weights); returns how many were behind."""
-    behind = []
-    for stub in stubs:
-        try:
-            status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            continue  # not back yet: the next round asks again
-        if status.policy_version < version:
-            behind.append(stub)
-    if behind:
-        COUNTERS.inc("trainer_catch_ups", amount=len(behind))
-        log.info("rollout-servers behind version %d: sending it", version)
-        await publish(behind, policy, version, chunk_bytes)
-    return len(behind)
 
 
 async def resume(
@@ -173,17 +63,11 @@ async def resume(
         committed = list(saved.get("uncommitted_ids", []))
         state.last_checkpoint = str(folder)
         state.resumed_from_step = state.step
-    seen = [state.version]
-    for stub in rollout_stubs:
-        try:
-            status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest(), timeout=5.0)
-            seen.append(status.policy_version)
-        except grpc.aio.AioRpcError:
-            pass  # not up: it gets the weights when it is (catch_up)
+    seen = [state.version, *await served_versions(rollout_stubs)]
     status = await _buffer_call(
         buffer.status, "status", config.trainer.batch_timeout_seconds, state
     )
-    seen.append(int(status["trainer_version"]))
+    seen.append(status.trainer_version)
     if max(seen) > state.version:
         state.version = max(seen) + 1
     counts = await _buffer_call(
@@ -195,14 +79,15 @@ async def resume(
     # A server at the checkpoint's version holds its very weights (a version is never
     # reused); the others get them now.
     await catch_up(rollout_stubs, policy, state.version, config.trainer.weight_chunk_bytes)
-    if folder is not None or counts.get("requeued_groups"):
+    if folder is not None or counts.requeued_groups:
         log.info(
             "resumed",
             extra={
                 "checkpoint": str(folder) if folder else None,
                 "step": state.step,
                 "policy_version": state.version,
-                **counts,
+                "committed_groups": counts.committed_groups,
+                "requeued_groups": counts.requeued_groups,
             },
         )
 
@@ -214,22 +99,14 @@ async def train(
     rollout_stubs: list[Any],
     buffer: BufferTrainerClient,
 ) -> None:
+    """Steps until rl.max_steps or a stop, checkpointing as configured and at the end."""
     trainer = config.trainer
     run_dir = Path(config.run.output_dir)
     metrics_log = MetricsLog(run_dir)
-    # What was trained, batch by batch: the record exactly-once accounting checks. A
-    # restart from a checkpoint is written down too: the steps after it happen again.
-    trained_path = run_dir / "metrics" / "trained_ids.jsonl"
-    restarted = trained_path.exists() and trained_path.stat().st_size > 0
-    trained_log = trained_path.open("a")
-    if restarted:  # a trainer before this one wrote here: its steps after ours are undone
-        trained_log.write(
-            json.dumps({"resumed_from_step": state.step, "policy_version": state.version}) + "\n"
-        )
-        trained_log.flush()
+    trained_log = open_trained_log(run_dir, state)
     watchdog, watch_seconds = Watchdog("trainer"), config.telemetry.watchdog_seconds
     watchdog.start()
-    clock = _Clock()
+    clock = Clock()
     try:
         while state.step < config.rl.max_steps and not state.stop_requested:
             state.state = "waiting_for_batch"
@@ -253,22 +130,6 @@ async def train(
         metrics_log.close()
         trained_log.close()
         state.state = "done"
-
-
-class _Clock:
-    """Wall time of this trainer and the part of it spent waiting for batches."""
-
-    def __init__(self) -> None:
-        self.started, self.idle = time.perf_counter(), 0.0
-
-    def rates(self, state: TrainerState) -> dict[str, float]:
-        elapsed = time.perf_counter() - self.started
-        return {
-            "policy_version": float(state.version),
-            "trainer_idle_fraction": self.idle / elapsed,
-            "trajectories_per_second": state.trained / elapsed,
-            "elapsed_seconds": elapsed,
-        }
 
 
 async def _wait_for_batch(
@@ -365,21 +226,27 @@ async def _buffer_call(
 ) -> Any:
     """Runs a blocking buffer call, retrying while the buffer does not answer (it may be
     restarting: it rebuilds from its log) for up to `patience` seconds, and for no more
-    than 10 s once a stop was asked for (SIGTERM must not wait out a dead buffer)."""
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            return await asyncio.to_thread(call)
-        except BufferError as error:
-            if state is not None and state.stop_requested:
-                deadline = min(deadline, state.stop_requested_at + STOP_PATIENCE_SECONDS)
-            if "refused" in str(error) or time.monotonic() > deadline:
-                raise
-            COUNTERS.inc("trainer_buffer_retries", call=what)
-            log.warning(
-                "buffer did not answer; retrying", extra={"call": what, "error": str(error)}
-            )
-            await asyncio.sleep(0.5)
+    than 10 s once a stop was asked for (SIGTERM must not wait out a dead buffer). A
+    request the buffer refused is raised at once: sending it again changes nothing."""
+
+    def stop_deadline() -> float | None:
+        if state is not None and state.stop_requested:
+            return state.stop_requested_at + STOP_PATIENCE_SECONDS
+        return None
+
+    def count(error: BaseException, attempt: int) -> None:
+        COUNTERS.inc("trainer_buffer_retries", call=what)
+        log.warning("buffer did not answer; retrying", extra={"call": what, "error": str(error)})
+
+    return await call_with_retries(
+        functools.partial(asyncio.to_thread, call),
+        # Every half second, as long as the patience lasts.
+        RetryPolicy(attempts=None, first_pause=0.5, multiplier=1.0, total_seconds=patience),
+        what=f"buffer {what}",
+        retryable=lambda error: isinstance(error, BufferError) and "refused" not in str(error),
+        on_retry=count,
+        deadline=stop_deadline,
+    )
 
 
 async def checkpoint(
@@ -418,46 +285,8 @@ async def checkpoint(
     return path
 
 
-class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, state: TrainerState) -> None:
-        self.state = state
-
-    async def GetStatus(self, request, context) -> trainer_pb2.TrainerStatus:
-        s = self.state
-        return trainer_pb2.TrainerStatus(
-            step=s.step,
-            policy_version=s.version,
-            state=s.state,
-            trained_trajectories=s.trained,
-            last_checkpoint=s.last_checkpoint,
-            last_metrics=s.last_metrics,
-        )
-
-    async def GetVersion(self, request, context) -> trainer_pb2.VersionResponse:
-        return trainer_pb2.VersionResponse(policy_version=self.state.version)
-
-    async def Checkpoint(self, request, context) -> trainer_pb2.CheckpointResponse:
-        if self.state.state in ("done", "stopping"):
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "the trainer is stopping; its last checkpoint is in GetStatus",
-            )
-        future = asyncio.get_running_loop().create_future()
-        self.state.checkpoint_requests.append(future)
-        try:
-            path = await asyncio.wait_for(future, timeout=context.time_remaining() or 600)
-        except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the checkpoint is written after the step in progress, and none ended in "
-                f"time (trainer state: {self.state.state}); it will still be written",
-            )
-        return trainer_pb2.CheckpointResponse(
-            path=path, step=self.state.step, policy_version=self.state.version
-        )
-
-
 async def run(config: RunConfig, model_path: Path) -> int:
+    """Serves the TrainerService, waits for the rollout-servers, resumes and trains."""
     endpoints = config.endpoints
     if endpoints.buffer_trainer is None or not endpoints.rollout_servers:
         raise ValueError("the trainer needs endpoints.buffer_trainer and endpoints.rollout_servers")
@@ -506,26 +335,6 @@ async def run(config: RunConfig, model_path: Path) -> int:
         for channel in channels:
             await channel.close()
         await runtime.stop(grace=1)
-
-
-async def form_weight_group(
-    config: RunConfig, policy: Policy, stubs: list[Any]
-) -> GroupPublisher | None:
-    """The weight group of this trainer and every rollout-server, or None (weights then go
-    as gRPC streams) when it does not form."""
-    trainer = config.trainer
-    try:
-        return await GroupPublisher.form(
-            stubs,
-            trainer.weight_group_address,
-            trainer.weight_group_backend,
-            trainer.weight_group_timeout_seconds,
-            device=trainer.device,
-        )
-    except WeightGroupError as error:
-        COUNTERS.inc("weight_group_failures")
-        log.warning("no weight group, weights go as gRPC streams: %s", error)
-        return None
 
 
 def run_trainer(config: RunConfig) -> int:

@@ -1,26 +1,140 @@
-"""The trainer's side of weights by broadcast (see rollwire.rollout.weight_group)."""
+"""Everything the trainer sends weights with: gRPC streams, or broadcasts in the weight group.
+
+After each step `publish` sends the new version to every rollout-server at once,
+as chunk streams (`UpdateWeights`) or, with `trainer.weight_transport: group`,
+by broadcast from rank 0 of the weight group (`GroupPublisher`). A server that
+missed a version (it was restarting) is found by `catch_up` and sent the current
+one; `served_versions` tells a resuming trainer which versions the servers hold.
+The receiving side, and the group itself, are `rollwire.rollout.weights`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
+import grpc.aio
 import torch
 
 from rollwire.proto.v1 import rollout_pb2
-from rollwire.rollout.weight_group import (
+from rollwire.rollout.weights import (
     WeightGroup,
     WeightGroupError,
     default_backend,
+    iter_weight_chunks,
     open_store,
     tensor_specs,
 )
+from rollwire.services.core.client import describe_error
+from rollwire.services.core.config import RunConfig
+from rollwire.services.core.metrics import COUNTERS
+
+if TYPE_CHECKING:
+    from rollwire.trainer.model import Policy
 
 log = logging.getLogger(__name__)
+# A server that answers so is restarting: it misses this version and is caught up later.
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def publish(
+    stubs: list[Any],
+    policy: Policy,
+    version: int,
+    chunk_bytes: int,
+    timeout: float = 120.0,
+    group: GroupPublisher | None = None,
+) -> float:
+    """Sends the weights to every rollout-server at once; returns the seconds it took.
+
+    By broadcast in the weight group when there is one (`trainer.weight_transport:
+    group`); if that fails the group is dropped for good and the servers behind get
+    the version as gRPC streams. A server that cannot be reached (restarting) is
+    skipped and counted; `catch_up` brings it to the current version once it is back.
+    """
+    started = time.perf_counter()
+    named = policy.named_weights()
+    if group is not None and group.usable:
+        try:
+            await group.publish(stubs, named, version)
+            return time.perf_counter() - started
+        except WeightGroupError as error:
+            COUNTERS.inc("weight_group_failures")
+            log.warning("weights go as gRPC streams from now on: %s", error)
+            await catch_up(stubs, policy, version, chunk_bytes)
+            return time.perf_counter() - started
+    replies = await asyncio.gather(
+        *(
+            stub.UpdateWeights(iter_weight_chunks(named, version, chunk_bytes), timeout=timeout)
+            for stub in stubs
+        ),
+        return_exceptions=True,
+    )
+    for reply in replies:
+        if isinstance(reply, grpc.aio.AioRpcError) and reply.code() in _UNREACHABLE:
+            COUNTERS.inc("trainer_publish_missed")
+            log.warning("a rollout-server missed version %d: %s", version, describe_error(reply))
+        elif isinstance(reply, BaseException):
+            raise reply
+        elif reply.version != version:
+            raise RuntimeError(f"a rollout-server took version {reply.version}, not {version}")
+    return time.perf_counter() - started
+
+
+async def catch_up(stubs: list[Any], policy: Policy, version: int, chunk_bytes: int) -> int:
+    """Sends the weights to every reachable rollout-server behind `version` (one that was
+    restarted starts from the initial weights); returns how many were behind."""
+    behind = []
+    for stub in stubs:
+        try:
+            status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            continue  # not back yet: the next round asks again
+        if status.policy_version < version:
+            behind.append(stub)
+    if behind:
+        COUNTERS.inc("trainer_catch_ups", amount=len(behind))
+        log.info("rollout-servers behind version %d: sending it", version)
+        await publish(behind, policy, version, chunk_bytes)
+    return len(behind)
+
+
+async def served_versions(stubs: list[Any]) -> list[int]:
+    """The policy versions the reachable rollout-servers hold (for a resuming trainer,
+    whose next version must be newer than all of them)."""
+    versions = []
+    for stub in stubs:
+        try:
+            status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest(), timeout=5.0)
+            versions.append(status.policy_version)
+        except grpc.aio.AioRpcError:
+            pass  # not up: it gets the weights when it is (catch_up)
+    return versions
+
+
+async def form_weight_group(
+    config: RunConfig, policy: Policy, stubs: list[Any]
+) -> GroupPublisher | None:
+    """The weight group of this trainer and every rollout-server, or None (weights then go
+    as gRPC streams) when it does not form."""
+    trainer = config.trainer
+    try:
+        return await GroupPublisher.form(
+            stubs,
+            trainer.weight_group_address,
+            trainer.weight_group_backend,
+            trainer.weight_group_timeout_seconds,
+            device=trainer.device,
+        )
+    except WeightGroupError as error:
+        COUNTERS.inc("weight_group_failures")
+        log.warning("no weight group, weights go as gRPC streams: %s", error)
+        return None
 
 
 class GroupPublisher:
@@ -77,7 +191,7 @@ class GroupPublisher:
         if failures:
             if isinstance(results[0], WeightGroup):
                 results[0].close()
-            raise WeightGroupError(f"the weight group did not form: {_describe(failures[0])}")
+            raise WeightGroupError(f"the weight group did not form: {describe_error(failures[0])}")
         log.info(
             "weight group formed",
             extra={"group_id": group_id, "world_size": world_size, "backend": backend},
@@ -111,15 +225,10 @@ class GroupPublisher:
         if failures:
             self.close()
             raise WeightGroupError(
-                f"broadcast of version {version} failed: {_describe(failures[0])}"
+                f"broadcast of version {version} failed: {describe_error(failures[0])}"
             )
 
     def close(self) -> None:
+        """Leaves the group for good: `publish` sends streams from then on."""
         self.usable = False
         self.group.close()
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, grpc.aio.AioRpcError):
-        return f"{error.code().name}: {error.details()}"
-    return str(error)
