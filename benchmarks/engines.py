@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.weights import iter_weight_chunks
+from rollwire.rollout.server.weights import iter_weight_chunks
 from rollwire.services.core.client import open_channel, wait_for_serving
 from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.hf_engine import HFEngine
-from rollwire.rollout.sampling import SamplingSpec
+from rollwire.rollout.server.hf_engine import HFEngine
+from rollwire.rollout.server.sampling import SamplingSpec
 from rollwire.services.core.client import open_channel, wait_for_serving
 from rollwire.services.core.tiny import ensure_tiny_model
 

@@ -1,1 +1,1 @@
-"""Rollout engines, the rollout-server and the orchestrator's agent loop."""
+"""Two processes: the rollout-server with its engines (server/) and the orchestrator with its agent loop (orchestrator/)."""

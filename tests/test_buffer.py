@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 
 import numpy as np
@@ -11,7 +10,10 @@ import pytest
 import zmq
 
 from rollwire.services.buffer.client import BufferError, BufferProducer, BufferTrainerClient
-from rollwire.services.buffer.server import BufferServer, BufferState
+from rollwire.services.buffer.protocol import PutAnswer
+from rollwire.services.buffer.server import BufferServer
+from rollwire.services.buffer.state import BufferState
+from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.wire import Trajectory
 
 _ORDINALS: dict[str, int] = {}
@@ -100,12 +102,12 @@ async def test_producer_to_trainer_over_zeromq(buffer_server) -> None:
         assert await asyncio.to_thread(trainer.get_batch, 0, 1, 0.1) is None  # waited, nothing left
         await asyncio.to_thread(trainer.ack, batch.batch_id, 1)
         status = await producer.status()
-        assert status["trainer_version"] == 1 and status["served_trajectories"] == 2
+        assert status.trainer_version == 1 and status.served_trajectories == 2
         # Staleness 0: version-0 samples are now too old for trainer version 1.
         for i in range(2):
             assert (await producer.put(trajectory("late", i, version=0))).trainer_version == 1
         assert await asyncio.to_thread(trainer.get_batch, 1, 1, 0.1) is None
-        assert (await producer.status())["dropped"] == {"stale": 2}
+        assert (await producer.status()).dropped == {"stale": 2}
     finally:
         producer.close()
         trainer.close()
@@ -140,12 +142,8 @@ def test_garbage_gets_an_answer_and_the_buffer_keeps_serving(buffer_server) -> N
         socket.send_multipart([b"put", b"\0" * 8, b"\x93not a frame"])
         kind, seq, body = socket.recv_multipart()
         assert seq == b"\0" * 8
-        reply = json.loads(body)
-        assert (
-            kind == b"ack"
-            and reply["accepted"] is False
-            and reply["reason"].startswith("bad frame")
-        )
+        reply = PutAnswer.decode(body)
+        assert kind == b"ack" and reply.accepted is False and reply.reason.startswith("bad frame")
         trainer = zmq.Context.instance().socket(zmq.DEALER)
         trainer.setsockopt(zmq.LINGER, 0)
         trainer.setsockopt(zmq.RCVTIMEO, 2000)
@@ -166,3 +164,34 @@ async def test_producer_gives_up_with_a_clear_error_when_nobody_answers() -> Non
             await producer.put(trajectory("g", 0))
     finally:
         producer.close()
+
+
+async def test_an_unanswered_put_is_sent_again_with_its_seq_and_the_resend_counted() -> None:
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 3000)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[tuple[bytes, bytes]] = []
+
+    def buffer_that_misses_the_first_put() -> None:
+        router.recv_multipart()  # lost: never answered
+        identity, kind, seq, _ = router.recv_multipart()
+        seen.append((kind, seq))
+        stale = (int.from_bytes(seq, "big") - 1).to_bytes(8, "big")
+        router.send_multipart([identity, b"ack", stale, PutAnswer(False, "old").encode()])
+        router.send_multipart([identity, b"ack", seq, PutAnswer(True, "ok", 4).encode()])
+
+    before = COUNTERS.get("buffer_resends")
+    fake = threading.Thread(target=buffer_that_misses_the_first_put, daemon=True)
+    fake.start()
+    producer = BufferProducer(f"tcp://127.0.0.1:{port}", timeout=1.0, attempts=3)
+    try:
+        answer = await producer.put(trajectory("g", 0))
+        # The answer echoing another seq (an earlier request's) is passed over.
+        assert (answer.accepted, answer.reason, answer.trainer_version) == (True, "ok", 4)
+        assert seen == [(b"put", (1).to_bytes(8, "big"))]  # the same seq, sent again
+        assert COUNTERS.get("buffer_resends") == before + 1
+    finally:
+        producer.close()
+        fake.join(timeout=5)
+        router.close(0)

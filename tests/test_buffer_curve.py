@@ -19,7 +19,8 @@ import zmq
 import zmq.auth
 
 from rollwire.services.buffer.client import BufferError, BufferProducer, BufferTrainerClient
-from rollwire.services.buffer.server import BufferServer, BufferState
+from rollwire.services.buffer.server import BufferServer
+from rollwire.services.buffer.state import BufferState
 from rollwire.services.core.config import ConfigError, load_config, write_resolved_config
 from rollwire.services.core.config.models import CurveClientConfig, CurveServerConfig
 from rollwire.services.core.curve import DENIED_COUNTER, CurveError, keygen, server_keys
@@ -94,7 +95,7 @@ async def test_allowed_clients_put_and_get_a_batch(curve_server, keys) -> None:
         batch = await asyncio.to_thread(trainer.get_batch, 0, 1, 1.0)
         assert [t.reward for t in batch.trajectories] == [0.0, 1.0]
         await asyncio.to_thread(trainer.ack, batch.batch_id, 1)
-        assert (await producer.status())["trainer_version"] == 1
+        assert (await producer.status()).trainer_version == 1
     finally:
         producer.close()
         trainer.close()
@@ -159,7 +160,7 @@ async def test_zmq_auth_certificates_work_too(tmp_path) -> None:
             ),
         )
         try:
-            assert (await asyncio.to_thread(client.status))["accepted"] == 0
+            assert (await asyncio.to_thread(client.status)).accepted == 0
         finally:
             client.close()
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from rollwire.services.buffer.client import BufferProducer, BufferTrainerClient
-from rollwire.services.buffer.server import BufferServer, BufferState, TrajectoryLog
+from rollwire.services.buffer.server import BufferServer
+from rollwire.services.buffer.state import BufferState
+from rollwire.services.buffer.trajectory_log import TrajectoryLog
 from tests.test_buffer import trajectory
 
 
@@ -82,7 +84,7 @@ async def test_stale_drops_are_consumed_and_segments_of_consumed_data_deleted(tm
             await asyncio.to_thread(running.trainer.ack, batch.batch_id, 0)
         # Version 10, bound 5: the other six groups (version 0) are dropped as stale.
         assert await asyncio.to_thread(running.trainer.get_batch, 10, 1, 0.2) is None
-        assert (await running.producer.status())["dropped"] == {"stale": 12}
+        assert (await running.producer.status()).dropped == {"stale": 12}
         assert len(running.log.log.segments) < segments
     finally:
         running.stop()
@@ -112,7 +114,7 @@ async def test_a_log_that_cannot_be_written_refuses_puts_until_it_can(
         refused = await running.producer.put(trajectory("a", 0))
         assert not refused.accepted and refused.reason.startswith("storage: ")
         assert "No space left" in refused.reason
-        assert (await running.producer.status())["accepted"] == 0
+        assert (await running.producer.status()).accepted == 0
         failing["on"] = False
         assert (await running.producer.put(trajectory("a", 0))).reason == "ok"
     finally:
@@ -122,7 +124,9 @@ async def test_a_log_that_cannot_be_written_refuses_puts_until_it_can(
 CHILD = r"""
 import json, sys, threading
 from pathlib import Path
-from rollwire.services.buffer.server import BufferServer, BufferState, TrajectoryLog
+from rollwire.services.buffer.server import BufferServer
+from rollwire.services.buffer.state import BufferState
+from rollwire.services.buffer.trajectory_log import TrajectoryLog
 state = BufferState(group_size=2, max_staleness=5)
 trajectory_log = TrajectoryLog(Path(sys.argv[1]), sync="always")
 trajectory_log.restore(state, 1 << 20)

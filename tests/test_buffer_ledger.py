@@ -8,7 +8,9 @@ import asyncio
 import pytest
 
 from rollwire.services.buffer.ledger import OrdinalLedger
-from rollwire.services.buffer.server import BufferState, TrajectoryLog
+from rollwire.services.buffer.protocol import ResumeAnswer
+from rollwire.services.buffer.state import BufferState
+from rollwire.services.buffer.trajectory_log import TrajectoryLog
 from tests.test_buffer import trajectory
 from tests.test_buffer_durable import Running
 
@@ -41,10 +43,8 @@ def test_trained_groups_wait_for_the_commit_and_come_back_on_resume() -> None:
     assert state.commit([t.trajectory_id for t in first.trajectories]) == 1
     assert state.ledger.frontier == 1 and state.ledger.outcomes == {"trained": 1}
     # The trainer died after its checkpoint of `first`; it had trained `second` too.
-    assert state.resume([t.trajectory_id for t in first.trajectories]) == {
-        "committed_groups": 0,
-        "requeued_groups": 1,
-    }
+    resumed = state.resume([t.trajectory_id for t in first.trajectories])
+    assert (resumed.committed_groups, resumed.requeued_groups) == (0, 1)
     again = state.take(2)
     assert [t.group_id for t in again.trajectories] == ["b", "b", "c", "c"]
     # What a finished ordinal sends again is a duplicate, kept nowhere.
@@ -58,7 +58,8 @@ def test_a_dropped_ordinal_lets_its_partial_group_go() -> None:
     assert state.drop_ordinal(4, "f", "failed") and not state.drop_ordinal(4, "f", "failed")
     assert not state.partial and state.ledger.above == {4}
     assert state.put(trajectory("f", 1, ordinal=4)) == (True, "duplicate")
-    assert state.held_ordinals() == {"whole": [], "partial": {}}
+    held = state.ledger_view()
+    assert (held.whole, held.partial) == ([], {})
     kinds = [kind for kind, _ in state.take_journal()]
     assert kinds == [b"C"]
 
@@ -107,7 +108,8 @@ def test_the_log_keeps_trained_groups_out_of_service_and_the_ledger_past_deletio
         assert [g[0].group_id for g in state.ready] == ["g10", "g11"]
         # Ordinals whose records were deleted still count as done.
         assert state.put(trajectory("g0", 0, ordinal=0)) == (True, "duplicate")
-        assert state.resume([]) == {"committed_groups": 0, "requeued_groups": 2}
+        resumed = state.resume([])
+        assert (resumed.committed_groups, resumed.requeued_groups) == (0, 2)
         assert [g[0].group_id for g in state.ready] == ["g8", "g9", "g10", "g11"]
     finally:
         trajectory_log.close()
@@ -138,11 +140,11 @@ async def test_commit_resume_drop_and_ledger_over_zeromq(tmp_path) -> None:
     second = Running(tmp_path)
     try:
         ledger = await second.producer.ledger()
-        assert (ledger["frontier"], ledger["above"], ledger["highest"]) == (1, [5], 5)
-        assert ledger["whole"] == [1, 2] and ledger["partial"] == {"3": [0]}
-        assert ledger["outcomes"] == {"trained": 1, "filtered": 1}
+        assert (ledger.frontier, ledger.above, ledger.highest) == (1, [5], 5)
+        assert ledger.whole == [1, 2] and ledger.partial == {"3": [0]}
+        assert ledger.outcomes == {"trained": 1, "filtered": 1}
         resumed = await asyncio.to_thread(second.trainer.resume, [], 1, 1)
-        assert resumed == {"committed_groups": 0, "requeued_groups": 1, "trainer_version": 1}
+        assert resumed == ResumeAnswer(committed_groups=0, requeued_groups=1, trainer_version=1)
         batch = await asyncio.to_thread(second.trainer.get_batch, 1, 2, 1.0)
         assert [t.group_id for t in batch.trajectories] == ["b", "b", "c", "c"]
         refused = await second.producer.drop(-1, "x", "failed")

@@ -26,11 +26,13 @@ from rollwire.proto.v1 import (
     trainer_pb2_grpc,
 )
 from rollwire.reward.server import registrations as reward_registrations
-from rollwire.rollout.hf_engine import HFEngine
-from rollwire.rollout.sampling import SamplingSpec
-from rollwire.rollout.server import RolloutServicer
+from rollwire.rollout.server.hf_engine import HFEngine
+from rollwire.rollout.server.sampling import SamplingSpec
+from rollwire.rollout.server.servicer import RolloutServicer
 from rollwire.services.buffer.client import BufferProducer, BufferTrainerClient
-from rollwire.services.buffer.server import BufferServer, BufferState, TrajectoryLog
+from rollwire.services.buffer.server import BufferServer
+from rollwire.services.buffer.state import BufferState
+from rollwire.services.buffer.trajectory_log import TrajectoryLog
 from rollwire.services.core.client import check_health, open_channel
 from rollwire.services.core.config import EnvServerConfig, RewardServerConfig
 from rollwire.services.core.server import Registration

@@ -22,9 +22,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from rollwire.rollout.engine import RequestError, UpdateUnsupported
-from rollwire.rollout.openai_engine import OpenAIEngine, ServerError
-from rollwire.rollout.sampling import SamplingSpec
+from rollwire.rollout.server.engine import RequestError, UpdateUnsupported
+from rollwire.rollout.server.openai_engine import OpenAIEngine, ServerError
+from rollwire.rollout.server.sampling import SamplingSpec
 from tests.engine_checks import hf_model, load_into, perturbed, recomputed
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -147,7 +147,7 @@ def vllm_server(tmp_path_factory):
                 "--dtype", "float32",
                 "--enforce-eager",
                 "--logprobs-mode", "processed_logprobs",
-                "--worker-extension-cls", "rollwire.rollout.vllm_worker.WeightLoader",
+                "--worker-extension-cls", "rollwire.rollout.server.vllm_worker.WeightLoader",
             ],
             stdout=sink,
             stderr=subprocess.STDOUT,

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.hf_engine import ContextTooLong, HFEngine, RequestError
-from rollwire.rollout.sampling import SamplingSpec, processed_logprobs
-from rollwire.rollout.server import RolloutServicer
-from rollwire.rollout.weights import WeightAssembler, WeightStreamError, iter_weight_chunks
+from rollwire.rollout.server.hf_engine import ContextTooLong, HFEngine, RequestError
+from rollwire.rollout.server.sampling import SamplingSpec, processed_logprobs
+from rollwire.rollout.server.servicer import RolloutServicer
+from rollwire.rollout.server.weights import WeightAssembler, WeightStreamError, iter_weight_chunks
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.server import Registration
 

@@ -266,8 +266,8 @@ async def test_a_fatal_servicer_stops_the_service_with_exit_code_one() -> None:
 
 async def test_a_rollout_server_whose_engine_broke_is_fatal(tiny_model_path) -> None:
     from rollwire.proto.v1 import rollout_pb2
-    from rollwire.rollout.hf_engine import HFEngine
-    from rollwire.rollout.server import RolloutServicer
+    from rollwire.rollout.server.hf_engine import HFEngine
+    from rollwire.rollout.server.servicer import RolloutServicer
 
     engine = HFEngine(tiny_model_path, max_batch_size=2)
     servicer = RolloutServicer(engine)

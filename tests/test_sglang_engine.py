@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.engine import ContextTooLong, RequestError
-from rollwire.rollout.sampling import SamplingSpec, processed_logprobs
-from rollwire.rollout.server import RolloutServicer
-from rollwire.rollout.sglang_engine import SGLangEngine
-from rollwire.rollout.weights import iter_weight_chunks
+from rollwire.rollout.server.engine import ContextTooLong, RequestError
+from rollwire.rollout.server.sampling import SamplingSpec, processed_logprobs
+from rollwire.rollout.server.servicer import RolloutServicer
+from rollwire.rollout.server.sglang_engine import SGLangEngine
+from rollwire.rollout.server.weights import iter_weight_chunks
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.server import Registration
 from tests.engine_checks import hf_model, load_into, logits_after, perturbed, recomputed

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.engine import ContextTooLong, RequestError
-from rollwire.rollout.sampling import SamplingSpec
-from rollwire.rollout.server import RolloutServicer
-from rollwire.rollout.weights import iter_weight_chunks
+from rollwire.rollout.server.engine import ContextTooLong, RequestError
+from rollwire.rollout.server.sampling import SamplingSpec
+from rollwire.rollout.server.servicer import RolloutServicer
+from rollwire.rollout.server.weights import iter_weight_chunks
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.server import Registration
 from tests.engine_checks import hf_model, load_into, perturbed, recomputed
@@ -53,7 +53,7 @@ def untied_model_path(tmp_path_factory):
 
 
 def make_engine(path, **options):
-    from rollwire.rollout.vllm_engine import VLLMEngine
+    from rollwire.rollout.server.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(path, **{"max_batch_size": 16, **options})
     engine.start_worker()
@@ -90,7 +90,7 @@ async def test_logprobs_match_the_trainers_recomputation(engine, tiny_model_path
 async def test_temperature_top_k_and_top_p_logprobs_are_the_processed_ones(
     engine, tiny_model_path
 ) -> None:
-    from rollwire.rollout.sampling import processed_logprobs
+    from rollwire.rollout.server.sampling import processed_logprobs
 
     model = hf_model(tiny_model_path)
     spec = SamplingSpec(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12, seed=3)

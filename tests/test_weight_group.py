@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.hf_engine import HFEngine
-from rollwire.rollout.server import RolloutServicer
+from rollwire.rollout.server.hf_engine import HFEngine
+from rollwire.rollout.server.servicer import RolloutServicer
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.server import Registration

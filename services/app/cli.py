@@ -24,7 +24,7 @@ GRPC_SERVICES: dict[str, tuple[str, str, str]] = {
     ),
     "rollout-server": (
         "rollout_server",
-        "rollwire.rollout.server",
+        "rollwire.rollout.server.servicer",
         "generate tokens with logprobs and take weight updates (RolloutService)",
     ),
 }

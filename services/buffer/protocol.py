@@ -33,13 +33,18 @@ Delivery guarantees (what callers may rely on):
   changes nothing twice.
 - Every record decodes strictly: a missing or mistyped field is a
   `ProtocolError` with the field's name, which the buffer answers as
-  [b"error", ...] and counts, and keeps serving.
+  [b"error", ...] and counts, and keeps serving. A drop is the exception: it
+  carries a seq, so a malformed one is answered [b"ack", seq, PutAnswer] refused
+  with a reason starting "bad drop:" (final, like any other refusal).
+- An optional field may be left out or sent as null; both mean "not told".
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from functools import cache
 from typing import Any, Self, get_type_hints
 
 PUT, PUT_GROUP, DROP, LEDGER, STATUS = b"put", b"put_group", b"drop", b"ledger", b"status"
@@ -59,14 +64,16 @@ class ProtocolError(ValueError):
 
 
 @dataclass(frozen=True)
-class _Record:
+class Record:
     """A JSON object with typed fields; unknown keys are ignored (newer peers may add some)."""
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        """The record as a JSON object; optional fields that are None are left out."""
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None}).encode()
 
     @classmethod
     def decode(cls, body: bytes) -> Self:
+        """The record in `body` (empty: an empty object), or ProtocolError."""
         try:
             data = json.loads(body) if body else {}
         except ValueError as error:
@@ -77,16 +84,29 @@ class _Record:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
-        hints = get_type_hints(cls)
+        """The record from a decoded JSON object, or ProtocolError naming the field."""
+        hints = _hints(cls)
         values = {}
         for item in fields(cls):
-            if item.name not in data:
-                continue  # the dataclass default applies, or the constructor names it
-            values[item.name] = _check(cls.__name__, item.name, hints[item.name], data[item.name])
-        try:
-            return cls(**values)
-        except TypeError as error:
-            raise ProtocolError(f"{cls.__name__}: {error}") from None
+            if item.name in data:
+                values[item.name] = _check(
+                    cls.__name__, item.name, hints[item.name], data[item.name]
+                )
+            elif item.default is MISSING and item.default_factory is MISSING:
+                raise ProtocolError(f"{cls.__name__}.{item.name} is missing")
+        record = cls(**values)
+        record.validate()
+        return record
+
+    def validate(self) -> None:
+        """Raises ProtocolError if the values break a rule beyond their types. Run on
+        decoding only: the side that receives a request is the one to judge it."""
+
+
+@cache
+def _hints(record: type) -> dict[str, Any]:
+    # Resolving the annotations is slow next to decoding a small body: once per record.
+    return get_type_hints(record)
 
 
 def _check(record: str, name: str, hint: Any, value: Any) -> Any:
@@ -142,7 +162,7 @@ def _check(record: str, name: str, hint: Any, value: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class PutAnswer(_Record):
+class PutAnswer(Record):
     """The answer to one put (or to a drop)."""
 
     accepted: bool
@@ -158,25 +178,26 @@ class PutAnswer(_Record):
 
 
 @dataclass(frozen=True)
-class PutGroupAnswer(_Record):
+class PutGroupAnswer(Record):
     """One answer per trajectory of a put_group, in order."""
 
     results: list[dict[str, Any]]
     trainer_version: int = 0
 
     def answers(self) -> list[PutAnswer]:
+        """The results as PutAnswers, in order; ProtocolError if one is malformed."""
         return [
             PutAnswer(
-                _check("PutGroupAnswer", "accepted", "bool", r.get("accepted")),
-                _check("PutGroupAnswer", "reason", "str", r.get("reason")),
+                _check("PutGroupAnswer", f"results[{i}].accepted", bool, r.get("accepted")),
+                _check("PutGroupAnswer", f"results[{i}].reason", str, r.get("reason")),
                 self.trainer_version,
             )
-            for r in self.results
+            for i, r in enumerate(self.results)
         ]
 
 
 @dataclass(frozen=True)
-class DropRequest(_Record):
+class DropRequest(Record):
     """The producer gave up on a prompt: its ordinal ends with `outcome`."""
 
     ordinal: int
@@ -184,13 +205,15 @@ class DropRequest(_Record):
     outcome: str
     """"filtered", "failed", ..."""
 
-    def __post_init__(self) -> None:
-        if self.ordinal < 0 or not self.outcome:
-            raise ProtocolError("DropRequest: ordinal must be >= 0 and outcome non-empty")
+    def validate(self) -> None:
+        if self.ordinal < 0:
+            raise ProtocolError(f"DropRequest.ordinal must be >= 0, not {self.ordinal}")
+        if not self.outcome:
+            raise ProtocolError("DropRequest.outcome must not be empty")
 
 
 @dataclass(frozen=True)
-class LedgerView(_Record):
+class LedgerView(Record):
     """The ordinal ledger (see `ledger.OrdinalLedger`) and what the buffer holds now."""
 
     frontier: int
@@ -208,7 +231,7 @@ class LedgerView(_Record):
 
 
 @dataclass(frozen=True)
-class BufferStatus(_Record):
+class BufferStatus(Record):
     """What the buffer holds and has done; the answer to status, and to a get that
     found nothing within its wait."""
 
@@ -231,25 +254,28 @@ class BufferStatus(_Record):
 
 
 @dataclass(frozen=True)
-class GetRequest(_Record):
+class GetRequest(Record):
     """Ask for `groups` whole groups, waiting up to `wait_ms` for them."""
 
-    trainer_version: int
+    trainer_version: int | None = None
     groups: int = 1
-    wait_ms: int = 0
+    wait_ms: float = 0
     trainer_step: int | None = None
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.groups < 1:
-            raise ProtocolError("groups must be at least 1")
+            raise ProtocolError(f"GetRequest.groups must be at least 1, not {self.groups}")
+        if not math.isfinite(self.wait_ms):  # JSON as Python reads it allows Infinity, NaN
+            raise ProtocolError(f"GetRequest.wait_ms must be finite, not {self.wait_ms}")
 
 
 @dataclass(frozen=True)
-class AckRequest(_Record):
+class AckRequest(Record):
     """A served batch was trained. With `commit` false it is kept until a commit."""
 
-    batch_id: str
-    trainer_version: int
+    batch_id: str = ""
+    """Empty, or a batch this buffer does not know: found by `trajectory_ids` instead."""
+    trainer_version: int | None = None
     commit: bool = True
     trajectory_ids: list[str] | None = None
     """The batch's trajectories: a buffer restarted since serving it still finds them."""
@@ -257,39 +283,40 @@ class AckRequest(_Record):
 
 
 @dataclass(frozen=True)
-class AckAnswer(_Record):
+class AckAnswer(Record):
     known: bool
     """False: the buffer knew neither the batch nor its trajectories."""
     trainer_version: int = 0
 
 
 @dataclass(frozen=True)
-class CommitRequest(_Record):
+class CommitRequest(Record):
     """A trainer checkpoint now holds these trajectories: let them go."""
 
-    trajectory_ids: list[str]
+    trajectory_ids: list[str] = field(default_factory=list)
     trainer_version: int | None = None
     trainer_step: int | None = None
 
 
 @dataclass(frozen=True)
-class CommitAnswer(_Record):
+class CommitAnswer(Record):
     groups: int
     """Groups committed."""
     trainer_version: int = 0
 
 
 @dataclass(frozen=True)
-class ResumeRequest(_Record):
+class ResumeRequest(Record):
     """A trainer restarted from a checkpoint holding `committed_ids`."""
 
-    committed_ids: list[str]
-    trainer_version: int
-    trainer_step: int
+    committed_ids: list[str] = field(default_factory=list)
+    trainer_version: int | None = None
+    trainer_step: int | None = None
+    """The checkpoint's step: the buffer's step goes back to it."""
 
 
 @dataclass(frozen=True)
-class ResumeAnswer(_Record):
+class ResumeAnswer(Record):
     committed_groups: int
     requeued_groups: int
     """Groups served or trained after the checkpoint, to be served again."""

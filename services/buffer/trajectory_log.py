@@ -14,7 +14,7 @@ from rollwire.services.buffer.ledger import OrdinalLedger
 from rollwire.services.core.wire import Trajectory, decode_trajectory
 
 if TYPE_CHECKING:
-    from rollwire.services.buffer.server import BufferState
+    from rollwire.services.buffer.state import BufferState
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A watchdog: work that outlives its deadline is reported, with its trace id, instead
-of hanging quietly (DESIGN.md, invariant 4).
+of hanging quietly (ARCHITECTURE.md, invariant 4).
 
     watchdog = Watchdog("orchestrator")
     watchdog.start()                       # checks every `period` seconds

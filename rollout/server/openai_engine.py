@@ -10,7 +10,7 @@ processed_logprobs`; `rollwire mismatch` shows whether they agree.
 Weights: with `update_weights: none` (the default) the server keeps its own and
 an update from the trainer is refused (UNIMPLEMENTED). With `update_weights: vllm`
 the server must be a vLLM server started with `VLLM_SERVER_DEV_MODE=1` and
-`--worker-extension-cls rollwire.rollout.vllm_worker.WeightLoader`: an update
+`--worker-extension-cls rollwire.rollout.server.vllm_worker.WeightLoader`: an update
 pauses it (`/pause`, aborting requests in flight when interruptible, else
 waiting for them), sends the tensors as one safetensors blob through
 `/collective_rpc`, resets the prefix cache and resumes. Requests the pause
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from rollwire.rollout.engine import (
+from rollwire.rollout.server.engine import (
     Generation,
     RequestError,
     UpdateUnsupported,
@@ -50,7 +50,7 @@ from rollwire.rollout.engine import (
     model_limits,
     validate_request,
 )
-from rollwire.rollout.sampling import SamplingSpec
+from rollwire.rollout.server.sampling import SamplingSpec
 
 log = logging.getLogger(__name__)
 RESEED_STRIDE = 1_000_003

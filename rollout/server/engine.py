@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from rollwire.rollout.sampling import SamplingSpec
+from rollwire.rollout.server.sampling import SamplingSpec
 
 if TYPE_CHECKING:
     import torch

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from rollwire.rollout.engine import (
+from rollwire.rollout.server.engine import (
     Generation,
     RequestError,
     checkpoint_parameter_specs,
@@ -52,7 +52,7 @@ from rollwire.rollout.engine import (
     model_limits,
     validate_request,
 )
-from rollwire.rollout.sampling import SamplingSpec
+from rollwire.rollout.server.sampling import SamplingSpec
 
 log = logging.getLogger(__name__)
 

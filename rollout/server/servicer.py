@@ -11,9 +11,9 @@ import grpc
 import grpc.aio
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.engine import ContextTooLong, Engine, RequestError, UpdateUnsupported
-from rollwire.rollout.sampling import SamplingSpec
-from rollwire.rollout.weights import (
+from rollwire.rollout.server.engine import ContextTooLong, Engine, RequestError, UpdateUnsupported
+from rollwire.rollout.server.sampling import SamplingSpec
+from rollwire.rollout.server.weights import (
     NotInWeightGroup,
     WeightGroupError,
     WeightGroupRequestError,
@@ -232,8 +232,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
 # Engines in this process that take the same arguments; imported only when chosen.
 IN_PROCESS_ENGINES = {
-    "vllm": ("rollwire.rollout.vllm_engine", "VLLMEngine"),
-    "sglang": ("rollwire.rollout.sglang_engine", "SGLangEngine"),
+    "vllm": ("rollwire.rollout.server.vllm_engine", "VLLMEngine"),
+    "sglang": ("rollwire.rollout.server.sglang_engine", "SGLangEngine"),
 }
 
 
@@ -243,7 +243,7 @@ def build_engine(config: RolloutServerConfig) -> Engine:
 
     torch.set_num_threads(config.threads)
     if config.engine == "openai":
-        from rollwire.rollout.openai_engine import OpenAIEngine
+        from rollwire.rollout.server.openai_engine import OpenAIEngine
 
         return OpenAIEngine(
             config.base_url,
@@ -268,7 +268,7 @@ def build_engine(config: RolloutServerConfig) -> Engine:
             seed=config.seed,
             engine_args=config.engine_args,
         )
-    from rollwire.rollout.hf_engine import HFEngine
+    from rollwire.rollout.server.hf_engine import HFEngine
 
     return HFEngine(
         model_path,

@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-from rollwire.rollout.engine import (
+from rollwire.rollout.server.engine import (
     ContextTooLong,
     Generation,
     RequestError,
     validate_request,
 )
-from rollwire.rollout.sampling import SamplingSpec, sample_next
+from rollwire.rollout.server.sampling import SamplingSpec, sample_next
 
 __all__ = ["ContextTooLong", "Generation", "HFEngine", "RequestError"]
 

@@ -3,7 +3,7 @@
 Start a vLLM server you run yourself with
 
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --worker-extension-cls \\
-        rollwire.rollout.vllm_worker.WeightLoader --logprobs-mode processed_logprobs
+        rollwire.rollout.server.vllm_worker.WeightLoader --logprobs-mode processed_logprobs
 
 and point a rollout-server at it (`engine: openai`, `engine_args: {update_weights: vllm}`):
 each update then arrives as one safetensors blob (base64 in the JSON body) and is loaded
@@ -22,6 +22,6 @@ class WeightLoader:
         """Loads checkpoint-named tensors from base64 safetensors bytes; returns how many."""
         from safetensors.torch import load
 
-        from rollwire.rollout.vllm_engine import load_checkpoint_weights
+        from rollwire.rollout.server.vllm_engine import load_checkpoint_weights
 
         return load_checkpoint_weights(self, load(base64.b64decode(payload)))

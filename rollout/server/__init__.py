@@ -1,0 +1,1 @@
+"""The rollout-server process: one engine behind RolloutService, and the weights it takes."""
