@@ -360,7 +360,7 @@ def test_env_call_errors_other_than_bad_actions_fail_the_episode(tokenizer) -> N
 
 
 def test_groups_dropped_as_stale_are_launched_again() -> None:
-    from rollwire.rollout.orchestrator.loop import launch_capacity
+    from rollwire.rollout.orchestrator.pacing import launch_capacity
 
     # Version 3, bound 1, 8 groups a step: groups for steps 4 and 5 may exist.
     assert launch_capacity(3, 1, 8, 100, dropped_groups=0) == 40
@@ -395,9 +395,8 @@ def test_a_hung_server_is_left_for_another(tokenizer) -> None:
 
 
 def test_a_full_buffer_slows_the_producer_instead_of_losing_the_trajectory() -> None:
-    from types import SimpleNamespace
-
-    from rollwire.rollout.orchestrator.loop import put_group_with_backpressure
+    from rollwire.rollout.orchestrator.pacing import put_group_with_backpressure
+    from rollwire.services.buffer.protocol import PutAnswer
 
     class Producer:
         """Refuses the group's second trajectory `full_for` times with `reason`."""
@@ -411,9 +410,9 @@ def test_a_full_buffer_slows_the_producer_instead_of_losing_the_trajectory() -> 
             for t in trajectories:
                 if t == "second" and self.full_for:
                     self.full_for -= 1
-                    results.append(SimpleNamespace(accepted=False, reason=self.reason))
+                    results.append(PutAnswer(accepted=False, reason=self.reason))
                 else:
-                    results.append(SimpleNamespace(accepted=True, reason="ok"))
+                    results.append(PutAnswer(accepted=True, reason="ok"))
             return results
 
     producer = Producer(full_for=3)
@@ -431,7 +430,7 @@ def test_a_full_buffer_slows_the_producer_instead_of_losing_the_trajectory() -> 
 
 
 def test_dynamic_sampling_drops_uniform_groups_up_to_its_budget() -> None:
-    from rollwire.rollout.orchestrator.loop import DynamicSampling
+    from rollwire.rollout.orchestrator.pacing import DynamicSampling
 
     off = DynamicSampling(enabled=False, per_step=10)
     assert not off.drops([1.0, 1.0], version=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollwire.services.buffer.server import BufferState
+from rollwire.services.buffer.state import BufferState
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.datasets import MixtureTasks, Task
 from tests.test_buffer import trajectory

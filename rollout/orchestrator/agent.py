@@ -19,7 +19,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,9 +28,11 @@ from rollwire.envs.client import EnvBackend, EnvServerLost
 from rollwire.envs.host import EnvCallError
 from rollwire.envs.pool import EnvPool
 from rollwire.proto.v1 import rollout_pb2
+from rollwire.rollout.orchestrator.episode import EpisodeTokens, trajectory_from_episode
 from rollwire.services.core.config import AgentConfig
 from rollwire.services.core.datasets import Task
 from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.retry import RetryPolicy, call_with_retries
 from rollwire.services.core.wire import Trajectory
 
 log = logging.getLogger(__name__)
@@ -111,34 +112,24 @@ class ChatTurns:
 # ---------------------------------------------------------------- one episode
 
 
-@dataclass
-class _Tokens:
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    turns: list[int] = field(default_factory=list)
-
-    def context(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-        self.turns += [-1] * len(ids)
-
-    def generated(self, output: rollout_pb2.GenerateResponse, turn: int) -> None:
-        n = len(output.token_ids)
-        self.ids += list(output.token_ids)
-        self.mask += [1] * n
-        self.logprobs += list(output.logprobs)
-        self.versions += list(output.policy_versions)
-        self.turns += [turn] * n
-
-
-def _finish_reason(output: rollout_pb2.GenerateResponse) -> str:
-    return (
-        rollout_pb2.FinishReason.Name(output.finish_reason).removeprefix("FINISH_REASON_").lower()
+async def env_specs(pool: EnvPool, timeout: float, addresses: list[str]) -> dict[str, EnvSpec]:
+    """What the env-servers offer, asked every 0.2 s until one answers; past `timeout`
+    seconds a TimeoutError naming `addresses` (the configured env-servers)."""
+    # A steady 0.2 s between asks: the env-servers are starting up, not overloaded.
+    poll = RetryPolicy(
+        attempts=None, first_pause=0.2, multiplier=1.0, max_pause=0.2, total_seconds=timeout
     )
+    try:
+        return await call_with_retries(
+            pool.specs,
+            poll,
+            what="the env-servers' specs",
+            retryable=lambda error: isinstance(error, EnvServerLost),
+        )
+    except EnvServerLost as error:
+        raise TimeoutError(
+            f"no env-server of {addresses} answered within {timeout:g}s: {error}"
+        ) from None
 
 
 class EpisodeRunner:
@@ -231,7 +222,7 @@ class EpisodeRunner:
             raise EpisodeFailed(f"env {spec.env_id!r} on {backend.address}: {error}") from None
         timings["env"] += time.perf_counter() - started
         turns = self._turns()
-        tokens = _Tokens()
+        tokens = EpisodeTokens()
         step_rewards: list[float] = []
         turn_keys: list[str] = []
         first_observation, action_text, finish_reason = observation, "", "truncated"
@@ -300,25 +291,18 @@ class EpisodeRunner:
             except EnvCallError as error:  # the episode is over either way
                 log.debug("closing a session failed: %s", error)
         timings["total"] = time.perf_counter() - started
-        return Trajectory(
-            trajectory_id=f"{task.task_id}/{sample_index}",
-            group_id=task.task_id,
-            task_id=task.task_id,
-            sample_index=sample_index,
-            prompt_ordinal=task.ordinal,
+        return trajectory_from_episode(
+            task,
+            sample_index,
+            tokens,
             source=spec.env_id,
             domain=spec.domain,
-            token_ids=np.asarray(tokens.ids, np.int32),
-            loss_mask=np.asarray(tokens.mask, np.uint8),
-            behaviour_logprobs=np.asarray(tokens.logprobs, np.float32),
-            policy_versions=np.asarray(tokens.versions, np.int64),
             reward=float(sum(step_rewards)),
             reward_components={**components, "turns": float(len(step_rewards))},
-            step_rewards=np.asarray(step_rewards, np.float32),
-            turn_ids=np.asarray(tokens.turns, np.int32),
-            turn_keys=turn_keys,
             finish_reason=finish_reason,
             timings=timings,
+            step_rewards=step_rewards,
+            turn_keys=turn_keys,
         )
 
     def _key(self, info: dict[str, Any], context: list[int]) -> str:

@@ -1,0 +1,128 @@
+"""Held-out evaluation: the policy's greedy reward on tasks it never trains on.
+
+The orchestrator evaluates every `orchestrator.eval_every` policy versions
+(version 0 included) and once more when the trainer reaches `rl.max_steps`,
+each version at most once. The mean reward goes to metrics/eval.jsonl. An
+evaluation that meets a restarting service is tried again a few times, then
+skipped and counted: it must never end the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import IO
+
+import grpc.aio
+import numpy as np
+
+from rollwire.services.core.datasets import Task
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.retry import RetryPolicy, call_with_retries
+from rollwire.services.core.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+
+# Three tries, 2 s then 4 s apart: long enough for a restarted service to come back.
+PATIENCE = RetryPolicy(attempts=3, first_pause=2.0, multiplier=2.0, max_pause=4.0)
+# After the last failure the orchestrator still pauses before it goes on: the service
+# that failed is likely still coming back, and the run's next calls would meet it first.
+GIVE_UP_PAUSE = 6.0
+
+
+def _worth_another_try(error: BaseException) -> bool:
+    # A service restarting, a connection lost, an episode that could not finish.
+    return isinstance(error, grpc.aio.AioRpcError | OSError | RuntimeError)
+
+
+class Evaluation:
+    """Evaluates the policy on held-out `tasks` when due; `reward_of(task)` plays one
+    task greedily and returns its reward."""
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        reward_of: Callable[[Task], Awaitable[float]],
+        *,
+        every: int,
+        final_step: int,
+        concurrency: int,
+        log_file: IO[str],
+        watchdog: Watchdog,
+        watch_seconds: float,
+    ) -> None:
+        self.tasks, self.reward_of = tasks, reward_of
+        self.every, self.final_step = every, final_step
+        self.concurrency = concurrency
+        self.log_file = log_file
+        self.watchdog, self.watch_seconds = watchdog, watch_seconds
+        self.evaluated: set[int] = set()
+
+    def due(self, version: int, step: int) -> bool:
+        """Whether policy `version` (the trainer at `step`) is still to be evaluated."""
+        return (
+            bool(self.tasks)
+            and version not in self.evaluated
+            and (version % self.every == 0 or step >= self.final_step)
+        )
+
+    async def when_due(self, version: int, step: int) -> None:
+        """Evaluates `version` if it is due (see `due`), patiently."""
+        if self.due(version, step):
+            self.evaluated.add(version)
+            await self.patiently(version)
+
+    async def patiently(self, version: int) -> None:
+        """An evaluation that meets a restarting service is tried again a few times, then
+        skipped (counted): it must not end the run."""
+
+        async def watched() -> float:
+            with self.watchdog.watch("evaluation", f"of version {version}", self.watch_seconds):
+                return await self.evaluate(version)
+
+        def failed(error: BaseException, attempt: int) -> None:
+            COUNTERS.inc("orchestrator_eval_failures")
+            log.warning(
+                "evaluation failed",
+                extra={"policy_version": version, "attempt": attempt, "error": str(error)},
+            )
+
+        try:
+            await call_with_retries(
+                watched,
+                PATIENCE,
+                what=f"evaluation of version {version}",
+                retryable=_worth_another_try,
+                on_retry=failed,
+            )
+        except Exception as error:
+            if not _worth_another_try(error):
+                raise
+            failed(error, PATIENCE.attempts)
+            await asyncio.sleep(GIVE_UP_PAUSE)
+            log.error("evaluation of version %d skipped after 3 failures", version)
+
+    async def evaluate(self, version: int) -> float:
+        """Greedy accuracy on the held-out tasks; logged to metrics/eval.jsonl."""
+        # As many requests in flight as training keeps, no more.
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def one(task: Task) -> float:
+            async with limit:
+                return await self.reward_of(task)
+
+        rewards = await asyncio.gather(*(one(t) for t in self.tasks))
+        mean = float(np.mean(rewards))
+        entry = {
+            "policy_version": version,
+            "eval_reward": mean,
+            "tasks": len(self.tasks),
+            "time": time.time(),
+        }
+        self.log_file.write(json.dumps(entry) + "\n")
+        self.log_file.flush()
+        log.info("evaluated", extra={"policy_version": version, "eval_reward": round(mean, 4)})
+        return mean

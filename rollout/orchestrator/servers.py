@@ -1,0 +1,154 @@
+"""The rollout- and reward-servers, as the orchestrator calls them.
+
+Calls go round-robin over the servers of each kind. A call that finds its
+server unavailable (restarting) or past its deadline is tried again,
+`orchestrator.request_attempts` times in all, 0.25 s apart and doubling;
+each retry is counted in `orchestrator_retries{call}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rollwire.services.core.client import open_channel, wait_for_serving
+from rollwire.services.core.config import RunConfig
+from rollwire.services.core.datasets import Task
+from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.retry import RetryPolicy, call_with_retries, grpc_codes
+from rollwire.services.core.structs import to_struct
+
+T = TypeVar("T")
+
+# A server that is restarting (unavailable) or swamped (past the deadline) is tried again.
+_SERVER_BUSY = grpc_codes("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def sample_seed(base: int, ordinal: int) -> int:
+    """The seed of sample 0 of prompt `ordinal` (sample i uses this + i), the same in every
+    run with the same base: what lets a resumed run draw the samples it would have."""
+    digest = hashlib.blake2b(f"{base}/{ordinal}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # leaves room to add sample indices
+
+
+class Servers:
+    """Generate calls to the rollout-servers and Score calls to the reward-servers;
+    `eos` is the token every response stops at."""
+
+    def __init__(self, config: RunConfig, eos: int) -> None:
+        self.config = config
+        self.rl = config.rl
+        self.settings = config.orchestrator
+        self.eos = eos
+        # Long enough in all for a restarted service to come back (a few seconds).
+        self.retries = RetryPolicy(
+            attempts=self.settings.request_attempts, first_pause=0.25, max_pause=4.0
+        )
+        endpoints = config.endpoints
+        self.addresses = endpoints.rollout_servers + endpoints.reward_servers
+        self.rollout_channels = [open_channel(a, config.client) for a in endpoints.rollout_servers]
+        self.reward_channels = [open_channel(a, config.client) for a in endpoints.reward_servers]
+        self.rollout = [rollout_pb2_grpc.RolloutServiceStub(c) for c in self.rollout_channels]
+        self.reward = [reward_pb2_grpc.RewardServiceStub(c) for c in self.reward_channels]
+        self._next_rollout = itertools.cycle(range(len(self.rollout)))
+        self._next_reward = itertools.cycle(range(len(self.reward)))
+
+    async def wait_until_serving(self) -> None:
+        """Returns once every server reports SERVING (or raises past the connect timeout)."""
+        for address, channel in zip(
+            self.addresses, self.rollout_channels + self.reward_channels, strict=True
+        ):
+            await wait_for_serving(
+                channel, timeout=self.config.client.connect_timeout_seconds, target=address
+            )
+
+    async def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, temperature: float
+    ) -> rollout_pb2.GenerateResponse:
+        """One response to `prompt_ids`, of at most `max_new_tokens`: a single-turn
+        evaluation's, or one turn of an episode."""
+        request = rollout_pb2.GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt_ids,
+            sampling=self._sampling(temperature, max_new_tokens),
+        )
+        stub = self.rollout[next(self._next_rollout)]
+        return await self._call(
+            lambda: stub.Generate(request, timeout=self.settings.generate_timeout_seconds),
+            "generate",
+        )
+
+    async def generate_group(
+        self, prompt_ids: list[int], ordinal: int | None = None
+    ) -> list[rollout_pb2.GenerateResponse]:
+        """`rl.group_size` samples of one prompt, in one call, batched on one rollout-server;
+        seeded from the prompt's ordinal when `orchestrator.sampling_seed` is set."""
+        sampling = self._sampling(self.rl.temperature, self.settings.max_new_tokens)
+        if self.settings.sampling_seed is not None and ordinal is not None:
+            sampling.seed = sample_seed(self.settings.sampling_seed, ordinal)
+        request = rollout_pb2.GenerateGroupRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            num_samples=self.rl.group_size,
+        )
+        stub = self.rollout[next(self._next_rollout)]
+        reply = await self._call(
+            lambda: stub.GenerateGroup(request, timeout=self.settings.generate_timeout_seconds),
+            "generate",
+        )
+        return list(reply.samples)
+
+    def _sampling(self, temperature: float, max_new_tokens: int) -> rollout_pb2.SamplingParams:
+        return rollout_pb2.SamplingParams(
+            temperature=temperature,
+            top_p=self.settings.top_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=[self.eos],
+        )
+
+    async def score(self, task: Task, responses: list[str]) -> list[reward_pb2.ScoreResult]:
+        """The reward-server's scores of `responses` to `task`, in their order."""
+        metadata = to_struct(task.metadata)  # once per group, not once per response
+        items = [
+            reward_pb2.ScoreItem(
+                item_id=str(i),
+                domain=task.domain,
+                prompt=task.question,
+                response=text,
+                reference=task.reference,
+                metadata=metadata,
+            )
+            for i, text in enumerate(responses)
+        ]
+        stub = self.reward[next(self._next_reward)]
+        reply = await self._call(lambda: stub.Score(reward_pb2.ScoreRequest(items=items)), "score")
+        return sorted(reply.results, key=lambda r: int(r.item_id))
+
+    async def score_episode(
+        self, spec: Any, prompt: str, response: str, info: dict[str, Any]
+    ) -> tuple[float, dict[str, float]]:
+        """Reward-server score of an episode whose env gives no reward of its own."""
+        reference = str(info.get("reference", ""))
+        metadata = info.get("metadata") if isinstance(info.get("metadata"), dict) else {}
+        task = Task(0, "", prompt, reference, spec.domain, spec.env_id, metadata)
+        (result,) = await self.score(task, [response])
+        return result.reward, dict(result.components)
+
+    async def _call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        return await call_with_retries(
+            call,
+            self.retries,
+            what=what,
+            retryable=_SERVER_BUSY,
+            on_retry=lambda error, attempt: COUNTERS.inc("orchestrator_retries", call=what),
+        )
+
+    async def close(self) -> None:
+        """Closes the connection to every server."""
+        for channel in self.rollout_channels + self.reward_channels:
+            await channel.close()
