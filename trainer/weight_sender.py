@@ -5,7 +5,7 @@ as chunk streams (`UpdateWeights`) or, with `trainer.weight_transport: group`,
 by broadcast from rank 0 of the weight group (`GroupPublisher`). A server that
 missed a version (it was restarting) is found by `catch_up` and sent the current
 one; `served_versions` tells a resuming trainer which versions the servers hold.
-The receiving side, and the group itself, are `rollwire.rollout.weights`.
+The receiving side, and the group itself, are `rollwire.rollout.server.weights`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import grpc.aio
 import torch
 
 from rollwire.proto.v1 import rollout_pb2
-from rollwire.rollout.weights import (
+from rollwire.rollout.server.weights import (
     WeightGroup,
     WeightGroupError,
     default_backend,
