@@ -5,15 +5,25 @@
 
 An env that cannot accept an action raises `InvalidAction` with a message the
 policy's author can act on; the env-server turns it into INVALID_ARGUMENT.
+
+An env may come with a scripted demonstrator, registered with it, whose
+episodes teach a fresh model to act before RL (`rollwire.envs.demos`).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 StepResult = tuple[str, float, bool, bool, dict[str, Any]]
+"""(observation, reward, terminated, truncated, info)."""
+Act = Callable[[str, dict[str, Any]], str]
+"""One demonstrated episode's player: `act(observation, info) -> action`."""
+Demonstrator = Callable[..., Act]
+"""`demonstrator(rng, **demo_kwargs) -> act`: a scripted player for a fresh episode, drawing
+its choices from `rng` (a `random.Random`) so that the same rng plays the same way."""
 
 
 class InvalidAction(ValueError):

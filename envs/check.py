@@ -26,37 +26,56 @@ When Reset of the env refuses the kwargs (INVALID_ARGUMENT), the first check to
 reset fails saying so and the later ones that need a session skip, rather than
 repeat one cause a dozen times. The session limit and idle expiry are not
 checked: neither can be seen without knowing the server's settings or waiting.
+
+The calls the checks make, their options and verdicts live in `check_probe`,
+the Multiplex check in `check_multiplex`; this module runs them and reports.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import grpc
 import grpc.aio
-from google.protobuf import json_format
 
-from rollwire.proto.v1 import env_pb2, env_pb2_grpc
+from rollwire.envs.check_multiplex import MultiplexCheck
+from rollwire.envs.check_probe import (
+    DEFAULT_ACTIONS,
+    UNKNOWN_ENV_ID,
+    CheckFailed,
+    CheckOptions,
+    CheckSkipped,
+    CheckWarning,
+    Probe,
+    Reply,
+)
+from rollwire.proto.v1 import env_pb2
 from rollwire.services.core.client import check_health, describe_error, open_channel
 from rollwire.services.core.config import ClientConfig
 from rollwire.services.core.structs import to_struct
 
+__all__ = [
+    "CHECKS",
+    "DEFAULT_ACTIONS",
+    "CheckFailed",
+    "CheckOptions",
+    "CheckReport",
+    "CheckResult",
+    "CheckSkipped",
+    "CheckWarning",
+    "ServerUnreachable",
+    "format_table",
+    "run_checks",
+]
+
 Outcome = Literal["pass", "fail", "warn", "skip"]
 ENV_SERVICE = "rollwire.v1.EnvService"
-# Spread-out numbers first (a number game answers them differently for
-# different seeds), then the words grid, text and choice envs commonly take.
-DEFAULT_ACTIONS: tuple[str, ...] = (
-    "50", "left", "25", "right", "75", "up", "down", "1", "0", "yes",
-    "no", "a", "b", "10", "90", "2", "100", "pass", "3", "hello",
-)  # fmt: skip
-UNKNOWN_ENV_ID = "rollwire-env-check-no-such-env"
 SEED_VARIATION_SEEDS = tuple(range(2, 8))  # with seeds 0 and 1 from the determinism check
 
 
@@ -100,193 +119,16 @@ class CheckReport:
         }
 
 
-@dataclass(frozen=True)
-class CheckOptions:
-    """What to check and how hard."""
-
-    env_id: str | None = None
-    """Env to exercise; the first one ListEnvs names when unset."""
-    env_kwargs: dict[str, Any] | None = None
-    """Constructor arguments sent with every Reset of that env."""
-    actions: tuple[str, ...] = DEFAULT_ACTIONS
-    """Candidate actions, stepped in this order; rejected ones are fine."""
-    timeout: float = 10.0
-    """Deadline of every call, and of connecting, in seconds."""
-    sessions: int = 32
-    """Sessions played at once by the concurrency check."""
-    oversized_action_bytes: int = 1024 * 1024
-    """Size of the action that must be refused; far above any sensible action limit."""
-    max_steps: int = 200
-    """Steps the step-contract check takes while waiting for an episode to end."""
-
-
 class ServerUnreachable(Exception):
     """Nothing answers at the address; no check could run."""
-
-
-class CheckFailed(Exception):
-    """The server broke the contract."""
-
-
-class CheckWarning(Exception):
-    """Allowed by the contract but probably unintended."""
-
-
-class CheckSkipped(Exception):
-    """The check could not be judged; the message says why."""
-
-
-@dataclass
-class Reply:
-    """One Step answer, reduced to what determinism is judged on."""
-
-    code: str  # "OK" or the status code's name
-    observation: str = ""
-    reward: float = 0.0
-    terminated: bool = False
-    truncated: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def done(self) -> bool:
-        return self.code == "OK" and (self.terminated or self.truncated)
-
-    @classmethod
-    def from_step(cls, step: env_pb2.StepResponse) -> Reply:
-        return cls(
-            "OK", step.observation, step.reward, step.terminated, step.truncated, _info(step.info)
-        )
-
-    def brief(self) -> str:
-        if self.code != "OK":
-            return self.code
-        text = self.observation if len(self.observation) <= 40 else self.observation[:37] + "..."
-        return f"{text!r} r={self.reward:g} term={self.terminated} trunc={self.truncated}"
-
-
-def _info(struct: Any) -> dict[str, Any]:
-    return json_format.MessageToDict(struct)
 
 
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
-def _code_name(number: int) -> str:
-    """The name of a status code number as CallError carries it ("5" -> "NOT_FOUND")."""
-    return next((code.name for code in grpc.StatusCode if code.value[0] == number), str(number))
-
-
-class _Suite:
-    """The checks, sharing one channel and what earlier checks learned."""
-
-    def __init__(
-        self, channel: grpc.aio.Channel, options: CheckOptions, token: str | None = None
-    ) -> None:
-        self.channel = channel
-        # grpc.aio files a channel interceptor under the first call kind it
-        # implements only, so streaming calls must carry the token themselves.
-        self.stream_metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.stub = env_pb2_grpc.EnvServiceStub(channel)
-        self.options = options
-        self.timeout = options.timeout
-        self.env_id = options.env_id
-        # Transcripts of one session played alone, by seed: the reference that
-        # determinism and concurrency are judged against.
-        self.transcripts: dict[int, list[Reply]] = {}
-        self.accepted_action: str | None = None
-        self.reset_refused = False
-
-    # ---------------------------------------------------------------- helpers
-
-    def _need_env(self) -> str:
-        if self.env_id is None:
-            raise CheckSkipped("no env id to exercise (ListEnvs named none); pass --env-id")
-        return self.env_id
-
-    def _reset_request(self, seed: int) -> env_pb2.ResetRequest:
-        request = env_pb2.ResetRequest(env_id=self._need_env(), seed=seed)
-        if self.options.env_kwargs:
-            request.env_kwargs.CopyFrom(to_struct(self.options.env_kwargs))
-        return request
-
-    async def _reset(self, seed: int) -> tuple[str, Reply]:
-        try:
-            reply = await self.stub.Reset(self._reset_request(seed), timeout=self.timeout)
-        except grpc.aio.AioRpcError as error:
-            if error.code() is grpc.StatusCode.INVALID_ARGUMENT:
-                # Most likely the env needs kwargs we were not given: say so once,
-                # and let the checks after it skip rather than repeat the failure.
-                if self.reset_refused:
-                    raise CheckSkipped(
-                        "Reset refuses these kwargs (see the first failure)"
-                    ) from None
-                self.reset_refused = True
-                kwargs = self.options.env_kwargs or {}
-                raise CheckFailed(
-                    f"Reset of {self.env_id!r} with kwargs {kwargs} refused: "
-                    f"{describe_error(error)}; pass --env-kwargs with what this env needs"
-                ) from None
-            raise CheckFailed(f"Reset of {self.env_id!r} failed: {describe_error(error)}") from None
-        if not reply.session_id:
-            raise CheckFailed("Reset answered an empty session_id")
-        return reply.session_id, Reply("OK", reply.observation, info=_info(reply.info))
-
-    def _raw_step(self, session_id: str, action: str) -> Awaitable[env_pb2.StepResponse]:
-        request = env_pb2.StepRequest(session_id=session_id, action=action)
-        return self.stub.Step(request, timeout=self.timeout)
-
-    async def _step(self, session_id: str, action: str) -> Reply:
-        """A Step reply; INVALID_ARGUMENT is a reply too, any other error fails the check."""
-        try:
-            reply = await self._raw_step(session_id, action)
-        except grpc.aio.AioRpcError as error:
-            if error.code() is grpc.StatusCode.INVALID_ARGUMENT:
-                return Reply("INVALID_ARGUMENT")
-            raise CheckFailed(
-                f"Step {action[:40]!r} on a live session failed: {describe_error(error)}"
-            ) from None
-        if not math.isfinite(reply.reward):
-            raise CheckFailed(f"Step {action[:40]!r} answered a non-finite reward {reply.reward}")
-        if self.accepted_action is None:
-            self.accepted_action = action
-        return Reply.from_step(reply)
-
-    async def _close(self, session_id: str) -> bool:
-        request = env_pb2.CloseRequest(session_id=session_id)
-        try:
-            return (await self.stub.Close(request, timeout=self.timeout)).existed
-        except grpc.aio.AioRpcError as error:
-            raise CheckFailed(f"Close failed: {describe_error(error)}") from None
-
-    async def _expect_error(
-        self, call: Awaitable[Any], allowed: Sequence[grpc.StatusCode], what: str
-    ) -> grpc.StatusCode:
-        """Awaits a call that must fail with one of `allowed`; returns the code it gave."""
-        names = " or ".join(code.name for code in allowed)
-        try:
-            await call
-        except grpc.aio.AioRpcError as error:
-            if error.code() in allowed:
-                return error.code()
-            raise CheckFailed(f"{what}: expected {names}, got {describe_error(error)}") from None
-        raise CheckFailed(f"{what}: expected {names}, got OK")
-
-    async def _play_alone(self, seed: int) -> list[Reply]:
-        """Reset with `seed`, then every candidate action once, until the episode ends."""
-        session_id, first = await self._reset(seed)
-        transcript = [first]
-        try:
-            for action in self.options.actions:
-                reply = await self._step(session_id, action)
-                transcript.append(reply)
-                if reply.done:
-                    break
-        finally:
-            await self._close(session_id)
-        return transcript
-
-    # ---------------------------------------------------------------- checks
+class _Suite(Probe):
+    """The checks, each a method, sharing one `Probe` of the server."""
 
     async def health(self) -> str:
         try:
@@ -329,12 +171,12 @@ class _Suite:
 
     async def reset_determinism(self) -> str:
         """Two sessions per seed, stepped alternately: the same seed must give the same replies."""
-        self._need_env()
+        self.need_env()
         for seed in (0, 1):
-            first_id, first = await self._reset(seed)
+            first_id, first = await self.reset(seed)
             second_id = ""
             try:
-                second_id, second = await self._reset(seed)
+                second_id, second = await self.reset(seed)
                 if first != second:
                     raise CheckFailed(
                         f"seed {seed}: two Resets differ: {first.brief()} {first.info} vs "
@@ -342,8 +184,8 @@ class _Suite:
                     )
                 transcript = [first]
                 for action in self.options.actions:
-                    one = await self._step(first_id, action)
-                    two = await self._step(second_id, action)
+                    one = await self.step(first_id, action)
+                    two = await self.step(second_id, action)
                     if one != two:
                         raise CheckFailed(
                             f"seed {seed}, step {len(transcript)} (action {action!r}): "
@@ -354,7 +196,7 @@ class _Suite:
                         break
             finally:
                 for session_id in filter(None, (first_id, second_id)):
-                    await self._close(session_id)
+                    await self.close(session_id)
             self.transcripts[seed] = transcript
         steps = len(self.transcripts[0]) - 1
         rejected = sum(r.code != "OK" for r in self.transcripts[0])
@@ -364,7 +206,7 @@ class _Suite:
         if len(self.transcripts) < 2:
             raise CheckSkipped("needs reset_determinism to pass first")
         for seed in SEED_VARIATION_SEEDS:
-            self.transcripts[seed] = await self._play_alone(seed)
+            self.transcripts[seed] = await self.play_alone(seed)
         seeds = sorted(self.transcripts)
         distinct = {repr(self.transcripts[seed]) for seed in seeds}
         if len(distinct) == 1:
@@ -375,14 +217,14 @@ class _Suite:
         return f"{len(distinct)} distinct episodes over seeds {seeds[0]}..{seeds[-1]}"
 
     async def step_contract(self) -> str:
-        session_id, _ = await self._reset(seed=0)
+        session_id, _ = await self.reset(seed=0)
         closed = False
         try:
             steps = rejected = 0
             reply = Reply("INVALID_ARGUMENT")
             while steps < self.options.max_steps and not reply.done:
                 action = self.options.actions[steps % len(self.options.actions)]
-                reply = await self._step(session_id, action)
+                reply = await self.step(session_id, action)
                 steps += 1
                 rejected += reply.code != "OK"
                 if rejected == steps == len(self.options.actions):
@@ -397,24 +239,24 @@ class _Suite:
                 )
             how = "terminated" if reply.terminated else "truncated"
             action = self.accepted_action or ""
-            await self._expect_error(
-                self._raw_step(session_id, action),
+            await self.expect_error(
+                self.raw_step(session_id, action),
                 [grpc.StatusCode.FAILED_PRECONDITION],
                 f"Step after the episode {how}",
             )
-            if not await self._close(session_id):
+            if not await self.close(session_id):
                 raise CheckFailed("Close of a finished but open session answered existed=false")
             closed = True
-            await self._expect_error(
-                self._raw_step(session_id, action),
+            await self.expect_error(
+                self.raw_step(session_id, action),
                 [grpc.StatusCode.NOT_FOUND],
                 "Step on a closed session",
             )
-            if await self._close(session_id):
+            if await self.close(session_id):
                 raise CheckFailed("a second Close of the same session answered existed=true")
         finally:
             if not closed:
-                await self._close(session_id)
+                await self.close(session_id)
         return (
             f"{_count(steps, 'step')} ({rejected} rejected), {how} with reward {reply.reward:g}; "
             "after done FAILED_PRECONDITION; after Close NOT_FOUND"
@@ -428,16 +270,16 @@ class _Suite:
             if error.code() is grpc.StatusCode.NOT_FOUND:
                 return "NOT_FOUND"
             raise CheckFailed(f"expected NOT_FOUND, got {describe_error(error)}") from None
-        await self._close(reply.session_id)
+        await self.close(reply.session_id)
         raise CheckFailed(f"Reset of env id {UNKNOWN_ENV_ID!r} succeeded; expected NOT_FOUND")
 
     async def unknown_session(self) -> str:
-        step = self._raw_step(uuid.uuid4().hex, self.options.actions[0])
-        await self._expect_error(step, [grpc.StatusCode.NOT_FOUND], "Step on an unknown session")
+        step = self.raw_step(uuid.uuid4().hex, self.options.actions[0])
+        await self.expect_error(step, [grpc.StatusCode.NOT_FOUND], "Step on an unknown session")
         return "NOT_FOUND"
 
     async def bad_kwargs(self) -> str:
-        request = env_pb2.ResetRequest(env_id=self._need_env(), seed=0)
+        request = env_pb2.ResetRequest(env_id=self.need_env(), seed=0)
         request.env_kwargs.CopyFrom(to_struct({"rollwire_env_check_no_such_kwarg": 1}))
         try:
             reply = await self.stub.Reset(request, timeout=self.timeout)
@@ -447,29 +289,29 @@ class _Suite:
             raise CheckFailed(
                 f"an unknown kwarg: expected INVALID_ARGUMENT, got {describe_error(error)}"
             ) from None
-        await self._close(reply.session_id)
+        await self.close(reply.session_id)
         raise CheckWarning("an unknown kwarg was accepted; fine only if the env ignores extras")
 
     async def oversized_action(self) -> str:
-        session_id, _ = await self._reset(seed=0)
+        session_id, _ = await self.reset(seed=0)
         try:
             size = self.options.oversized_action_bytes
             # A valid action at the end: a server with no size limit would accept it.
             tail = " " + (self.accepted_action or self.options.actions[0])
             action = "x" * max(size - len(tail.encode()), 0) + tail
-            code = await self._expect_error(
-                self._raw_step(session_id, action),
+            code = await self.expect_error(
+                self.raw_step(session_id, action),
                 [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT],
                 f"an action of {size} bytes",
             )
             # Refusing it must leave the session as it was: a lost session fails here.
-            after = await self._step(session_id, tail.strip())
+            after = await self.step(session_id, tail.strip())
         finally:
-            await self._close(session_id)
+            await self.close(session_id)
         return f"{code.name} for {size} bytes; the session lived on ({after.code})"
 
     async def close_unknown(self) -> str:
-        if await self._close(uuid.uuid4().hex):
+        if await self.close(uuid.uuid4().hex):
             raise CheckFailed("Close of a session id never issued answered existed=true")
         return "existed=false"
 
@@ -480,9 +322,7 @@ class _Suite:
             raise CheckSkipped("needs reset_determinism to pass first: it gives the reference")
         count = self.options.sessions
         seeds = [index % 2 for index in range(count)]
-        opened = await asyncio.gather(
-            *(self._reset(seed) for seed in seeds), return_exceptions=True
-        )
+        opened = await asyncio.gather(*(self.reset(seed) for seed in seeds), return_exceptions=True)
         ids = [item[0] for item in opened if isinstance(item, tuple)]
         try:
             if failure := next((item for item in opened if isinstance(item, Exception)), None):
@@ -496,7 +336,7 @@ class _Suite:
                 if not live:
                     break
                 order.shuffle(live)
-                replies = await asyncio.gather(*(self._step(ids[i], action) for i in live))
+                replies = await asyncio.gather(*(self.step(ids[i], action) for i in live))
                 for index, reply in zip(live, replies, strict=True):
                     transcripts[index].append(reply)
             for index, transcript in enumerate(transcripts):
@@ -517,7 +357,7 @@ class _Suite:
                         f"seed played without company at reply {at}: {got} vs {want}"
                     )
         finally:
-            closed = await asyncio.gather(*(self._close(sid) for sid in ids))
+            closed = await asyncio.gather(*(self.close(sid) for sid in ids))
         if not all(closed):
             raise CheckFailed(
                 f"{closed.count(False)} of {count} open sessions were unknown to Close"
@@ -525,8 +365,6 @@ class _Suite:
         return f"{count} interleaved sessions each replayed their seed's episode exactly"
 
     async def multiplex(self) -> str:
-        from rollwire.envs.check_multiplex import MultiplexCheck
-
         return await MultiplexCheck(self).run()
 
     async def still_serving(self) -> str:

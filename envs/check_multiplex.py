@@ -9,23 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import grpc.aio
 
-from rollwire.envs.check import UNKNOWN_ENV_ID, CheckFailed, CheckSkipped, Reply, _code_name
+from rollwire.envs.check_probe import (
+    UNKNOWN_ENV_ID,
+    CheckFailed,
+    CheckSkipped,
+    Probe,
+    Reply,
+    code_name,
+)
 from rollwire.proto.v1 import env_pb2
 from rollwire.services.core.client import describe_error
-
-if TYPE_CHECKING:
-    from rollwire.envs.check import _Suite
 
 
 class MultiplexCheck:
     """Batched calls on one stream: each answered once by call_id, errors in-band, stream lives on."""
 
-    def __init__(self, suite: _Suite) -> None:
+    def __init__(self, suite: Probe) -> None:
         self.suite = suite
         self.call: Any = None
         self.answered: set[int] = set()
@@ -58,19 +62,19 @@ class MultiplexCheck:
         got = reply.WhichOneof("reply")
         if got != kind:
             detail = (
-                f" {_code_name(reply.error.code)}: {reply.error.message}" if got == "error" else ""
+                f" {code_name(reply.error.code)}: {reply.error.message}" if got == "error" else ""
             )
             raise CheckFailed(f"{what}: expected a {kind} reply, got {got}{detail}")
         if code is not None and reply.error.code != code.value[0]:
             raise CheckFailed(
-                f"{what}: expected error {code.name}, got {_code_name(reply.error.code)}: "
+                f"{what}: expected error {code.name}, got {code_name(reply.error.code)}: "
                 f"{reply.error.message}"
             )
 
     async def _unary_step(self, session_id: str, action: str) -> str:
         """Steps a session opened through Multiplex with unary Step: it must be known there."""
         try:
-            await self.suite._raw_step(session_id, action)
+            await self.suite.raw_step(session_id, action)
         except grpc.aio.AioRpcError as error:
             allowed = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
             if error.code() in allowed:
@@ -82,15 +86,15 @@ class MultiplexCheck:
 
     async def run(self) -> str:
         suite = self.suite
-        suite._need_env()
+        suite.need_env()
         not_found = grpc.StatusCode.NOT_FOUND
-        unary_id, _ = await suite._reset(seed=1)
+        unary_id, _ = await suite.reset(seed=1)
         mux_id = ""
         self.call = suite.stub.Multiplex(timeout=suite.timeout * 6, metadata=suite.stream_metadata)
         try:
             first = await self._exchange(
                 [
-                    env_pb2.EnvCall(call_id=1, reset=suite._reset_request(0)),
+                    env_pb2.EnvCall(call_id=1, reset=suite.reset_request(0)),
                     env_pb2.EnvCall(
                         call_id=2, reset=env_pb2.ResetRequest(env_id=UNKNOWN_ENV_ID, seed=0)
                     ),
@@ -127,7 +131,7 @@ class MultiplexCheck:
                 if reply.WhichOneof("reply") == "error":
                     if reply.error.code != grpc.StatusCode.INVALID_ARGUMENT.value[0]:
                         raise CheckFailed(
-                            f"Step on {what} in a batch: {_code_name(reply.error.code)}: "
+                            f"Step on {what} in a batch: {code_name(reply.error.code)}: "
                             f"{reply.error.message}"
                         )
                 else:
@@ -172,7 +176,7 @@ class MultiplexCheck:
             self.call.cancel()
             for session_id in (mux_id, unary_id):
                 if session_id:
-                    await suite._close(session_id)
+                    await suite.close(session_id)
         return (
             f"{len(self.answered)} calls answered once by call_id; errors in-band; sessions shared "
             f"with unary calls (unary Step on a batch session: {unary_step})"

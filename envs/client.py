@@ -41,8 +41,8 @@ import grpc
 import grpc.aio
 from opentelemetry import trace
 
-from rollwire.envs.base import EnvSpec
-from rollwire.envs.host import EnvCallError, ResetResult, SessionHost, StepResult
+from rollwire.envs.base import EnvSpec, StepResult
+from rollwire.envs.host import EnvCallError, ResetResult, SessionHost
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.config import ClientConfig, EnvServerConfig

@@ -7,85 +7,47 @@ loop renders them (`rollwire.rollout.orchestrator.agent`), with the loss on the 
 actions only. The scripts are deliberately imperfect — like demonstrations of
 uneven quality — so that RL has something to improve.
 
-Each demonstrator is a factory `(rng, **demo_kwargs) -> act(observation, info) -> action`,
-registered by env id.
+Each demonstrator is a factory `(rng, **demo_kwargs) -> act(observation, info) -> action`
+(`rollwire.envs.base.Demonstrator`), registered with its env in the same
+`rollwire.envs.registry.register` call, built-in or plugin alike. The built-in
+ones sit next to the env they play (`guess_the_number_demonstrator` in
+`games`, `tool_use_demonstrator` in `tools`): the registry imports them, and
+this module plays through the registry, so neither may import the other.
 """
 
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Callable
 from typing import Any
 
-Act = Callable[[str, dict[str, Any]], str]
-_QUESTION = re.compile(r"What is (.+?)\?")
-_NUMBER = re.compile(r"-?\d+")
+from rollwire.envs import registry
+from rollwire.envs.base import Act, Demonstrator
 
 
-def tool_use(
-    rng: random.Random, tool_rate: float = 0.25, off_by_one_rate: float = 0.6, **_: Any
-) -> Act:
-    """Either computes with the calculator and answers what it returned (`tool_rate` of
-    episodes), or answers at once, off by one `off_by_one_rate` of the time."""
-    use_tool = rng.random() < tool_rate
-    state: dict[str, Any] = {"turn": 0}
-
-    def act(observation: str, info: dict[str, Any]) -> str:
-        state["turn"] += 1
-        if state["turn"] == 1:
-            state["reference"] = str(info.get("reference", ""))
-            question = _QUESTION.search(observation)
-            if use_tool and question:
-                return f"<calc>{question.group(1).strip()}</calc>"
-            answer = state["reference"]
-            if rng.random() < off_by_one_rate and _NUMBER.fullmatch(answer):
-                answer = str(int(answer) + 1)
-            return f"<answer>{answer}</answer>"
-        numbers = _NUMBER.findall(observation)
-        return f"<answer>{numbers[-1] if numbers else state['reference']}</answer>"
-
-    return act
-
-
-def guess_the_number(rng: random.Random, bisect_rate: float = 0.3, **_: Any) -> Act:
-    """Guesses inside the range the answers so far allow: the midpoint `bisect_rate` of the
-    time, anywhere in it otherwise."""
-    bounds: dict[str, int] = {}
-
-    def act(observation: str, info: dict[str, Any]) -> str:
-        if not bounds:
-            bounds.update(low=int(info.get("low", 1)), high=int(info.get("high", 100)))
-        elif "last" in bounds:
-            if "higher" in observation:
-                bounds["low"] = bounds["last"] + 1
-            elif "lower" in observation:
-                bounds["high"] = bounds["last"] - 1
-        low, high = bounds["low"], max(bounds["low"], bounds["high"])
-        guess = (low + high) // 2 if rng.random() < bisect_rate else rng.randint(low, high)
-        bounds["last"] = guess
-        return str(guess)
-
-    return act
-
-
-DEMONSTRATORS: dict[str, Callable[..., Act]] = {
-    "tool_use": tool_use,
-    "guess_the_number": guess_the_number,
-}
+def find_demonstrator(env_id: str) -> Demonstrator:
+    """The demonstrator registered with `env_id`; ValueError saying what to do when there is none."""
+    try:
+        factory = registry.demonstrator(env_id)
+    except registry.UnknownEnv:
+        known = ", ".join(spec.env_id for spec in registry.list_specs()) or "none"
+        raise ValueError(
+            f"no scripted demonstrator for env {env_id!r}: no env is registered under that id "
+            f"(registered: {known}); an env from a plugin needs its module in env_server.plugins"
+        ) from None
+    if factory is None:
+        known = ", ".join(registry.ids_with_demonstrator()) or "none"
+        raise ValueError(
+            f"no scripted demonstrator for env {env_id!r} (envs with one: {known}); "
+            "register one with the env (rollwire.envs.registry.register(..., demonstrator=...)), "
+            "set warmup.steps: 0, or start from a model that can already act"
+        )
+    return factory
 
 
 def demonstrator(env_id: str, rng: random.Random, **kwargs: Any) -> Act:
-    """The demonstrator of `env_id`; ValueError naming those that exist when there is none."""
-    try:
-        factory = DEMONSTRATORS[env_id]
-    except KeyError:
-        known = ", ".join(sorted(DEMONSTRATORS))
-        raise ValueError(
-            f"no scripted demonstrator for env {env_id!r} (there are: {known}); "
-            "set warmup.steps: 0 or start from a model that can already act"
-        ) from None
-    return factory(rng, **kwargs)
+    """A scripted player of one `env_id` episode; ValueError when the env has no demonstrator."""
+    return find_demonstrator(env_id)(rng, **kwargs)
 
 
 def demo_batches(
@@ -98,9 +60,11 @@ def demo_batches(
     max_turns: int,
     max_tokens: int,
 ) -> Callable[[random.Random, int], list[tuple[list[int], list[int]]]]:
-    """A batch function for `rollwire.trainer.sft.warm_up_on`: scripted episodes as tokens."""
-    from rollwire.envs import registry
+    """A batch function for `rollwire.trainer.sft.warm_up_on`: scripted episodes as tokens.
 
+    Raises ValueError at once, not at the first batch, when `env_id` has no demonstrator.
+    """
+    play = find_demonstrator(env_id)
     eos = int(tokenizer.eos_token_id)
 
     def encode(text: str) -> list[int]:
@@ -108,7 +72,7 @@ def demo_batches(
 
     def episode(rng: random.Random) -> tuple[list[int], list[int]]:
         env = registry.make(env_id, **env_kwargs)
-        act = demonstrator(env_id, rng, **demo_kwargs)
+        act = play(rng, **demo_kwargs)
         observation, info = env.reset(rng.choice(seeds))
         turns = make_turns()
         ids = turns.first(observation)

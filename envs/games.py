@@ -1,4 +1,4 @@
-"""Text games: GuessTheNumber, FrozenLake and Sokoban.
+"""Text games: GuessTheNumber (with its scripted demonstrator), FrozenLake and Sokoban.
 
 Every game draws its randomness from a private `random.Random(seed)` made in
 `reset`, so the same seed and the same actions replay the same episode, and
@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from rollwire.envs.base import Env, InvalidAction, StepResult
+from rollwire.envs.base import Act, Env, InvalidAction, StepResult
 
 _NUMBER = re.compile(r"-?\d+")
 _MOVE_WORD = re.compile(r"\b(up|down|left|right)\b", re.IGNORECASE)
@@ -126,6 +126,27 @@ class GuessTheNumber(Env):
             return "correct", 1.0, True, False, info
         hint = "higher" if guess < self._target else "lower"
         return hint, 0.0, False, self._turns >= self.max_turns, info
+
+
+def guess_the_number_demonstrator(rng: random.Random, bisect_rate: float = 0.3, **_: Any) -> Act:
+    """GuessTheNumber's scripted player, for warm-up: guesses inside the range the answers so
+    far allow, the midpoint `bisect_rate` of the time and anywhere in it otherwise."""
+    bounds: dict[str, int] = {}
+
+    def act(observation: str, info: dict[str, Any]) -> str:
+        if not bounds:
+            bounds.update(low=int(info.get("low", 1)), high=int(info.get("high", 100)))
+        elif "last" in bounds:
+            if "higher" in observation:
+                bounds["low"] = bounds["last"] + 1
+            elif "lower" in observation:
+                bounds["high"] = bounds["last"] - 1
+        low, high = bounds["low"], max(bounds["low"], bounds["high"])
+        guess = (low + high) // 2 if rng.random() < bisect_rate else rng.randint(low, high)
+        bounds["last"] = guess
+        return str(guess)
+
+    return act
 
 
 def _require_episode(started: bool, done: bool) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollwire.envs import registry
-from rollwire.envs.base import Env, EnvSpec, InvalidAction
+from rollwire.envs.base import Env, EnvSpec, InvalidAction, StepResult
 from rollwire.services.core.config import EnvServerConfig
 from rollwire.services.core.metrics import COUNTERS
 
@@ -44,11 +44,6 @@ log = logging.getLogger(__name__)
 
 ResetResult = tuple[str, str, dict[str, Any]]
 """(session_id, observation, info)."""
-StepResult = tuple[str, float, bool, bool, dict[str, Any]]
-"""(observation, reward, terminated, truncated, info)."""
-
-"""Threads for blocking envs: each runs one env call at a time, and such calls
-mostly wait on a subprocess, so there can be many more than CPU cores."""
 
 
 class EnvCallError(Exception):

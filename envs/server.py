@@ -39,7 +39,8 @@ import grpc
 import grpc.aio
 from google.protobuf import struct_pb2
 
-from rollwire.envs.host import EnvCallError, SessionHost, StepResult
+from rollwire.envs.base import StepResult
+from rollwire.envs.host import EnvCallError, SessionHost
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
 from rollwire.services.core.config import EnvServerConfig
 from rollwire.services.core.metrics import COUNTERS

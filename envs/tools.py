@@ -1,7 +1,8 @@
 """Tool use: a calculator and a sandboxed Python the policy calls before it answers.
 
 `calculate` is a safe arithmetic evaluator built on `ast` (no eval);
-`ToolUse` is the `tool_use` environment.
+`ToolUse` is the `tool_use` environment and `tool_use_demonstrator` its
+scripted player for warm-up.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rollwire.envs.base import Env, InvalidAction, StepResult
+from rollwire.envs.base import Act, Env, InvalidAction, StepResult
 from rollwire.envs.games import int_kwarg
 from rollwire.envs.sandbox import run_python
 
@@ -127,6 +128,8 @@ def _parse_number(text: str) -> float | None:
 
 _TOOL_CALL = re.compile(r"<(calc|python)>(.*?)</\1>", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_QUESTION = re.compile(r"What is (.+?)\?")
+_INTEGER = re.compile(r"-?\d+")
 TOOLS = ("calc", "python")
 OPS = ("+", "-", "*", "/")
 
@@ -294,3 +297,29 @@ class ToolUse(Env):
         truncated = self._turns >= self.max_turns
         self._done = truncated
         return observation, 0.0, False, truncated, {"tool": tool, "turn": self._turns}
+
+
+def tool_use_demonstrator(
+    rng: random.Random, tool_rate: float = 0.25, off_by_one_rate: float = 0.6, **_: Any
+) -> Act:
+    """ToolUse's scripted player, for warm-up: either computes with the calculator and answers
+    what it returned (`tool_rate` of episodes), or answers at once, off by one
+    `off_by_one_rate` of the time."""
+    use_tool = rng.random() < tool_rate
+    state: dict[str, Any] = {"turn": 0}
+
+    def act(observation: str, info: dict[str, Any]) -> str:
+        state["turn"] += 1
+        if state["turn"] == 1:
+            state["reference"] = str(info.get("reference", ""))
+            question = _QUESTION.search(observation)
+            if use_tool and question:
+                return f"<calc>{question.group(1).strip()}</calc>"
+            answer = state["reference"]
+            if rng.random() < off_by_one_rate and _INTEGER.fullmatch(answer):
+                answer = str(int(answer) + 1)
+            return f"<answer>{answer}</answer>"
+        numbers = _INTEGER.findall(observation)
+        return f"<answer>{numbers[-1] if numbers else state['reference']}</answer>"
+
+    return act

@@ -183,3 +183,18 @@ def test_examples_are_valid_configs(example: str) -> None:
 def test_the_default_example_is_the_default() -> None:
     example = load_config(Path(__file__).parent.parent / "examples" / "default.yaml", environ={})
     assert example == load_config(environ={})
+
+
+def test_every_model_is_importable_from_the_package_and_from_models() -> None:
+    import rollwire.services.core.config as package
+    from rollwire.services.core.config import models, orchestrator, runtime, servers
+
+    for module in (runtime, servers, orchestrator, models):
+        defined = {
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_") and getattr(value, "__module__", None) == module.__name__
+        }
+        assert defined <= set(models.__all__), defined - set(models.__all__)
+    for name in models.__all__:
+        assert getattr(package, name) is getattr(models, name), name

@@ -418,7 +418,7 @@ def node_unavailable() -> str | None:
     if shutil.which("node") is None:
         return "node is not installed (CI installs it; examples/node-env needs Node.js >= 18)"
     if not (NODE_ENV / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        return "examples/node-env/node_modules is missing: run `npm ci` there (.ci/run does)"
+        return "examples/node-env/node_modules is missing: run `bash deploy/install.sh` (the README's install command)"
     return None
 
 

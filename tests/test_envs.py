@@ -70,6 +70,17 @@ def test_registry() -> None:
         registry.register("guess_the_number", GuessTheNumber, "again")
 
 
+def test_the_builtin_table_is_what_is_registered() -> None:
+    listed = {spec.env_id for spec in registry.list_specs()}
+    assert {builtin.env_id for builtin in registry._BUILTINS} <= listed
+    for builtin in registry._BUILTINS:
+        assert registry.demonstrator(builtin.env_id) is builtin.demonstrator
+    assert {"guess_the_number", "tool_use"} <= set(registry.ids_with_demonstrator())
+    assert registry.demonstrator("frozen_lake") is None
+    with pytest.raises(registry.UnknownEnv, match="unknown env id 'nope'"):
+        registry.demonstrator("nope")
+
+
 class Exploding(Env):
     """Raises in step, to show the server survives a broken env."""
 

