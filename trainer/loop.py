@@ -50,7 +50,7 @@ async def resume(
     rollout-servers in step with it. A fresh run goes through here too: it finds no
     checkpoint and a buffer with nothing served.
 
-    Versions only grow (DESIGN.md, invariant 6): a trainer restarted from step k
+    Versions only grow (ARCHITECTURE.md, invariant 6): a trainer restarted from step k
     after the servers saw version j > k publishes its checkpoint's weights as
     version j + 1, so policy versions run ahead of steps from then on.
     """

@@ -1,4 +1,4 @@
-"""`rollwire up` and `rollwire train`: every service as a local process on loopback.
+"""Local processes: prepare the model, start every service on loopback, supervise, stop.
 
 The launcher prepares the model (the built-in tiny one and an optional
 supervised warm-up), starts the reward-server, rollout-server and buffer on

@@ -1,8 +1,12 @@
-"""`rollwire train` and `rollwire up` on one machine.
+"""The `train` and `up` commands: the run folder, resuming, following a run, its summary.
 
 rollwire train                 # the built-in default: tiny model, chain_sum, CPU
 rollwire train -c run.yaml     # any configuration
 rollwire up -c run.yaml        # the servers only, until Ctrl-C
+
+This module decides what a run is (its folder and resolved config, whether it
+resumes a checkpoint, when it is done, the reward plot at the end); starting and
+supervising the processes is `launcher.py`'s job.
 """
 
 from __future__ import annotations
