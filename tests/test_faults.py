@@ -39,19 +39,23 @@ def start_rollwire(
     )
 
 
-def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float) -> None:
+def wait_for_step(
+    run_dir: Path, step: int, process: subprocess.Popen, timeout: float, context: str = ""
+) -> None:
     trainer_log = run_dir / "metrics" / "trainer.jsonl"
     deadline = time.monotonic() + timeout
     while True:
         rows = jsonl(trainer_log) if trainer_log.exists() else []
         if rows and rows[-1]["step"] >= step:
             return
-        assert process.poll() is None, process.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, f"step {step} not reached within {timeout:g}s"
+        assert process.poll() is None, context + "\n" + process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, (
+            f"step {step} not reached within {timeout:g}s; {context}"
+        )
         time.sleep(0.2)
 
 
-def kill(run_dir: Path, name: str) -> int:
+def kill(run_dir: Path, name: str, launcher: subprocess.Popen, context: str) -> int:
     """SIGKILL to the process group of `name`'s current process. A pid file naming a
     process already gone (the launcher is starting it again) is read again until the new
     process has written its own, for up to 30 s."""
@@ -62,7 +66,14 @@ def kill(run_dir: Path, name: str) -> int:
             os.killpg(pid, signal.SIGKILL)
             return pid
         except ProcessLookupError:
-            assert time.monotonic() < deadline, f"{name}: no live process in its pid file"
+            if launcher.poll() is not None or time.monotonic() > deadline:
+                output = launcher.communicate(timeout=30)[0] if launcher.poll() is not None else ""
+                log = (run_dir / "logs" / f"{name}.log").read_text()[-3000:]
+                raise AssertionError(
+                    f"{name}: no live process in its pid file (launcher "
+                    f"{'exited ' + str(launcher.returncode) if launcher.poll() is not None else 'running'}); "
+                    f"{context}\nlauncher output:\n{output[-3000:]}\n{name}.log:\n{log}"
+                ) from None
             time.sleep(0.2)
 
 
@@ -113,10 +124,11 @@ def test_every_kind_of_process_killed_mid_run_loses_nothing_and_trains_nothing_t
     try:
         for n, name in enumerate(order):
             step = 4 + 6 * n
-            wait_for_step(run_dir, step, process, timeout=300)
+            context = f"seed {seed} (ROLLWIRE_FAULT_SEED), kills {killed}"
+            wait_for_step(run_dir, step, process, timeout=300, context=context)
             delay = rng.uniform(0.0, 2.0)  # somewhere inside the step that follows
             time.sleep(delay)
-            kill(run_dir, name)
+            kill(run_dir, name, process, context)
             killed.append((name, step, round(delay, 2)))
         output, _ = process.communicate(timeout=500)
     finally:

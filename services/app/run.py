@@ -66,10 +66,14 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
         )
     model = prepare_model(config)
     print(f"model: {model}")
+    # A resumed run's rollout-servers start from the base model, which the checkpoint
+    # has left behind: they hold requests until the trainer sends the checkpoint's
+    # weights, or episodes sampled from the base model would be dropped as stale.
+    rollout_server = {"model_path": model, **({"await_weights": True} if checkpoint else {})}
     config = config.model_copy(
         update={
             "run": config.run.model_copy(update={"output_dir": run_dir}),
-            "rollout_server": config.rollout_server.model_copy(update={"model_path": model}),
+            "rollout_server": config.rollout_server.model_copy(update=rollout_server),
             "trainer": config.trainer.model_copy(update={"model_path": model}),
         }
     )
