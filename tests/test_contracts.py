@@ -95,7 +95,9 @@ def test_ruff_lint_and_format_are_clean() -> None:
 
 
 def test_import_contracts_hold() -> None:
-    """envs, reward, config and the wire schema never import torch; config imports no grpc."""
+    """The floors of ARCHITECTURE.md hold (no file imports a floor above its own, rooms use
+    each other's clients only), no two files import each other in a loop, envs, reward,
+    config and the wire schema never import torch, and config imports no grpc."""
     result = subprocess.run(
         [_tool("lint-imports"), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300
     )

@@ -41,18 +41,23 @@ def start_rollwire(
 
 def wait_for_step(
     run_dir: Path, step: int, process: subprocess.Popen, timeout: float, context: str = ""
-) -> None:
+) -> float:
+    """Waits until the trainer has recorded `step`; returns the seconds its recent steps
+    took each (what "somewhere inside the next step" means on this machine today)."""
     trainer_log = run_dir / "metrics" / "trainer.jsonl"
     deadline = time.monotonic() + timeout
     while True:
         rows = jsonl(trainer_log) if trainer_log.exists() else []
         if rows and rows[-1]["step"] >= step:
-            return
+            recent = rows[-4:]
+            if len(recent) < 2:
+                return 0.1
+            return (recent[-1]["time"] - recent[0]["time"]) / (len(recent) - 1)
         assert process.poll() is None, context + "\n" + process.communicate()[0][-3000:]
         assert time.monotonic() < deadline, (
             f"step {step} not reached within {timeout:g}s; {context}"
         )
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def kill(run_dir: Path, name: str, launcher: subprocess.Popen, context: str) -> int:
@@ -111,7 +116,9 @@ def test_every_kind_of_process_killed_mid_run_loses_nothing_and_trains_nothing_t
     seed = int(os.environ.get("ROLLWIRE_FAULT_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)
     order = rng.sample(KINDS, len(KINDS))
-    max_steps = 40  # steps of this tiny model take a fraction of a second; restarts take seconds
+    # Steps of this tiny model take a fraction of a second, restarts take seconds; the last
+    # kill comes at step 28, well before the run can end.
+    max_steps = 48
     run_dir = tmp_path / "run"
     overrides = [
         *SHORT_RUN,
@@ -125,8 +132,11 @@ def test_every_kind_of_process_killed_mid_run_loses_nothing_and_trains_nothing_t
         for n, name in enumerate(order):
             step = 4 + 6 * n
             context = f"seed {seed} (ROLLWIRE_FAULT_SEED), kills {killed}"
-            wait_for_step(run_dir, step, process, timeout=300, context=context)
-            delay = rng.uniform(0.0, 2.0)  # somewhere inside the step that follows
+            step_seconds = wait_for_step(run_dir, step, process, timeout=300, context=context)
+            # Somewhere inside the step that follows. A fixed span would not do: steps of
+            # this tiny model take 0.01-0.5 s, and a run that ended before its last kill
+            # leaves that process nothing to kill.
+            delay = rng.uniform(0.0, min(step_seconds, 2.0))
             time.sleep(delay)
             kill(run_dir, name, process, context)
             killed.append((name, step, round(delay, 2)))
