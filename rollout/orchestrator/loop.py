@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc.aio
 
+from rollwire.rollout.orchestrator.agent import ChatTurns
 from rollwire.rollout.orchestrator.episode import (
     EpisodeTokens,
     finish_reason_of,
@@ -347,11 +348,9 @@ class Orchestrator:
         """The prompt's token ids, through the chat template when it is on."""
         text = task.prompt(self.settings.prompt_template)
         if self.settings.use_chat_template:
-            return list(
-                self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-                )
-            )
+            # The same rendering as an episode's first turn: the template's text, then its
+            # tokens (apply_chat_template(tokenize=True) returns a mapping in transformers 5).
+            return ChatTurns(self.tokenizer, system_prompt=None).first(text)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
