@@ -214,13 +214,31 @@ class Stack:
 
 
 def prepare_model(config: RunConfig, progress: bool = True) -> Path:
-    """The model every service starts from: the configured one, or the tiny one (warmed up if asked)."""
-    if config.rollout_server.model_path is not None:
-        path = Path(config.rollout_server.model_path)
+    """The model every service starts from: the configured one, or the tiny one (warmed up if asked).
+
+    The trainer and the rollout-servers must start from the same weights, so
+    `rollout_server.model_path` and `trainer.model_path` name one model: set either
+    (or both, the same)."""
+    named = {
+        key: Path(value)
+        for key, value in (
+            ("rollout_server.model_path", config.rollout_server.model_path),
+            ("trainer.model_path", config.trainer.model_path),
+        )
+        if value is not None
+    }
+    if len({path.resolve() for path in named.values()}) > 1:
+        raise LaunchError(
+            "rollout_server.model_path and trainer.model_path name different models "
+            f"({', '.join(f'{k}={v}' for k, v in named.items())}); the trainer and the "
+            "rollout-servers must start from the same weights: set one of them"
+        )
+    if named:
+        key, path = next(iter(named.items()))
         if not (path / "config.json").exists():
-            raise LaunchError(
-                f"rollout_server.model_path {path} is not a Hugging Face model folder (no config.json)"
-            )
+            raise LaunchError(f"{key} {path} is not a Hugging Face model folder (no config.json)")
+        if config.warmup.steps and progress:
+            print(f"warm-up skipped: it trains the built-in tiny model, and {key} is set")
         return path
     from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
 

