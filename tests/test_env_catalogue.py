@@ -29,7 +29,10 @@ from rollwire.services.core.config import EnvServerConfig
 from rollwire.services.core.structs import from_struct, to_struct
 
 GEM_MISSING = importlib.util.find_spec("gem") is None
-GEM_SKIP = "gem-llm is not installed here (pip install 'rollwire[gem]' in a venv of its own)"
+GEM_SKIP = (
+    "gem-llm is not installed here; tests/test_gem_suite.py runs the gem tests in .venv-gem "
+    "(which deploy/install.sh builds: gem-llm pins its own reasoning-gym)"
+)
 Cell = tuple[int, int]
 
 
@@ -456,6 +459,7 @@ def test_gem_adapter_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> No
     assert isinstance(caught.value, ImportError) and isinstance(caught.value, ValueError)
 
 
+@pytest.mark.gem
 @pytest.mark.skipif(GEM_MISSING, reason=GEM_SKIP)
 def test_gem_adapter_plays_a_gem_game() -> None:
     root_handlers = list(logging.getLogger().handlers)
@@ -500,7 +504,9 @@ SERVED = [
         id="tool_use-python",
     ),
     ("reasoning_gym", {"size": 10}, ["<answer>{reference}</answer>"], 0.0),
-    ("gem", {"gem_env_id": "game:GuessTheNumber-v0-easy"}, None, None),
+    pytest.param(
+        "gem", {"gem_env_id": "game:GuessTheNumber-v0-easy"}, None, None, marks=pytest.mark.gem
+    ),
 ]
 
 
