@@ -12,9 +12,11 @@ from rollwire.trainer.algorithms import (
     discounted_returns,
     group_advantages,
     kl_k3,
+    lr_factor,
     masked_mean,
     policy_loss,
     step_advantages,
+    token_entropy,
     token_logprobs,
 )
 
@@ -149,6 +151,39 @@ def test_masked_mean_and_token_logprobs() -> None:
     assert float(token_logprobs(logits, torch.tensor([[0]]), temperature=2.0)) == pytest.approx(
         -ln(1 + math.sqrt(3))
     )
+
+
+def test_token_entropy_by_hand() -> None:
+    # Probabilities 1/4, 3/4: H = -(1/4 ln 1/4 + 3/4 ln 3/4) = ln 4 - (3/4) ln 3.
+    logits = torch.tensor([[[0.0, ln(3.0)], [5.0, 5.0]]])
+    entropy = token_entropy(logits)
+    assert entropy.shape == (1, 2)
+    assert entropy.tolist()[0] == pytest.approx([ln(4) - 0.75 * ln(3), ln(2)])
+    # Temperature 2: probabilities a = 1/(1+sqrt 3) and b = sqrt 3/(1+sqrt 3), so
+    # H = -(a ln a + b ln b) = ln(1 + sqrt 3) - b * ln(3) / 2.
+    b = math.sqrt(3) / (1 + math.sqrt(3))
+    assert float(token_entropy(logits, temperature=2.0)[0, 0]) == pytest.approx(
+        ln(1 + math.sqrt(3)) - b * ln(3) / 2
+    )
+    # bfloat16 logits are upcast: the same answer, in float32.
+    assert token_entropy(logits.bfloat16()).dtype == torch.float32
+    assert float(token_entropy(torch.zeros(1, 1, 4).bfloat16())[0, 0]) == pytest.approx(ln(4))
+
+
+def test_lr_factor_by_hand() -> None:
+    assert [lr_factor(s, 10) for s in (0, 5, 1000)] == [1.0, 1.0, 1.0]
+    # Warm-up over 4 updates: (k + 1) / 4, then the base rate.
+    assert [lr_factor(s, 10, "constant", 4) for s in range(6)] == [0.25, 0.5, 0.75, 1, 1, 1]
+    # Linear over 10 updates, 2 of warm-up, down to 0.1: the decay spans updates 2..10.
+    linear = [lr_factor(s, 10, "linear", 2, 0.1) for s in (0, 1, 2, 6, 9, 10, 20)]
+    assert linear == pytest.approx([0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5, 0.1 + 0.9 / 8, 0.1, 0.1])
+    # Cosine over 8 updates to 0: at a quarter of the way 0.5 (1 + cos(pi / 4)).
+    cosine = [lr_factor(s, 8, "cosine") for s in (0, 2, 4, 8, 9)]
+    assert cosine == pytest.approx([1.0, 0.5 + math.sqrt(2) / 4, 0.5, 0.0, 0.0])
+    # A run no longer than its warm-up: the decay has no span, and ends at once.
+    assert lr_factor(3, 3, "linear", 3, 0.2) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        lr_factor(0, 10, "step")  # type: ignore[arg-type]
 
 
 def test_unknown_correction_is_refused() -> None:

@@ -1,4 +1,5 @@
-"""Pure RL math over tensors: advantages, the clipped policy loss, KL estimators.
+"""Pure RL math over tensors: advantages, the clipped policy loss, KL estimators,
+entropy and the learning-rate schedule.
 
 Nothing here knows about gRPC, ZeroMQ or torch.distributed; every function is
 tested against numbers worked out by hand (tests/test_algorithms.py).
@@ -9,6 +10,7 @@ samples (B = G * N, samples of one group adjacent).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Literal
 import torch
 
 Correction = Literal["none", "tis"]
+Schedule = Literal["constant", "linear", "cosine"]
 
 
 def group_advantages(
@@ -225,3 +228,45 @@ def token_logprobs(
     """
     scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
     return torch.gather(torch.log_softmax(scaled, dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy in nats of each position's next-token distribution: logits [B, T, V] -> [B, T].
+
+    Computed in float32 after dividing by `temperature`: the distribution the engine
+    sampled from, as in `token_logprobs`.
+    """
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    logp = torch.log_softmax(scaled, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def lr_factor(
+    step: int,
+    total_steps: int,
+    schedule: Schedule = "constant",
+    warmup_steps: int = 0,
+    min_ratio: float = 0.0,
+) -> float:
+    """Multiplier of the base learning rate for optimizer update `step` (counted from 0).
+
+    Warm-up: update k < `warmup_steps` runs at (k + 1) / warmup_steps, so the last
+    warm-up update reaches the base rate. Then `constant` stays at 1, and `linear` and
+    `cosine` decay from 1 at update `warmup_steps` to `min_ratio` at update
+    `total_steps`, holding `min_ratio` after it (a run extended past its planned length
+    does not go below it).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = total_steps - warmup_steps
+    # No span (a run no longer than its warm-up): past the warm-up is past the end.
+    progress = min(1.0, (step - warmup_steps) / span) if span > 0 else 1.0
+    if schedule == "linear":
+        shape = 1.0 - progress
+    elif schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}; use 'constant', 'linear' or 'cosine'")
+    return min_ratio + (1.0 - min_ratio) * shape

@@ -7,7 +7,7 @@ Each field's docstring is its help text.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -150,15 +150,28 @@ class BufferConfig(StrictModel):
 
 
 class LossConfig(StrictModel):
-    """The policy loss (see `rollwire.trainer.algorithms.policy_loss`)."""
+    """The policy loss (see `rollwire.trainer.algorithms.policy_loss`).
+
+    Three logprobs of every generated token meet in it. **Behaviour** (mu): the
+    engine's, recorded when it sampled the token; it differs from the others when the
+    token is stale (sampled by an older policy version) and by the engine/trainer
+    mismatch (kernels, precision: the `mismatch_*` metrics). **Proximal** (pi_prox): the
+    trainer's weights before this step's first update, computed once per step. **Current**
+    (pi): the weights being updated; equal to the proximal ones in the first update of a
+    step, different from the second on (`trainer.minibatches_per_step` or
+    `trainer.epochs_per_step` above 1), which is where the clip acts.
+    """
 
     clip_low: float = Field(0.2, ge=0, lt=1)
-    """Lower clip of the ratio: 1 - clip_low."""
+    """Lower clip of the ratio pi / pi_old: 1 - clip_low."""
     clip_high: float = Field(0.28, ge=0)
-    """Upper clip of the ratio: 1 + clip_high (clip-higher when above clip_low)."""
+    """Upper clip of the ratio: 1 + clip_high (clip-higher when above clip_low). With
+    `tis`, pi_old is the proximal policy, so the clip binds only from a step's second
+    update on (one update per step leaves every ratio at 1)."""
     correction: Literal["none", "tis"] = "tis"
-    """Off-policy correction: `tis` weights each token by min(pi_prox / mu, tis_cap)
-    against the engine's behaviour logprobs mu; `none` is plain PPO against mu."""
+    """Off-policy correction: `tis` takes the ratio against the proximal policy and weights
+    each token by min(pi_prox / mu, tis_cap) against the behaviour logprobs mu; `none`
+    is plain PPO, the ratio against mu itself."""
     tis_cap: float = Field(2.0, gt=0)
     """Truncation of the importance weight in `tis`."""
     kl_coef: float = Field(0.0, ge=0)
@@ -175,8 +188,32 @@ class LossConfig(StrictModel):
     """Discount of later turns' rewards in a turn's return (`advantage: step`)."""
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
+class LRScheduleConfig(StrictModel):
+    """The learning rate over optimizer updates (`rollwire.trainer.algorithms.lr_factor`)."""
+
+    type: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warm-up: `constant` keeps trainer.learning_rate; `linear` and `cosine`
+    decay it to min_lr_ratio times that over the run's rl.max_steps x
+    minibatches_per_step x epochs_per_step updates, and hold it there."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer updates over which the rate rises linearly to trainer.learning_rate
+    (update k of the warm-up, from 0, runs at (k + 1) / warmup_steps of it)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where `linear` and `cosine` end, as a fraction of trainer.learning_rate."""
+
+
 class TrainerConfig(StrictModel):
-    """The trainer."""
+    """The trainer.
+
+    A step takes one batch from the buffer and publishes the weights once, as one new
+    policy version. Within it the trainer computes the proximal logprobs (see
+    `trainer.loss`), then makes epochs_per_step passes over the batch in
+    minibatches_per_step minibatches, one optimizer update each; each minibatch is
+    split into micro-batches whose gradients accumulate.
+    """
 
     server: ServerConfig = ServerConfig()
     """Listening settings for the TrainerService."""
@@ -187,13 +224,40 @@ class TrainerConfig(StrictModel):
     `rollwire train` starts the rollout-servers from the same model (setting
     `rollout_server.model_path` to another one is an error)."""
     learning_rate: float = Field(1e-4, gt=0)
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak, when lr_schedule warms up or decays)."""
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()
+    """Learning rate over the run's optimizer updates; its position is saved in every
+    checkpoint, so a resumed run carries on along it."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
+    adam_betas: tuple[Beta, Beta] = (0.9, 0.99)
+    """AdamW's decay rates of the gradient's first and second moments, e.g. `[0.9, 0.999]`."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon, added to the root of the second moment."""
     max_grad_norm: float = Field(1.0, gt=0)
-    """Gradient norm clip."""
+    """Gradient norm clip, per optimizer update."""
+    minibatches_per_step: int = Field(1, ge=1)
+    """Optimizer updates per pass over the batch (PPO minibatches: the kept sequences in
+    this many contiguous parts). Above 1 (or with epochs_per_step above 1) the proximal
+    logprobs cost one extra forward pass per step, and the clip acts from the second
+    update on. A batch with fewer sequences that carry signal makes fewer updates."""
+    epochs_per_step: int = Field(1, ge=1)
+    """Passes over the batch per step (PPO epochs), all against the same proximal
+    logprobs; the weights are published once, after the last."""
     micro_batch_size: int = Field(64, ge=1)
-    """Sequences per forward/backward pass; gradients accumulate over a step."""
+    """Sequences per forward/backward pass when max_tokens_per_micro_batch is unset;
+    gradients accumulate over a minibatch."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Pack sequences, longest first, into forward/backward passes of at most this many
+    padded tokens (sequences x the longest of them); a longer sequence goes alone.
+    Replaces micro_batch_size when set; the gradient is the same either way."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """`bf16`: forward and backward passes under bfloat16 autocast, with float32 master
+    weights, optimizer state and loss math (logprobs, ratios, advantages). Published
+    weights and checkpoints stay float32; a rollout-server casts them to its own dtype."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (Hugging Face
+    `gradient_checkpointing_enable`): less memory, about one more forward of time."""
     loss: LossConfig = LossConfig()
     """Policy loss settings."""
     device: str = "cpu"

@@ -1,0 +1,260 @@
+"""The trainer step on the local backend: micro-batches, minibatches and epochs,
+precision, gradient checkpointing, the LR schedule and its checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rollwire.services.core.config import LossConfig, LRScheduleConfig, RLSection, TrainerConfig
+from rollwire.services.core.wire import Trajectory
+from rollwire.trainer.algorithms import token_entropy
+from rollwire.trainer.batching import (
+    TokenBatch,
+    collate,
+    micro_batches,
+    pack_by_tokens,
+    per_token_advantages,
+    split_rows,
+)
+from rollwire.trainer.model import Policy
+from rollwire.trainer.update import average
+
+PROMPT = [20, 3, 14, 3, 21, 3, 32]
+# Four responses of different lengths (so packing has something to do), one group.
+RESPONSES = [[99, 22, 100, 1], [99, 23, 1], [99, 22, 100, 24, 25, 1], [40, 1]]
+REWARDS = [1.0, 0.0, 1.0, 0.0]
+
+
+def group(rewards: list[float] = REWARDS, version: int = 0) -> list[Trajectory]:
+    """One group of RESPONSES to PROMPT; behaviour logprobs all 0 (a fixed, off-policy mu)."""
+    out = []
+    for index, (response, reward) in enumerate(zip(RESPONSES, rewards, strict=True)):
+        ids = np.array(PROMPT + response, np.int32)
+        mask = np.array([0] * len(PROMPT) + [1] * len(response), np.uint8)
+        out.append(
+            Trajectory(
+                trajectory_id=f"t{index}",
+                group_id="g",
+                task_id="g",
+                sample_index=index,
+                prompt_ordinal=0,
+                source="test",
+                domain="test",
+                token_ids=ids,
+                loss_mask=mask,
+                behaviour_logprobs=np.zeros(len(ids), np.float32),
+                policy_versions=np.where(mask == 1, version, -1).astype(np.int64),
+                reward=reward,
+            )
+        )
+    return out
+
+
+def make_policy(path, **settings) -> Policy:
+    return Policy(path, TrainerConfig(**settings), RLSection(group_size=4, max_steps=4))
+
+
+def advantaged_batch(policy: Policy) -> TokenBatch:
+    trajectories = group()
+    batch = collate(trajectories, policy.pad_token_id)
+    batch.advantages = per_token_advantages(
+        trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), None, batch.mask.shape[1]
+    )
+    return batch
+
+
+def gradients(policy: Policy, parts: list[TokenBatch]) -> dict[str, torch.Tensor]:
+    policy.model.zero_grad(set_to_none=True)
+    policy.updater.accumulate(parts, trainer_version=0)
+    return {name: p.grad.clone() for name, p in policy.model.named_parameters()}
+
+
+def test_split_rows_and_pack_by_tokens_by_hand() -> None:
+    assert split_rows(5, 2) == [[0, 1, 2], [3, 4]]
+    assert split_rows(4, 1) == [[0, 1, 2, 3]]
+    assert split_rows(2, 3) == [[0], [1]]  # fewer rows than parts: fewer parts
+    # Lengths 5, 9, 3, 9, 20 and 18 tokens: longest first, 9 + 9 = 18 fits, a third
+    # row would make 27; 5 and 3 pad to 10; 20 is over the budget and goes alone.
+    assert pack_by_tokens([5, 9, 3, 9, 20], 18) == [[4], [1, 3], [0, 2]]
+    assert pack_by_tokens([4, 4, 4], 100) == [[0, 1, 2]]
+
+
+def test_micro_batches_within_the_token_budget_give_the_one_batch_gradient(
+    tiny_model_path,
+) -> None:
+    policy = make_policy(tiny_model_path, max_tokens_per_micro_batch=24)
+    batch = advantaged_batch(policy)
+    parts = policy.updater.parts(batch)
+    # Lengths 11, 10, 13 and 9: 13 pads with 11 to 26 > 24, so each pair differs.
+    assert [p.input_ids.shape for p in parts] == [(1, 13), (2, 11), (1, 9)]
+    assert all(p.input_ids.numel() <= 24 for p in parts)
+    assert sum(p.tokens for p in parts) == batch.tokens == 15
+    whole = gradients(policy, [batch])
+    split = gradients(policy, parts)
+    assert any(g.abs().sum() > 0 for g in whole.values())
+    for name, grad in whole.items():
+        torch.testing.assert_close(split[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    # micro_batch_size still splits by rows when no budget is set.
+    by_rows = micro_batches(batch, micro_batch_size=3)
+    assert [p.input_ids.shape[0] for p in by_rows] == [3, 1]
+    for name, grad in gradients(policy, by_rows).items():
+        torch.testing.assert_close(grad, whole[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_path) -> None:
+    plain = make_policy(tiny_model_path)
+    checkpointed = make_policy(tiny_model_path, gradient_checkpointing=True)
+    assert (
+        checkpointed.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    )
+    expected = gradients(plain, [advantaged_batch(plain)])
+    # Count the passes through one layer: checkpointing runs it again in the backward.
+    mlp = checkpointed.model.model.layers[0].mlp
+    passes, forward = [], mlp.forward
+    mlp.forward = lambda *args, **kwargs: passes.append(1) or forward(*args, **kwargs)
+    for name, grad in gradients(checkpointed, [advantaged_batch(checkpointed)]).items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert len(passes) == 2
+
+
+def test_one_update_per_step_never_clips(tiny_model_path) -> None:
+    """Today's behaviour: the proximal policy is the current one, every ratio is 1."""
+    policy = make_policy(tiny_model_path, learning_rate=5e-2)
+    for version in range(2):
+        metrics = policy.train_step(group(), version)
+        assert metrics["optimizer_steps"] == 1
+        assert metrics["ratio_min"] == metrics["ratio_max"] == 1.0
+        assert metrics["clip_frac_high"] == metrics["clip_frac_low"] == 0.0
+
+
+def test_the_second_minibatch_is_clipped_against_the_proximal_policy(tiny_model_path) -> None:
+    policy = make_policy(tiny_model_path, learning_rate=5e-2, minibatches_per_step=2)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    metrics = policy.train_step(group(), 0)
+    first, second = policy.update_metrics
+    assert metrics["optimizer_steps"] == 2
+    # The first update runs on the weights the proximal logprobs came from: ratio 1.
+    assert first["ratio_min"] == pytest.approx(1.0, abs=1e-6)
+    assert first["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert first["clip_frac_high"] == first["clip_frac_low"] == 0.0
+    # The second sees the weights the first moved: the ratio leaves 1 and the clip acts.
+    assert second["ratio_max"] - second["ratio_min"] > 0.1, second
+    assert second["clip_frac_high"] + second["clip_frac_low"] > 0, second
+    # Reported metrics are the mean over the two updates.
+    assert metrics["clip_frac_high"] == pytest.approx(
+        (first["clip_frac_high"] + second["clip_frac_high"]) / 2
+    )
+    assert metrics["ratio_max"] == max(first["ratio_max"], second["ratio_max"])
+    # Mismatch and entropy come from the weights before the step (the proximal pass).
+    assert metrics["mismatch_tokens"] == 15
+    assert any(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
+
+
+def test_epochs_reuse_the_proximal_logprobs_and_the_reference_is_computed_once(
+    tiny_model_path,
+) -> None:
+    policy = make_policy(
+        tiny_model_path,
+        learning_rate=5e-2,
+        epochs_per_step=2,
+        loss=LossConfig(kl_coef=0.1),
+    )
+    metrics = policy.train_step(group(), 0)
+    first, second = policy.update_metrics
+    assert metrics["optimizer_steps"] == 2
+    assert first["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(second["ratio_mean"] - 1.0) > 1e-3
+    # The reference is the initial model: no KL before the first update, some after it.
+    assert first["kl"] == pytest.approx(0.0, abs=1e-7) and second["kl"] > 1e-4
+    assert metrics["kl"] == pytest.approx((first["kl"] + second["kl"]) / 2)
+
+
+def test_entropy_mean_is_that_of_the_generated_tokens_at_the_sampling_temperature(
+    tiny_model_path,
+) -> None:
+    policy = Policy(tiny_model_path, TrainerConfig(), RLSection(group_size=4, temperature=0.7))
+    batch = collate(group(), policy.pad_token_id)
+    with torch.no_grad():
+        logits = policy.updater.logits(policy.model, batch)
+    entropy = token_entropy(logits, 0.7)
+    expected = float((entropy * batch.mask).sum() / batch.mask.sum())
+    metrics = policy.train_step(group(), 0)
+    assert metrics["entropy_mean"] == pytest.approx(expected, rel=1e-5)
+    assert 0 < expected < np.log(logits.shape[-1])
+
+
+def test_bf16_keeps_float32_master_weights_and_loss_math(tiny_model_path) -> None:
+    fp32 = make_policy(tiny_model_path)
+    bf16 = make_policy(tiny_model_path, precision="bf16")
+    batch = collate(group(), bf16.pad_token_id)
+    with torch.no_grad():
+        assert bf16.updater.logits(bf16.model, batch).dtype == torch.bfloat16
+        low, full = (
+            bf16.updater.logprobs(bf16.model, batch),
+            fp32.updater.logprobs(fp32.model, batch),
+        )
+    assert low.dtype == torch.float32
+    difference = float(((low - full) * batch.mask).abs().max())
+    assert 0 < difference < 0.1  # bf16 did run, and stayed close
+    metrics = bf16.train_step(group(), 0)
+    assert metrics["grad_norm"] > 0 and np.isfinite(metrics["loss"])
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert all(p.grad.dtype == torch.float32 for p in bf16.model.parameters())
+    moments = [s["exp_avg_sq"] for s in bf16.optimizer.state.values()]
+    assert moments and all(m.dtype == torch.float32 for m in moments)
+    published = dict(bf16.named_weights())
+    assert {t.dtype for t in published.values()} == {torch.float32}
+    assert all(torch.equal(published[n], p) for n, p in bf16.model.named_parameters())
+
+
+def test_adam_settings_reach_the_optimizer_and_win_over_a_checkpoint(
+    tiny_model_path, tmp_path
+) -> None:
+    saved = make_policy(tiny_model_path)
+    saved.train_step(group(), 0)
+    folder = saved.save_checkpoint(tmp_path / "ckpt", step=1, version=1)
+    policy = make_policy(tiny_model_path, adam_betas=[0.8, 0.95], adam_eps=1e-6, weight_decay=0.1)
+    (settings,) = policy.optimizer.param_groups
+    assert (settings["betas"], settings["eps"]) == ((0.8, 0.95), 1e-6)
+    policy.restore(folder)
+    (settings,) = policy.optimizer.param_groups
+    assert (settings["betas"], settings["eps"], settings["weight_decay"]) == (
+        (0.8, 0.95),
+        1e-6,
+        0.1,
+    )
+    assert policy.optimizer_steps == 1
+
+
+def test_a_resumed_run_continues_the_lr_schedule(tiny_model_path, tmp_path) -> None:
+    # Linear over rl.max_steps x 1 x 1 = 4 updates, 2 of warm-up, down to 0.1:
+    # factors 0.5, 1, 1, 0.55.
+    settings = dict(
+        learning_rate=1e-2,
+        lr_schedule=LRScheduleConfig(type="linear", warmup_steps=2, min_lr_ratio=0.1),
+    )
+    straight = make_policy(tiny_model_path, **settings)
+    rates = [straight.train_step(group(), v)["learning_rate"] for v in range(2)]
+    folder = straight.save_checkpoint(tmp_path / "ckpt", step=2, version=2)
+    rates += [straight.train_step(group(), v)["learning_rate"] for v in (2, 3)]
+    assert rates == pytest.approx([5e-3, 1e-2, 1e-2, 5.5e-3])
+
+    resumed = make_policy(tiny_model_path, **settings)
+    assert resumed.learning_rate() == pytest.approx(5e-3)
+    resumed.restore(folder)
+    assert resumed.optimizer_steps == 2
+    assert [resumed.train_step(group(), v)["learning_rate"] for v in (2, 3)] == pytest.approx(
+        rates[2:]
+    )
+    for (name, ours), theirs in zip(
+        resumed.model.named_parameters(), straight.model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_average_means_rows_and_takes_extremes() -> None:
+    rows = [{"loss": 1.0, "ratio_max": 1.5, "ratio_min": 0.9}, {"loss": 3.0, "ratio_max": 1.2}]
+    assert average(rows) == {"loss": 2.0, "ratio_max": 1.5, "ratio_min": 0.9}
+    assert average(rows, [0.75, 0.25])["loss"] == pytest.approx(1.5)

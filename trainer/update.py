@@ -1,0 +1,204 @@
+"""The passes of one trainer step: forward in the configured precision, the proximal
+pass ahead of the first update, and the gradient of one minibatch over its micro-batches.
+
+`Policy.train_step` (trainer/model.py) decides how many updates there are; this
+module does each one. The loss math is `rollwire.trainer.algorithms`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from rollwire.services.core.config import TrainerConfig
+from rollwire.trainer.algorithms import policy_loss, token_entropy, token_logprobs
+from rollwire.trainer.batching import TokenBatch, micro_batches
+
+
+class MismatchStats:
+    """Sums of the engine's logprobs against the trainer's, over tokens of one version."""
+
+    def __init__(self) -> None:
+        self.tokens, self.abs_sum, self.abs_max, self.kl_sum = 0.0, 0.0, 0.0, 0.0
+
+    def add(self, trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> None:
+        """Adds the tokens where `mask` is 1."""
+        count = float(mask.sum())
+        if count == 0:
+            return
+        log_ratio = (trainer - engine) * mask
+        self.tokens += count
+        self.abs_sum += float(log_ratio.abs().sum())
+        self.abs_max = max(self.abs_max, float(log_ratio.abs().max()))
+        # KL(engine || trainer) on the engine's own samples, the k3 estimator:
+        # r - 1 - log r with r = p_trainer / p_engine, never negative.
+        self.kl_sum += float(((log_ratio.exp() - 1 - log_ratio) * mask).sum())
+
+    def metrics(self) -> dict[str, float]:
+        """`mismatch_*` metrics over the tokens added."""
+        if not self.tokens:
+            return {"mismatch_tokens": 0.0}
+        return {
+            "mismatch_tokens": self.tokens,
+            "mismatch_abs_mean": self.abs_sum / self.tokens,
+            "mismatch_abs_max": self.abs_max,
+            "mismatch_kl": self.kl_sum / self.tokens,
+        }
+
+
+def average(rows: list[dict[str, float]], weights: list[float] | None = None) -> dict[str, float]:
+    """Weighted means of metric dicts (equal weights by default), except that keys
+    ending in `_max` or `_min` take the extreme; a key missing from a row is skipped."""
+    weights = weights or [1.0] * len(rows)
+    sums: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    for row, weight in zip(rows, weights, strict=True):
+        for key, value in row.items():
+            if key.endswith("_max"):
+                sums[key] = max(sums.get(key, value), value)
+            elif key.endswith("_min"):
+                sums[key] = min(sums.get(key, value), value)
+            else:
+                sums[key] = sums.get(key, 0.0) + value * weight
+                totals[key] = totals.get(key, 0.0) + weight
+    return {
+        key: (value / totals[key] if totals[key] else 0.0) if key in totals else value
+        for key, value in sums.items()
+    }
+
+
+class Updater:
+    """Runs the model's forward and backward passes for `Policy`: the precision, the
+    micro-batching and the loss settings come from the trainer config."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        reference: torch.nn.Module | None,
+        config: TrainerConfig,
+        temperature: float,
+        device: torch.device,
+    ) -> None:
+        self.model, self.reference = model, reference
+        self.config, self.temperature, self.device = config, temperature, device
+
+    def parts(self, batch: TokenBatch) -> list[TokenBatch]:
+        """`batch` as the micro-batches one forward/backward pass each takes."""
+        return micro_batches(
+            batch, self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
+        )
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # bf16: matmuls in bfloat16 on float32 master weights; outside this context
+        # (the loss, the optimizer) everything stays float32.
+        if self.config.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def logits(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+        """[B, T-1, V] next-token logits for `batch.targets`, in the model's compute dtype."""
+        with self._autocast():
+            out = model(
+                input_ids=batch.input_ids.to(self.device),
+                attention_mask=batch.attention.to(self.device),
+                use_cache=False,  # a training pass has no use for a KV cache
+            )
+        return out.logits[:, :-1]
+
+    def logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+        """[B, T-1] float32 logprobs of the targets at the sampling temperature."""
+        # token_logprobs upcasts: log-softmax over bf16 logits would lose the small ones.
+        return token_logprobs(
+            self.logits(model, batch), batch.targets.to(self.device), self.temperature
+        )
+
+    def _observe(
+        self,
+        part: TokenBatch,
+        logits: torch.Tensor,
+        logprobs: torch.Tensor,
+        trainer_version: int,
+        mismatch: MismatchStats,
+    ) -> tuple[float, float]:
+        """Mismatch and entropy of one part, from the pre-update logits; returns the
+        entropy summed over generated tokens and their count."""
+        mask = part.mask.to(self.device)
+        # Tokens the engine sampled from exactly these weights: any difference between
+        # its logprobs and ours is train/inference mismatch, not staleness.
+        same_weights = mask * (part.policy_versions.to(self.device) == trainer_version)
+        mismatch.add(logprobs.detach(), part.behaviour_logprobs.to(self.device), same_weights)
+        with torch.no_grad():
+            entropy = token_entropy(logits.detach(), self.temperature)
+        return float((entropy * mask).sum()), float(mask.sum())
+
+    @torch.no_grad()
+    def proximal_pass(self, parts: list[TokenBatch], trainer_version: int) -> dict[str, float]:
+        """Before a step's first update: sets each part's proximal (and reference)
+        logprobs from the weights as they are, and returns the mismatch and entropy
+        metrics. Run on the very parts the updates take, so the first update's ratio is
+        exactly 1 (same shapes, same kernels)."""
+        mismatch, entropy_sum, count = MismatchStats(), 0.0, 0.0
+        for part in parts:
+            logits = self.logits(self.model, part)
+            logprobs = token_logprobs(logits, part.targets.to(self.device), self.temperature)
+            part.proximal_logprobs = logprobs
+            if self.reference is not None:
+                part.reference_logprobs = self.logprobs(self.reference, part)
+            part_sum, part_count = self._observe(part, logits, logprobs, trainer_version, mismatch)
+            entropy_sum, count = entropy_sum + part_sum, count + part_count
+        return {**mismatch.metrics(), "entropy_mean": entropy_sum / max(count, 1.0)}
+
+    def accumulate(
+        self, parts: list[TokenBatch], trainer_version: int, observe: bool = False
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Backpropagates the loss of one minibatch (the token mean over all its parts)
+        into the parameters' `.grad`, one part at a time; returns its loss metrics and,
+        when `observe` (the step's only update, so its weights are the proximal ones),
+        the mismatch and entropy metrics of `proximal_pass`.
+
+        A part without `proximal_logprobs` takes its own detached logprobs as proximal:
+        right only before the step's first update.
+        """
+        loss_cfg = self.config.loss
+        total = max(sum(part.tokens for part in parts), 1.0)
+        rows, shares = [], []
+        mismatch, entropy_sum, count = MismatchStats(), 0.0, 0.0
+        for part in parts:
+            logits = self.logits(self.model, part)
+            logprobs = token_logprobs(logits, part.targets.to(self.device), self.temperature)
+            if observe:
+                part_sum, part_count = self._observe(
+                    part, logits, logprobs, trainer_version, mismatch
+                )
+                entropy_sum, count = entropy_sum + part_sum, count + part_count
+            del logits
+            reference = part.reference_logprobs
+            if reference is None and self.reference is not None:
+                with torch.no_grad():
+                    reference = self.logprobs(self.reference, part)
+            proximal = part.proximal_logprobs
+            out = policy_loss(
+                logprobs,
+                logprobs.detach() if proximal is None else proximal.to(self.device),
+                part.behaviour_logprobs.to(self.device),
+                part.advantages.to(self.device),
+                part.mask.to(self.device),
+                clip_low=loss_cfg.clip_low,
+                clip_high=loss_cfg.clip_high,
+                correction=loss_cfg.correction,
+                tis_cap=loss_cfg.tis_cap,
+                reference_logprobs=None if reference is None else reference.to(self.device),
+                kl_coef=loss_cfg.kl_coef,
+            )
+            # Each part's token mean, weighted by its share of the minibatch's tokens:
+            # the sum is the minibatch's token mean, whatever the split.
+            share = part.tokens / total
+            (out.loss * share).backward()
+            rows.append({"loss": float(out.loss.detach()), **out.metrics})
+            shares.append(share)
+        observed = {}
+        if observe:
+            observed = {**mismatch.metrics(), "entropy_mean": entropy_sum / max(count, 1.0)}
+        # Shares add up to one: weighted means are the minibatch's token means.
+        return average(rows, shares), observed
