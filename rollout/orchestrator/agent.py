@@ -177,25 +177,41 @@ class EpisodeRunner:
         """One episode of `task`; restarted from its seed on another backend if one is lost."""
         spec = self.spec(task.metadata["env_id"])
         attempts = self.settings.episode_attempts
-        for attempt in range(1, attempts + 1):
+        lost: list[tuple[str, EnvServerLost]] = []  # (address, error) of each backend lost
+
+        async def on_some_backend() -> Trajectory:
             backend = self.pool.pick()
             try:
                 with self.pool.lease(backend):
                     return await self._run_on(backend, spec, task, sample_index, temperature)
             except EnvServerLost as error:
                 self.pool.report_lost(backend, error)
-                if attempt == attempts:
-                    raise EpisodeFailed(
-                        f"episode {task.task_id}/{sample_index}: env-servers lost {attempts} times; "
-                        f"last: {backend.address}: {error}"
-                    ) from None
-                self.restarts += 1
-                COUNTERS.inc("orchestrator_episode_restarts", env_id=spec.env_id)
-                log.warning(
-                    "episode restarts from its seed on another env-server",
-                    extra={"task_id": task.task_id, "lost": backend.address, "attempt": attempt},
-                )
-        raise AssertionError("unreachable")
+                lost.append((backend.address, error))
+                raise
+
+        def restarting(_: BaseException, attempt: int) -> None:
+            self.restarts += 1
+            COUNTERS.inc("orchestrator_episode_restarts", env_id=spec.env_id)
+            log.warning(
+                "episode restarts from its seed on another env-server",
+                extra={"task_id": task.task_id, "lost": lost[-1][0], "attempt": attempt},
+            )
+
+        try:
+            # No pause: another backend is tried at once; the lost one is out of the pool.
+            return await call_with_retries(
+                on_some_backend,
+                RetryPolicy(attempts=attempts, first_pause=0.0, max_pause=0.0),
+                what=f"episode {task.task_id}/{sample_index}",
+                retryable=lambda error: isinstance(error, EnvServerLost),
+                on_retry=restarting,
+            )
+        except EnvServerLost:
+            address, error = lost[-1]
+            raise EpisodeFailed(
+                f"episode {task.task_id}/{sample_index}: env-servers lost {attempts} times; "
+                f"last: {address}: {error}"
+            ) from None
 
     async def _run_on(
         self,

@@ -3,7 +3,6 @@ wait for a peer to report SERVING."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -13,6 +12,7 @@ from opentelemetry import trace
 
 from rollwire.services.core.config import ClientConfig
 from rollwire.services.core.interceptors import ClientInterceptor
+from rollwire.services.core.retry import RetryPolicy, TryAgain, call_with_retries
 
 
 def describe_error(error: BaseException) -> str:
@@ -84,19 +84,27 @@ async def wait_for_serving(
         TimeoutError: after `timeout` seconds, saying what the peer last answered.
     """
     deadline = time.monotonic() + timeout
-    delay, last = 0.02, "no answer"
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(
-                f"{target} did not report SERVING for service {service!r} within {timeout:g}s; last: {last}"
-            )
+    last = "no answer"
+
+    async def serving() -> None:
+        nonlocal last
         try:
-            status = await check_health(channel, service, timeout=min(remaining, 2.0))
-            if status == "SERVING":
-                return
-            last = status
+            status = await check_health(
+                channel, service, timeout=min(max(deadline - time.monotonic(), 0.01), 2.0)
+            )
         except grpc.aio.AioRpcError as error:
-            last = f"{error.code().name}: {error.details()}"
-        await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
-        delay = min(delay * 2, 0.5)
+            status = f"{error.code().name}: {error.details()}"
+        if status != "SERVING":
+            last = status
+            raise TryAgain(status)
+
+    try:
+        await call_with_retries(
+            serving,
+            RetryPolicy(attempts=None, first_pause=0.02, max_pause=0.5, total_seconds=timeout),
+            what=f"{target} health",
+        )
+    except TimeoutError:
+        raise TimeoutError(
+            f"{target} did not report SERVING for service {service!r} within {timeout:g}s; last: {last}"
+        ) from None
