@@ -37,3 +37,21 @@ def test_two_different_models_are_a_clear_error(tiny_model_path, tmp_path) -> No
 def test_a_folder_that_is_no_model_is_named(tmp_path) -> None:
     with pytest.raises(LaunchError, match=r"trainer.model_path .* \(no config.json\)"):
         prepare_model(config(trainer={"model_path": str(tmp_path)}))
+
+
+def test_a_backend_the_trainer_cannot_run_yet_is_refused_before_anything_starts(
+    tmp_path, capsys
+) -> None:
+    """A validated setting that the trainer would ignore is an error, not a silent `local`."""
+    import signal
+
+    from rollwire.services.app.run import run_train
+
+    run = config(trainer={"backend": "fsdp2"}, run={"output_dir": str(tmp_path / "run")})
+    handler = signal.getsignal(signal.SIGTERM)  # run_train turns SIGTERM into Ctrl-C
+    try:
+        assert run_train(run) == 1
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert "trainer.backend=fsdp2" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()

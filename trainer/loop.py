@@ -345,6 +345,7 @@ def run_trainer(config: RunConfig) -> int:
     configure_logging("trainer", config.telemetry.log_level, config.telemetry.log_format)
     model_path = config.trainer.model_path or default_model_path()
     try:
+        config.trainer.refuse_unrun_backend()
         return asyncio.run(run(config, Path(model_path)))
     except (OSError, ValueError, TimeoutError, BufferError, grpc.aio.AioRpcError) as error:
         log.error("trainer stopped: %s", describe_error(error))

@@ -218,7 +218,20 @@ class TrainerConfig(StrictModel):
     server: ServerConfig = ServerConfig()
     """Listening settings for the TrainerService."""
     backend: Literal["local", "fsdp2", "deepspeed"] = "local"
-    """Single process on CPU or one GPU, or torch.distributed / DeepSpeed."""
+    """`local`: one process on CPU or one GPU. `fsdp2` (torch.distributed) and `deepspeed`
+    (ZeRO 1-3) are built and tested on two ranks (`rollwire.trainer.backends`), but the
+    trainer process does not run them yet: `rollwire train` and `rollwire trainer` refuse
+    them with a message rather than train with `local` instead."""
+
+    def refuse_unrun_backend(self) -> None:
+        """ValueError for a backend the trainer process cannot run yet (see `backend`)."""
+        if self.backend != "local":
+            raise ValueError(
+                f"trainer.backend={self.backend}: the backend is built and tested "
+                "(rollwire.trainer.backends) but the trainer process does not run it yet; "
+                "use trainer.backend=local"
+            )
+
     model_path: Path | None = None
     """Model to start from (Hugging Face folder); the built-in tiny model when unset.
     `rollwire train` starts the rollout-servers from the same model (setting
