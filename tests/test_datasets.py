@@ -8,7 +8,7 @@ import random
 import pytest
 
 from rollwire.services.core.config.models import FileDataset, ReasoningGymDataset
-from rollwire.services.core.datasets import Task, cycle, load_tasks
+from rollwire.services.core.datasets import Task, cycle, load_tasks, task_at
 
 
 def test_reasoning_gym_tasks_are_lazy_and_deterministic() -> None:
@@ -73,3 +73,39 @@ def test_bad_files_are_named(tmp_path, content: str, name: str, message: str) ->
         load_tasks(FileDataset(path=path))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tasks(FileDataset(path=tmp_path / "missing.jsonl"))
+
+
+def test_the_default_training_stream_never_yields_an_evaluation_prompt() -> None:
+    """Held out means held out: the default chain_sum stream (seed 0) and the default eval
+    set (seed 10000) share many questions; the stream a run trains on has none of them."""
+    from rollwire.services.core.config import OrchestratorConfig
+    from rollwire.services.core.datasets import task_key, training_tasks
+
+    settings = OrchestratorConfig()
+    stream = training_tasks(settings.dataset, settings.eval_dataset)
+    held_out = {task_key(t) for t in load_tasks(settings.eval_dataset)}
+    everything = load_tasks(settings.dataset)
+    overlapping = sum(task_key(everything[i]) in held_out for i in range(len(everything)))
+    assert overlapping > 0, "nothing to exclude: the test would prove nothing"
+    assert stream.excluded == overlapping
+    assert len(stream) == len(everything) - overlapping
+    trained = [task_at(stream, ordinal) for ordinal in range(3 * len(stream) // 2)]
+    assert not any(task_key(task) in held_out for task in trained)
+    assert [task.ordinal for task in trained] == list(range(len(trained)))
+
+
+def test_task_keys_normalise_questions_and_name_env_episodes() -> None:
+    from rollwire.services.core.datasets import Excluding, Task, task_key
+
+    def question(text: str, index: int = 0) -> Task:
+        return Task(index, f"q{index}", text, "1", "math", "file")
+
+    assert task_key(question("What is  1+2?")) == task_key(question("what is 1+2? "))
+    episode = Task(0, "e", "", "", "", "tool_use", {"env_id": "tool_use", "env_seed": 3})
+    other_seed = Task(0, "e", "", "", "", "tool_use", {"env_id": "tool_use", "env_seed": 4})
+    assert task_key(episode) != task_key(other_seed)
+    kept = Excluding([question("a", 0), question("B", 1), question("c", 2)], [question("b")])
+    assert kept.excluded == 1 and [t.question for t in kept] == ["a", "c"]
+    assert [t.ordinal for t in kept] == [0, 1]
+    with pytest.raises(ValueError, match="every training task is in the evaluation set"):
+        Excluding([question("a")], [question("A")])

@@ -51,7 +51,7 @@ from rollwire.services.buffer.client import BufferError, BufferProducer
 from rollwire.services.buffer.protocol import PutAnswer
 from rollwire.services.core.client import describe_error
 from rollwire.services.core.config import EnvDataset, RunConfig
-from rollwire.services.core.datasets import Task, cycle, load_tasks, task_at
+from rollwire.services.core.datasets import Task, cycle, load_tasks, task_at, training_tasks
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.watchdog import Watchdog
 from rollwire.services.core.wire import Trajectory
@@ -80,6 +80,7 @@ class Orchestrator:
         )
         self.generated_tokens = 0
         self.dropped_groups = 0
+        self.held_out_excluded = 0
         self.running: dict[asyncio.Task[bool], Task] = {}
         self.group_failures: dict[int, int] = {}  # prompt ordinal -> its groups that failed
         self.started = self.last_report = time.perf_counter()
@@ -111,7 +112,13 @@ class Orchestrator:
         those that finished."""
         await self.connect()
         self.watchdog.start()
-        dataset = load_tasks(self.settings.dataset)
+        dataset = training_tasks(self.settings.dataset, self.settings.eval_dataset)
+        if dataset.excluded:
+            log.info(
+                "training prompts that are in the evaluation set are left out",
+                extra={"excluded": dataset.excluded, "kept": len(dataset)},
+            )
+        self.held_out_excluded = dataset.excluded
         again, start = await self.resume_point(dataset)
         prompts = PromptQueue(again, cycle(dataset, start))
         evaluation = self.held_out_evaluation()
@@ -375,6 +382,7 @@ class Orchestrator:
             "groups_failed": self.failed,
             "groups_filtered": self.filtered,
             "groups_resumed": self.resumed_gaps,
+            "held_out_excluded": self.held_out_excluded,
             "generated_tokens": self.generated_tokens,
             "tokens_per_second": self.generated_tokens / max(elapsed, 1e-9),
         }

@@ -250,22 +250,27 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     dataset = config.orchestrator.dataset
     if dataset.type == "env":
         return _warm_up_agent(config, base, spec, progress)
-    from rollwire.services.core.datasets import load_tasks
+    from rollwire.services.core.datasets import training_tasks
     from rollwire.trainer.sft import warm_up
 
     dataset = _warm_up_dataset(dataset, warmup.seed, warmup.dataset_size)
+    held_out = config.orchestrator.eval_dataset
     key = _digest(
         {
             "spec": spec.__dict__,
             "warmup": warmup.model_dump(mode="json"),
             "dataset": dataset.model_dump(mode="json"),
+            "held_out": held_out.model_dump(mode="json") if held_out is not None else None,
             "template": config.orchestrator.prompt_template,
         }
     )
     target = cache_dir() / f"warm-{key}"
     if (target / "config.json").exists():
         return target
-    tasks = load_tasks(dataset)
+    # The warm-up is training too: it never sees a prompt of the evaluation set.
+    tasks = training_tasks(dataset, held_out)
+    if progress and tasks.excluded:
+        print(f"warm-up: {tasks.excluded} prompts of the evaluation set left out")
     with staged_directory(target) as staging:
         warm_up(
             base,

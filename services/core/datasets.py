@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rollwire.services.core.config.models import (
+    DatasetConfig,
     EnvDataset,
     FileDataset,
     MixtureDataset,
@@ -186,6 +187,54 @@ def load_tasks(
     if not tasks:
         raise ValueError(f"{config.path} holds no tasks")
     return tasks
+
+
+def task_key(task: Task) -> tuple[str, ...]:
+    """What makes two tasks the same prompt: the question with case and spacing
+    normalised, or for env tasks (no question) the env, its kwargs and the seed."""
+    if task.question:
+        return ("question", " ".join(task.question.lower().split()))
+    meta = task.metadata
+    kwargs = json.dumps(meta.get("env_kwargs", {}), sort_keys=True, default=str)
+    return ("episode", str(meta.get("env_id", task.source)), kwargs, str(meta.get("env_seed")))
+
+
+class Excluding(Sequence[Task]):
+    """`tasks` without those whose `task_key` is in `held_out`: the training stream of a
+    run never yields a prompt of its evaluation set. Ordinals are positions in what is
+    left, so a restarted run numbers its prompts the same way. `excluded` counts the
+    tasks left out."""
+
+    def __init__(self, tasks: Sequence[Task], held_out: Sequence[Task]) -> None:
+        keys = {task_key(task) for task in held_out}
+        self._tasks = tasks
+        self._kept = [i for i in range(len(tasks)) if task_key(tasks[i]) not in keys]
+        self.excluded = len(tasks) - len(self._kept)
+        if not self._kept:
+            raise ValueError("every training task is in the evaluation set")
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __getitem__(self, index: int) -> Task:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        task = self._tasks[self._kept[index]]
+        return Task(
+            index,
+            task.task_id,
+            task.question,
+            task.reference,
+            task.domain,
+            task.source,
+            task.metadata,
+        )
+
+
+def training_tasks(dataset: DatasetConfig, eval_dataset: DatasetConfig | None) -> Excluding:
+    """The tasks a run trains on: `dataset` without any prompt of `eval_dataset`."""
+    held_out = load_tasks(eval_dataset) if eval_dataset is not None else []
+    return Excluding(load_tasks(dataset), held_out)
 
 
 def _read_rows(path: Path) -> Iterator[dict[str, Any]]:
