@@ -51,6 +51,12 @@ class AdamWSettings:
     betas: tuple[float, float] = (0.9, 0.99)
     eps: float = 1e-8
 
+    def build(self, parameters: Any) -> torch.optim.AdamW:
+        """torch AdamW over `parameters` with these settings."""
+        return torch.optim.AdamW(
+            parameters, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps
+        )
+
 
 # ---------------------------------------------------------------- splitting a batch
 
@@ -313,13 +319,7 @@ class LocalBackend(TrainBackend):
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         self.model.to(self.device).train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=optimizer.lr,
-            weight_decay=optimizer.weight_decay,
-            betas=optimizer.betas,
-            eps=optimizer.eps,
-        )
+        self.optimizer = optimizer.build(self.model.parameters())
 
     @property
     def module(self) -> torch.nn.Module:

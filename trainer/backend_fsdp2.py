@@ -77,13 +77,7 @@ class FSDP2Backend(TrainBackend):
                 self.sharded_layers += 1
         fully_shard(model, mesh=mesh, mp_policy=policy)  # moves every shard to the device
         self.model = model
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=optimizer.lr,
-            weight_decay=optimizer.weight_decay,
-            betas=optimizer.betas,
-            eps=optimizer.eps,
-        )
+        self.optimizer = optimizer.build(model.parameters())
 
     @property
     def module(self) -> torch.nn.Module:
