@@ -234,13 +234,29 @@ def test_default_run_learns(tmp_path) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_service_that_fails_stops_the_run_with_its_log(tmp_path) -> None:
+    # No warm-up: it would read the evaluation set first (to leave its prompts out) and
+    # stop the run before any service starts (the next test).
     run_dir, result = rollwire_train(
-        tmp_path, *SHORT_RUN, "orchestrator.eval_dataset.name=no_such_task", timeout=240
+        tmp_path,
+        *SHORT_RUN,
+        "warmup.steps=0",
+        "orchestrator.eval_dataset.name=no_such_task",
+        timeout=240,
     )
     assert result.returncode == 1
     assert "orchestrator exited with code 1" in result.stdout
     assert "reasoning-gym dataset 'no_such_task'" in result.stdout  # the tail of its log is shown
     assert_no_process_left(run_dir)
+
+
+@pytest.mark.multiproc
+def test_a_bad_evaluation_set_stops_the_run_before_anything_starts(tmp_path) -> None:
+    run_dir, result = rollwire_train(
+        tmp_path, *SHORT_RUN, "orchestrator.eval_dataset.name=no_such_task", timeout=240
+    )
+    assert result.returncode == 1
+    assert "rollwire train: reasoning-gym dataset 'no_such_task'" in result.stdout
+    assert not (run_dir / "logs" / "orchestrator.log").exists()
 
 
 @pytest.mark.multiproc
