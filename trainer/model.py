@@ -15,18 +15,51 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollwire.services.core.config import RLSection, TrainerConfig
+from rollwire.services.core.config import LoraConfig, RLSection, TrainerConfig
 from rollwire.services.core.files import staged_directory
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.algorithms import group_advantages, lr_factor, step_advantages
 from rollwire.trainer.batching import TokenBatch, collate, per_token_advantages, split_rows
 from rollwire.trainer.update import Updater, average
 
-__all__ = ["Policy", "TokenBatch", "collate", "per_token_advantages"]
+__all__ = ["AdaptersOff", "Policy", "TokenBatch", "collate", "per_token_advantages"]
+
+ADAPTER = "default"
+"""The name peft gives the one adapter `Policy` trains."""
+
+
+def _with_adapters(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+    """`model` wrapped by peft with LoRA adapters (all other weights frozen)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType, get_peft_model
+
+    peft_config = PeftLoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+    )
+    return get_peft_model(model, peft_config, adapter_name=ADAPTER)
+
+
+class AdaptersOff:
+    """Calls a peft model with its adapters switched off: the base model, for the KL
+    reference, without a second copy of its weights."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, **inputs: Any) -> Any:
+        with self.model.disable_adapter():
+            return self.model(**inputs)
 
 
 class Policy:
-    """The model being trained, its optimizer, and (when a KL penalty is on) a frozen reference."""
+    """The model being trained, its optimizer, and (when a KL penalty is on) a frozen reference.
+
+    With trainer.lora the model is a peft model whose adapters alone train; the
+    reference is then that model with its adapters off."""
 
     def __init__(self, model_path: str | Path, config: TrainerConfig, rl: RLSection) -> None:
         from transformers import AutoModelForCausalLM
@@ -47,10 +80,14 @@ class Policy:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        if config.lora is not None:
+            self.model = _with_adapters(self.model, config.lora)
         self.model.train()
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
+        # With LoRA only the adapters require grad: the optimizer holds just them.
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self.trainable,
             lr=config.learning_rate,
             weight_decay=config.weight_decay,
             betas=config.adam_betas,
@@ -58,8 +95,11 @@ class Policy:
         )
         self.optimizer_steps = 0
         """Optimizer updates made so far in the run: the LR schedule's position."""
-        self.reference = None
-        if config.loss.kl_coef > 0:
+        self.reference: Any = None
+        if config.loss.kl_coef > 0 and config.lora is not None:
+            # The base model is the reference: the same weights, adapters off.
+            self.reference = AdaptersOff(self.model)
+        elif config.loss.kl_coef > 0:
             # Frozen, so no master copy is needed: under bf16 it is held in bf16.
             dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
             self.reference = (
@@ -183,7 +223,7 @@ class Policy:
                 out, seen = self.updater.accumulate(parts, trainer_version, observe=not ahead)
                 observed.update(seen)
                 grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.config.max_grad_norm
+                    self.trainable, self.config.max_grad_norm
                 )
                 learning_rate = self.learning_rate()
                 for group in self.optimizer.param_groups:
@@ -203,19 +243,46 @@ class Policy:
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters to publish, by the names a freshly loaded model uses: the float32
         master weights under either precision (a rollout-server casts them to the dtype
-        it serves in)."""
-        return [(name, p.detach()) for name, p in self.model.named_parameters()]
+        it serves in). With LoRA, each target layer's weight is merged (W + scale B A)
+        into a new tensor; the model keeps its adapters apart and trains on."""
+        if self.config.lora is None:
+            return [(name, p.detach()) for name, p in self.model.named_parameters()]
+        from peft.tuners.lora import LoraLayer
+
+        base = self.model.get_base_model()
+        layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+        out = []
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                owner, _, leaf = name.rpartition(".")
+                if owner.endswith(".base_layer") and owner[: -len(".base_layer")] in layers:
+                    owner = owner[: -len(".base_layer")]
+                    tensor = p.detach()
+                    if leaf == "weight":
+                        tensor = tensor + layers[owner].get_delta_weight(ADAPTER)
+                    out.append((f"{owner}.{leaf}", tensor))
+                elif not any(part.startswith("lora_") for part in owner.split(".")):
+                    out.append((name, p.detach()))
+        return out
 
     def save_checkpoint(
         self, folder: str | Path, step: int, version: int, extra: dict[str, Any] | None = None
     ) -> Path:
         """Writes a Hugging Face model folder plus optimizer and LR-schedule state (and
-        `extra`), atomically."""
+        `extra`), atomically. With LoRA the folder's model is the merged one and the
+        adapters are in its `adapter/` (peft's `save_pretrained`)."""
         from transformers import AutoTokenizer
 
         folder = Path(folder)
         with staged_directory(folder) as staging:
-            self.model.save_pretrained(staging)
+            if self.config.lora is None:
+                self.model.save_pretrained(staging)
+            else:
+                self.model.save_pretrained(staging / "adapter")
+                # The plain model's config and names, the merged weights.
+                self.model.get_base_model().save_pretrained(
+                    staging, state_dict=dict(self.named_weights())
+                )
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(staging)
             state = {
                 "optimizer": self.optimizer.state_dict(),
@@ -235,8 +302,24 @@ class Policy:
         from transformers import AutoModelForCausalLM
 
         folder = Path(folder)
-        saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        self.model.load_state_dict(saved.state_dict())
+        adapter = folder / "adapter"
+        if adapter.is_dir() != (self.config.lora is not None):
+            raise ValueError(
+                f"{folder}: a checkpoint {'with' if adapter.is_dir() else 'without'} LoRA "
+                f"adapters, but trainer.lora is {'unset' if self.config.lora is None else 'set'}"
+            )
+        if self.config.lora is not None:
+            from peft import set_peft_model_state_dict
+            from peft.utils import load_peft_weights
+
+            weights = load_peft_weights(str(adapter), device=str(self.device))
+            loaded = set_peft_model_state_dict(self.model, weights, adapter_name=ADAPTER)
+            unexpected = getattr(loaded, "unexpected_keys", [])
+            if unexpected:
+                raise ValueError(f"{adapter}: weights this model has no place for: {unexpected}")
+        else:
+            saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            self.model.load_state_dict(saved.state_dict())
         state = torch.load(folder / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         # The loaded groups carry the saved run's settings; this run's config decides

@@ -8,6 +8,8 @@ module does each one. The loss math is `rollwire.trainer.algorithms`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -70,12 +72,14 @@ def average(rows: list[dict[str, float]], weights: list[float] | None = None) ->
 
 class Updater:
     """Runs the model's forward and backward passes for `Policy`: the precision, the
-    micro-batching and the loss settings come from the trainer config."""
+    micro-batching and the loss settings come from the trainer config. `reference` (the
+    KL's frozen model) is anything called like a model: with LoRA, the policy's own
+    model with its adapters off (`rollwire.trainer.model.AdaptersOff`)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
-        reference: torch.nn.Module | None,
+        reference: Callable[..., Any] | None,
         config: TrainerConfig,
         temperature: float,
         device: torch.device,
@@ -96,7 +100,7 @@ class Updater:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def logits(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    def logits(self, model: Callable[..., Any], batch: TokenBatch) -> torch.Tensor:
         """[B, T-1, V] next-token logits for `batch.targets`, in the model's compute dtype."""
         with self._autocast():
             out = model(
@@ -106,7 +110,7 @@ class Updater:
             )
         return out.logits[:, :-1]
 
-    def logprobs(self, model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    def logprobs(self, model: Callable[..., Any], batch: TokenBatch) -> torch.Tensor:
         """[B, T-1] float32 logprobs of the targets at the sampling temperature."""
         # token_logprobs upcasts: log-softmax over bf16 logits would lose the small ones.
         return token_logprobs(

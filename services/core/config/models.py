@@ -48,6 +48,7 @@ from rollwire.services.core.config.runtime import (
 from rollwire.services.core.config.servers import (
     BufferConfig,
     EnvServerConfig,
+    LoraConfig,
     LossConfig,
     LRScheduleConfig,
     RewardServerConfig,
@@ -70,6 +71,7 @@ __all__ = [
     "EnvServerConfig",
     "FileDataset",
     "LRScheduleConfig",
+    "LoraConfig",
     "LossConfig",
     "MiB",
     "MixtureDataset",

@@ -205,6 +205,22 @@ class LRScheduleConfig(StrictModel):
     """Where `linear` and `cosine` end, as a fraction of trainer.learning_rate."""
 
 
+class LoraConfig(StrictModel):
+    """LoRA adapters (peft) on the local backend: only the adapters train, the base
+    weights stay frozen; the weights published and saved are the merged ones."""
+
+    rank: int = Field(16, ge=1)
+    """Rank r of each adapter: the inner size of its B (out x r) and A (r x in)."""
+    alpha: float = 32.0
+    """Scale numerator: a target layer's weight is W + (alpha / rank) B A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on each adapter's input in training passes (the proximal pass too, so
+    above 0 the first update's ratio is no longer exactly 1)."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    """Suffixes of the names of the linear layers that get an adapter, e.g. `q_proj`
+    or `mlp.down_proj`."""
+
+
 class TrainerConfig(StrictModel):
     """The trainer.
 
@@ -273,6 +289,11 @@ class TrainerConfig(StrictModel):
     `gradient_checkpointing_enable`): less memory, about one more forward of time."""
     loss: LossConfig = LossConfig()
     """Policy loss settings."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of all the weights (`local` backend). The rollout-servers
+    get the merged weights; a checkpoint holds the adapters (`adapter/`) and the merged
+    model as its Hugging Face folder. A KL reference is then the base model itself
+    (the adapters switched off), not a second copy."""
     device: str = "cpu"
     """torch device, e.g. `cpu` or `cuda:0`."""
     threads: int = Field(1, ge=1)
