@@ -184,13 +184,17 @@ class TrainBackend(ABC):
         that is not finite skips the step (the weights and optimizer state stay as they
         were) and is returned: NaN, or inf from DeepSpeed."""
 
-    @abstractmethod
+    optimizer: torch.optim.Optimizer
+    """The optimizer over this rank's parameters (or shards)."""
+
     def zero_grad(self) -> None:
         """Drops the gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
 
-    @abstractmethod
     def set_lr(self, lr: float) -> None:
         """Sets the learning rate of every parameter group (for a schedule)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     @abstractmethod
     def iter_full_weights(
@@ -338,13 +342,6 @@ class LocalBackend(TrainBackend):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def iter_full_weights(
         self, bucket_bytes: int = 256 * MiB

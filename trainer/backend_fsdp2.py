@@ -110,13 +110,6 @@ class FSDP2Backend(TrainBackend):
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     def iter_full_weights(
         self, bucket_bytes: int = 256 * MiB
     ) -> Iterator[tuple[str, torch.Tensor]]:
