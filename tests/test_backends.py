@@ -36,6 +36,7 @@ from rollwire.trainer.backend_weights import buckets
 from rollwire.trainer.backends import split_by_tokens
 
 WORKER = Path(__file__).with_name("backend_worker.py")
+POLICY_WORKER = Path(__file__).with_name("policy_worker.py")
 LR = 1e-3  # backend_worker.OPTIMIZER
 FP32_ATOL = 1e-5
 BF16 = {"loss": 1e-3, "norm_rel": 1e-2, "weight_per_step": 2.5 * LR, "weight_mean": 1e-4}
@@ -146,9 +147,16 @@ def _run(args: list[str], timeout: float) -> None:
     assert process.returncode == 0, f"{args} exited {process.returncode}:\n{out[-6000:]}"
 
 
-def _worker(model: Path, out: Path, *options: str, ranks: int = 2, timeout: float = 120) -> None:
+def _worker(
+    model: Path,
+    out: Path,
+    *options: str,
+    ranks: int = 2,
+    timeout: float = 120,
+    script: Path = WORKER,
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    args = [str(WORKER), "--model", str(model), "--out", str(out), *options]
+    args = [str(script), "--model", str(model), "--out", str(out), *options]
     if ranks == 0:  # one plain process: the local reference
         _run([sys.executable, *args], timeout)
     else:
@@ -242,6 +250,55 @@ def test_two_ranks_step_like_one_process_and_resume_exactly(
         return
     _worker(tiny_model_path, tmp_path, *options, "--phase", "resume", timeout=timeout)
     _check_resume(tmp_path, ours)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "options",
+    [["--backend", "fsdp2"], ["--backend", "deepspeed", "--zero-stage", "3"]],
+    ids=["fsdp2", "zero3"],
+)
+def test_the_trainer_step_on_two_ranks_equals_one_process_and_resumes(
+    options: list[str], tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """`Policy.train_step` with rank 0 leading and rank 1 following: three minibatches
+    split unevenly by tokens (padding passes), two epochs, the clip acting; the same
+    metrics and weights as one local process, and a restore that carries on exactly."""
+    timeout = 360 if "deepspeed" in options else 120
+    local, ours = tmp_path / "local", tmp_path / "ours"
+    _worker(tiny_model_path, local, "--backend", "local", ranks=0, script=POLICY_WORKER)
+    _worker(tiny_model_path, ours, *options, timeout=timeout, script=POLICY_WORKER)
+    theirs = json.loads((local / "policy_train.json").read_text())
+    results = json.loads((ours / "policy_train.json").read_text())
+    assert (results["world_size"], theirs["world_size"]) == (2, 1)
+    assert theirs["step1"]["clip_frac_high"] > 0 and theirs["step1"]["optimizer_steps"] == 6
+    for step in ("step1", "step2"):
+        for key, value in theirs[step].items():
+            assert results[step][key] == pytest.approx(value, rel=1e-5, abs=1e-6), (step, key)
+    for name in ("policy1", "train2"):
+        worst, _ = _max_diff(
+            _weights(ours / f"{name}.safetensors"), _weights(local / f"{name}.safetensors")
+        )
+        assert worst <= FP32_ATOL, (name, worst)
+    # The checkpoint: a Hugging Face folder of the consolidated weights, the sharded
+    # state beside it; a restore on two ranks steps exactly as the run went on.
+    from transformers import AutoModelForCausalLM
+
+    folder = ours / "policy_checkpoint"
+    assert (folder / "backend").is_dir()
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    saved = _weights(ours / "policy1.safetensors")
+    assert all(torch.equal(loaded[name], saved[name]) for name in saved)
+    _worker(
+        tiny_model_path, ours, *options, "--phase", "resume", timeout=timeout, script=POLICY_WORKER
+    )
+    resumed = json.loads((ours / "policy_resume.json").read_text())
+    assert resumed["restored"] == [1, 1, ["t0"]]
+    assert resumed["step2"] == results["step2"]
+    for first, again in (("policy1", "restored1"), ("train2", "resume2")):
+        a, b = _weights(ours / f"{first}.safetensors"), _weights(ours / f"{again}.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a), (first, again)
 
 
 def _check_names_and_pretrained(out: Path, results: dict, model_path: Path) -> None:

@@ -198,10 +198,11 @@ def test_bf16_keeps_float32_master_weights_and_loss_math(tiny_model_path) -> Non
     assert low.dtype == torch.float32
     difference = float(((low - full) * batch.mask).abs().max())
     assert 0 < difference < 0.1  # bf16 did run, and stayed close
+    bf16.updater.accumulate(bf16.updater.parts(advantaged_batch(bf16)), 0)
+    assert all(p.grad.dtype == torch.float32 for p in bf16.model.parameters())
     metrics = bf16.train_step(group(), 0)
     assert metrics["grad_norm"] > 0 and np.isfinite(metrics["loss"])
     assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
-    assert all(p.grad.dtype == torch.float32 for p in bf16.model.parameters())
     moments = [s["exp_avg_sq"] for s in bf16.optimizer.state.values()]
     assert moments and all(m.dtype == torch.float32 for m in moments)
     published = dict(bf16.named_weights())

@@ -267,6 +267,14 @@ class TrainBackend(ABC):
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (pickled), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        box: list[Any] = [None] * self.world_size
+        dist.all_gather_object(box, obj)
+        return box
+
     def barrier(self) -> None:
         """Waits for every rank (bounded by the group's timeout)."""
         if self.world_size > 1:
@@ -324,6 +332,19 @@ class LocalBackend(TrainBackend):
             )
         self.model.to(self.device).train()
         self.optimizer = optimizer.build(self.model.parameters())
+
+    @classmethod
+    def around(
+        cls, model: torch.nn.Module, optimizer: AdamWSettings, model_path: str | Path
+    ) -> LocalBackend:
+        """A backend over a model already built (e.g. wrapped with LoRA adapters), on the
+        device it is on; the optimizer holds only the parameters that require grad."""
+        backend = cls.__new__(cls)
+        backend.model_path = Path(model_path)
+        backend.model = model
+        backend.device = next(model.parameters()).device
+        backend.optimizer = optimizer.build([p for p in model.parameters() if p.requires_grad])
+        return backend
 
     @property
     def module(self) -> torch.nn.Module:

@@ -13,7 +13,9 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -148,6 +150,7 @@ async def _wait_for_batch(
         if state.version and time.monotonic() - last_catch_up > 2.0:
             last_catch_up = time.monotonic()
             await catch_up(rollout_stubs, policy, state.version, trainer.weight_chunk_bytes)
+        await asyncio.to_thread(policy.heartbeat)
         batch = await _buffer_call(
             functools.partial(
                 buffer.get_batch, state.version, config.rl.groups_per_step, 1.0, state.step
@@ -328,6 +331,7 @@ async def run(config: RunConfig, model_path: Path) -> int:
         finally:
             if state.weight_group is not None:
                 state.weight_group.close()
+            await asyncio.to_thread(policy.close)
         log.info("training finished", extra={"steps": state.step, "policy_version": state.version})
         return 0
     finally:
@@ -337,16 +341,67 @@ async def run(config: RunConfig, model_path: Path) -> int:
         await runtime.stop(grace=1)
 
 
-def run_trainer(config: RunConfig) -> int:
-    """`rollwire trainer`: train until rl.max_steps (or SIGTERM), checkpoint, exit 0."""
+def follow(config: RunConfig, model_path: Path) -> int:
+    """A trainer rank other than 0: holds its part of the model and does what rank 0
+    asks (steps, checkpoints, gathers) until rank 0 says stop. SIGTERM is left to rank
+    0, which finishes with a checkpoint these ranks must write their parts of."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: log.info("stop asked; rank 0 decides when"))
+    policy = Policy(model_path, config.trainer, config.rl)
+    try:
+        policy.follow()
+    finally:
+        policy.close()
+    return 0
+
+
+def torchrun_argv(config: RunConfig, argv: list[str]) -> list[str]:
+    """The command that runs `rollwire trainer ARGV` as trainer.world_size ranks on this
+    machine: torchrun with a rendezvous of its own (a free port), and no restarts of
+    single ranks: one that dies takes the group down, and whoever runs the trainer (the
+    `rollwire train` launcher) starts it again from its last checkpoint."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(config.trainer.world_size),
+        "--max-restarts",
+        "0",
+        "-m",
+        "rollwire.services.app.cli",
+        "trainer",
+        *argv,
+    ]
+
+
+def run_trainer(config: RunConfig, argv: list[str] | None = None) -> int:
+    """`rollwire trainer`: train until rl.max_steps (or SIGTERM), checkpoint, exit 0.
+
+    With trainer.world_size above 1 and no torchrun around it, the process becomes
+    torchrun over `argv` (the command's own arguments), same pid: each rank comes back
+    here, rank 0 to train, the others to follow it.
+    """
     from rollwire.services.core.telemetry import configure_logging
     from rollwire.services.core.tiny import default_model_path
 
-    configure_logging("trainer", config.telemetry.log_level, config.telemetry.log_format)
-    model_path = config.trainer.model_path or default_model_path()
+    if config.trainer.world_size > 1 and "WORLD_SIZE" not in os.environ:
+        command = torchrun_argv(config, list(sys.argv[2:] if argv is None else argv))
+        if "ROLLWIRE_LAUNCHER_PID" in os.environ:
+            # The ranks are torchrun's children: they end when it does (it keeps this
+            # process's tie to the launcher across the exec).
+            os.environ["ROLLWIRE_LAUNCHER_PID"] = str(os.getpid())
+        sys.stdout.flush()
+        os.execv(command[0], command)
+    rank = int(os.environ.get("RANK", "0"))
+    name = "trainer" if rank == 0 else f"trainer-rank{rank}"
+    configure_logging(name, config.telemetry.log_level, config.telemetry.log_format)
+    model_path = Path(config.trainer.model_path or default_model_path())
     try:
-        config.trainer.refuse_unrun_backend()
-        return asyncio.run(run(config, Path(model_path)))
+        if rank != 0:
+            return follow(config, model_path)
+        return asyncio.run(run(config, model_path))
     except (OSError, ValueError, TimeoutError, BufferError, grpc.aio.AioRpcError) as error:
         log.error("trainer stopped: %s", describe_error(error))
         return 1

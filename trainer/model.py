@@ -8,6 +8,9 @@ passes of a step are `rollwire.trainer.update`.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +22,18 @@ from rollwire.services.core.config import LoraConfig, RLSection, TrainerConfig
 from rollwire.services.core.files import staged_directory
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.algorithms import group_advantages, lr_factor, step_advantages
+from rollwire.trainer.backends import (
+    AdamWSettings,
+    LocalBackend,
+    TrainBackend,
+    backend_for,
+    shutdown_process_group,
+    split_by_tokens,
+)
 from rollwire.trainer.batching import TokenBatch, collate, per_token_advantages, split_rows
-from rollwire.trainer.update import Updater, average
+from rollwire.trainer.update import Observed, Updater, average
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AdaptersOff", "Policy", "TokenBatch", "collate", "per_token_advantages"]
 
@@ -62,37 +75,21 @@ class Policy:
     reference is then that model with its adapters off."""
 
     def __init__(self, model_path: str | Path, config: TrainerConfig, rl: RLSection) -> None:
-        from transformers import AutoModelForCausalLM
-
         from rollwire.services.core.tiny import quiet_transformers
 
         quiet_transformers()
         torch.set_num_threads(config.threads)
         self.config, self.rl = config, rl
         self.model_path = Path(model_path)
-        self.device = torch.device(config.device)
-        # float32 whatever trainer.precision says: these are the master weights.
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(
-            self.device
+        self.backend: TrainBackend = (
+            self._local_backend()
+            if config.backend == "local"
+            else backend_for(config, self.model_path, config.distributed)
         )
-        if config.gradient_checkpointing:
-            # Non-reentrant: no need for inputs that require grad, and exact gradients.
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        if config.lora is not None:
-            self.model = _with_adapters(self.model, config.lora)
-        self.model.train()
-        self.pad_token_id = int(self.model.config.pad_token_id or 0)
-        # With LoRA only the adapters require grad: the optimizer holds just them.
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.trainable,
-            lr=config.learning_rate,
-            weight_decay=config.weight_decay,
-            betas=config.adam_betas,
-            eps=config.adam_eps,
-        )
+        self.model = self.backend.module
+        self.optimizer = self.backend.optimizer
+        self.device = self.backend.device
+        self.pad_token_id = int(self.backend.hf_config.pad_token_id or 0)
         self.optimizer_steps = 0
         """Optimizer updates made so far in the run: the LR schedule's position."""
         self.reference: Any = None
@@ -100,6 +97,8 @@ class Policy:
             # The base model is the reference: the same weights, adapters off.
             self.reference = AdaptersOff(self.model)
         elif config.loss.kl_coef > 0:
+            from transformers import AutoModelForCausalLM
+
             # Frozen, so no master copy is needed: under bf16 it is held in bf16.
             dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
             self.reference = (
@@ -111,6 +110,94 @@ class Policy:
         self.updater = Updater(self.model, self.reference, config, rl.temperature, self.device)
         self.update_metrics: list[dict[str, float]] = []
         """The loss metrics of each optimizer update of the last step, in order."""
+        self._published: list[tuple[str, torch.Tensor]] = []
+        """Sharded backends: rank 0's copy (CPU) of the full weights of the last step."""
+        self.last_command = time.monotonic()
+        if self.sharded:
+            self._gather()
+
+    def _local_backend(self) -> LocalBackend:
+        from transformers import AutoModelForCausalLM
+
+        config = self.config
+        # float32 whatever trainer.precision says: these are the master weights.
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(
+            config.device
+        )
+        if config.gradient_checkpointing:
+            # Non-reentrant: no need for inputs that require grad, and exact gradients.
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        if config.lora is not None:
+            model = _with_adapters(model, config.lora)
+        model.train()
+        settings = AdamWSettings(
+            lr=config.learning_rate,
+            weight_decay=config.weight_decay,
+            betas=(float(config.adam_betas[0]), float(config.adam_betas[1])),
+            eps=config.adam_eps,
+        )
+        # With LoRA only the adapters require grad: the optimizer holds just them.
+        return LocalBackend.around(model, settings, self.model_path)
+
+    @property
+    def sharded(self) -> bool:
+        """A multi-process backend (`fsdp2`, `deepspeed`), even on one rank."""
+        return self.backend.name != "local"
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    # ------------------------------------------------------------ ranks in step
+    #
+    # With several ranks, rank 0 runs the trainer loop and the others follow: each
+    # collective method, called on rank 0, first tells the others to call it too (a
+    # broadcast of its name and arguments), then runs; `follow` is the other ranks'
+    # loop. Only rank 0 talks to the buffer and the rollout-servers.
+
+    def _lead(self, *command: Any) -> None:
+        self.last_command = time.monotonic()
+        if self.backend.world_size > 1:
+            if not self.backend.is_main:
+                raise RuntimeError("only rank 0 leads; the other ranks run Policy.follow")
+            self.backend.broadcast_object(command)
+
+    def follow(self) -> None:
+        """The loop of every rank but 0: does what rank 0 asks until it says stop."""
+        calls = {
+            "step": self._train_step,
+            "save": self._save_checkpoint,
+            "restore": self._restore,
+            "beat": lambda: None,
+        }
+        while True:
+            kind, *args = self.backend.broadcast_object(None)
+            if kind == "stop":
+                return
+            calls[kind](*args)
+
+    def heartbeat(self, every_seconds: float | None = None) -> None:
+        """Rank 0, while it waits: tells the other ranks it lives, at most every
+        `every_seconds` (a quarter of the collective timeout by default), so their
+        wait for its next command never reaches that timeout."""
+        if self.backend.world_size == 1:
+            return
+        every = every_seconds or self.config.distributed.timeout_seconds / 4
+        if time.monotonic() - self.last_command >= every:
+            self._lead("beat")
+
+    def close(self) -> None:
+        """Rank 0: lets the other ranks go; every rank: leaves the process group."""
+        if self.backend.is_main:
+            try:
+                self._lead("stop")
+            except RuntimeError as error:  # a rank is gone already: torchrun ends the rest
+                log.warning("could not tell the other ranks to stop: %s", error)
+        self.backend.close()
+        if self.sharded:
+            shutdown_process_group()
 
     @property
     def updates_per_step(self) -> int:
@@ -143,7 +230,15 @@ class Policy:
     def train_step(self, trajectories: list[Trajectory], trainer_version: int) -> dict[str, float]:
         """One trainer step on whole groups: epochs_per_step x minibatches_per_step
         optimizer updates against the proximal logprobs of the weights it started from
-        (one policy version); returns metrics, the loss ones averaged over the updates."""
+        (one policy version); returns metrics, the loss ones averaged over the updates.
+
+        Over several ranks each minibatch is split by tokens (`split_by_tokens`), every
+        rank runs as many passes as the busiest (padding passes carry no tokens), and the
+        metrics are those of the whole batch."""
+        self._lead("step", trajectories, trainer_version)
+        return self._train_step(trajectories, trainer_version)
+
+    def _train_step(self, trajectories: list[Trajectory], trainer_version: int) -> dict[str, float]:
         started = time.perf_counter()
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         advantages = group_advantages(
@@ -207,44 +302,87 @@ class Policy:
             for rows in split_rows(len(keep), self.config.minibatches_per_step)
         ]
         # The micro-batches are cut once and reused by every epoch.
-        plan = [self.updater.parts(minibatch) for minibatch in minibatches]
+        plan = self._plan(minibatches)
+        totals = [minibatch.tokens for minibatch in minibatches]
         # One update per step: its weights are the proximal ones, and its own forward
         # gives their logprobs (no extra pass). More: the weights move after the first
         # update, so the proximal logprobs must be taken before it.
         ahead = len(plan) * self.config.epochs_per_step > 1
-        observed: dict[str, float] = {}
+        observed: list[Observed] = []
         if ahead:
-            observed = self.updater.proximal_pass(
-                [part for parts in plan for part in parts], trainer_version
-            )
-        for _ in range(self.config.epochs_per_step):
-            for parts in plan:
-                self.optimizer.zero_grad(set_to_none=True)
-                out, seen = self.updater.accumulate(parts, trainer_version, observe=not ahead)
-                observed.update(seen)
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.trainable, self.config.max_grad_norm
+            observed.append(
+                self.updater.proximal_pass(
+                    [part for parts in plan for part in parts], trainer_version
                 )
+            )
+        backend = self.backend
+        for _ in range(self.config.epochs_per_step):
+            for parts, total in zip(plan, totals, strict=True):
+                backend.zero_grad()
+                rows, shares, seen = self.updater.accumulate(
+                    parts,
+                    trainer_version,
+                    observe=not ahead,
+                    total_tokens=total,
+                    ranks=backend.world_size,
+                    backward=backend.backward,
+                )
+                if seen is not None:
+                    observed.append(seen)
                 learning_rate = self.learning_rate()
-                for group in self.optimizer.param_groups:
-                    group["lr"] = learning_rate
-                self.optimizer.step()
+                backend.set_lr(learning_rate)
+                grad_norm = backend.clip_and_step(self.config.max_grad_norm)
                 self.optimizer_steps += 1
+                # Every rank's parts: the minibatch's token means.
+                everyone = backend.all_gather_object((rows, shares))
+                out = average(
+                    [row for rank_rows, _ in everyone for row in rank_rows],
+                    [share for _, rank_shares in everyone for share in rank_shares],
+                )
                 out.update(grad_norm=float(grad_norm), learning_rate=learning_rate)
                 self.update_metrics.append(out)
         metrics.update(average(self.update_metrics))
-        metrics.update(observed)
+        seen_by_all = [part for parts in backend.all_gather_object(observed) for part in parts]
+        metrics.update(Observed.merged(seen_by_all).metrics())
         metrics.update(
             optimizer_steps=float(len(self.update_metrics)),
             step_seconds=time.perf_counter() - started,
         )
+        if self.sharded:
+            self._gather()
         return metrics
+
+    def _plan(self, minibatches: list[TokenBatch]) -> list[list[TokenBatch]]:
+        """This rank's micro-batches of each minibatch. Over several ranks each minibatch's
+        sequences are split by tokens, and a rank with fewer passes than the busiest gets
+        padding passes (one sequence, no generated tokens): on `fsdp2` and ZeRO-3 every
+        forward gathers parameters, so every rank must run the same number."""
+        world, rank = self.backend.world_size, self.backend.rank
+        if world == 1:
+            return [self.updater.parts(minibatch) for minibatch in minibatches]
+        plan = []
+        for minibatch in minibatches:
+            rows = split_by_tokens(minibatch.lengths, world)[rank]
+            plan.append(self.updater.parts(minibatch.select(rows)) if rows else [])
+        counts = self.backend.reduce_metrics(
+            {f"{i:06d}": float(len(parts)) for i, parts in enumerate(plan)}, "max"
+        )
+        for i, (parts, minibatch) in enumerate(zip(plan, minibatches, strict=True)):
+            while len(parts) < int(counts[f"{i:06d}"]):
+                padding = minibatch.select([0])
+                padding.mask = torch.zeros_like(padding.mask)
+                parts.append(padding)
+        return plan
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters to publish, by the names a freshly loaded model uses: the float32
         master weights under either precision (a rollout-server casts them to the dtype
         it serves in). With LoRA, each target layer's weight is merged (W + scale B A)
-        into a new tensor; the model keeps its adapters apart and trains on."""
+        into a new tensor; the model keeps its adapters apart and trains on. On a
+        sharded backend: rank 0's copy, gathered at the end of the last step (not
+        collective; the other ranks have none)."""
+        if self.sharded:
+            return list(self._published)
         if self.config.lora is None:
             return [(name, p.detach()) for name, p in self.model.named_parameters()]
         from peft.tuners.lora import LoraLayer
@@ -265,15 +403,55 @@ class Policy:
                     out.append((name, p.detach()))
         return out
 
+    def _gather(self) -> None:
+        """Sharded backends, every rank: gathers the full weights bucket by bucket (the
+        device holds one bucket at a time); rank 0 keeps a CPU copy to publish, and to
+        catch restarted rollout-servers up without asking the other ranks."""
+        published = []
+        for name, tensor in self.backend.iter_full_weights():
+            if self.backend.is_main:
+                published.append((name, tensor.detach().to("cpu", copy=True)))
+        self._published = published
+
     def save_checkpoint(
         self, folder: str | Path, step: int, version: int, extra: dict[str, Any] | None = None
     ) -> Path:
         """Writes a Hugging Face model folder plus optimizer and LR-schedule state (and
         `extra`), atomically. With LoRA the folder's model is the merged one and the
-        adapters are in its `adapter/` (peft's `save_pretrained`)."""
+        adapters are in its `adapter/` (peft's `save_pretrained`). On a sharded backend
+        the folder's model is consolidated from the shards and the sharded state (for
+        an exact resume on any backend built the same way) is in its `backend/`."""
+        self._lead("save", str(folder), step, version, extra)
+        return self._save_checkpoint(folder, step, version, extra)
+
+    def _trainer_state(self, step: int, version: int, extra: dict[str, Any] | None) -> dict:
+        return {
+            "lr_schedule": {"optimizer_steps": self.optimizer_steps},
+            "step": step,
+            "policy_version": version,
+            "rng": torch.get_rng_state(),
+            **(extra or {}),
+        }
+
+    def _save_checkpoint(
+        self, folder: str | Path, step: int, version: int, extra: dict[str, Any] | None = None
+    ) -> Path:
         from transformers import AutoTokenizer
 
         folder = Path(folder)
+        if self.sharded:
+            # Every rank writes into one staging folder, renamed once complete.
+            staging = folder.with_name(f".{folder.name}.partial")
+            self.backend.save_pretrained(staging)
+            self.backend.save(staging / "backend")
+            if self.backend.is_main:
+                state = self._trainer_state(step, version, extra)
+                state["backend"] = self.backend.name
+                torch.save(state, staging / "trainer_state.pt")
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(staging, folder)
+            self.backend.barrier()
+            return folder
         with staged_directory(folder) as staging:
             if self.config.lora is None:
                 self.model.save_pretrained(staging)
@@ -286,11 +464,7 @@ class Policy:
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(staging)
             state = {
                 "optimizer": self.optimizer.state_dict(),
-                "lr_schedule": {"optimizer_steps": self.optimizer_steps},
-                "step": step,
-                "policy_version": version,
-                "rng": torch.get_rng_state(),
-                **(extra or {}),
+                **self._trainer_state(step, version, extra),
             }
             torch.save(state, staging / "trainer_state.pt")
         return folder
@@ -299,9 +473,28 @@ class Policy:
         """Loads the weights, optimizer and LR-schedule state of a `save_checkpoint`
         folder; returns its trainer state (step, policy_version and what the caller
         saved with it)."""
+        self._lead("restore", str(folder))
+        return self._restore(folder)
+
+    def _restore(self, folder: str | Path) -> dict[str, Any]:
         from transformers import AutoModelForCausalLM
 
         folder = Path(folder)
+        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        saved_backend = state.get("backend", "local")
+        if saved_backend != self.backend.name:
+            raise ValueError(
+                f"{folder}: a checkpoint of trainer.backend={saved_backend}, but this run's "
+                f"is {self.backend.name}; its Hugging Face folder can start a new run "
+                "(trainer.model_path) instead"
+            )
+        if self.sharded:
+            self.backend.load(folder / "backend")
+            self.optimizer_steps = int(state["lr_schedule"]["optimizer_steps"])
+            if "rng" in state:
+                torch.set_rng_state(state["rng"])
+            self._gather()
+            return state
         adapter = folder / "adapter"
         if adapter.is_dir() != (self.config.lora is not None):
             raise ValueError(
@@ -320,7 +513,6 @@ class Policy:
         else:
             saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
             self.model.load_state_dict(saved.state_dict())
-        state = torch.load(folder / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         # The loaded groups carry the saved run's settings; this run's config decides
         # (the learning rate is set before every update anyway).

@@ -49,6 +49,35 @@ class MismatchStats:
         }
 
 
+class Observed:
+    """What the pre-update pass saw: train/inference mismatch and the policy's entropy,
+    as sums, so the parts of several ranks add up (`merged`)."""
+
+    def __init__(self) -> None:
+        self.mismatch = MismatchStats()
+        self.entropy_sum, self.count = 0.0, 0.0
+
+    @staticmethod
+    def merged(parts: list[Observed]) -> Observed:
+        """The sums of every part (one per rank)."""
+        total = Observed()
+        for part in parts:
+            m, t = part.mismatch, total.mismatch
+            t.tokens, t.abs_sum, t.kl_sum = (
+                t.tokens + m.tokens,
+                t.abs_sum + m.abs_sum,
+                t.kl_sum + m.kl_sum,
+            )
+            t.abs_max = max(t.abs_max, m.abs_max)
+            total.entropy_sum += part.entropy_sum
+            total.count += part.count
+        return total
+
+    def metrics(self) -> dict[str, float]:
+        """`mismatch_*` and `entropy_mean`."""
+        return {**self.mismatch.metrics(), "entropy_mean": self.entropy_sum / max(self.count, 1.0)}
+
+
 def average(rows: list[dict[str, float]], weights: list[float] | None = None) -> dict[str, float]:
     """Weighted means of metric dicts (equal weights by default), except that keys
     ending in `_max` or `_min` take the extreme; a key missing from a row is skipped."""
@@ -123,59 +152,69 @@ class Updater:
         logits: torch.Tensor,
         logprobs: torch.Tensor,
         trainer_version: int,
-        mismatch: MismatchStats,
-    ) -> tuple[float, float]:
-        """Mismatch and entropy of one part, from the pre-update logits; returns the
-        entropy summed over generated tokens and their count."""
+        seen: Observed,
+    ) -> None:
+        """Adds the mismatch and entropy of one part, from its pre-update logits."""
         mask = part.mask.to(self.device)
         # Tokens the engine sampled from exactly these weights: any difference between
         # its logprobs and ours is train/inference mismatch, not staleness.
         same_weights = mask * (part.policy_versions.to(self.device) == trainer_version)
-        mismatch.add(logprobs.detach(), part.behaviour_logprobs.to(self.device), same_weights)
+        seen.mismatch.add(logprobs.detach(), part.behaviour_logprobs.to(self.device), same_weights)
         with torch.no_grad():
             entropy = token_entropy(logits.detach(), self.temperature)
-        return float((entropy * mask).sum()), float(mask.sum())
+        seen.entropy_sum += float((entropy * mask).sum())
+        seen.count += float(mask.sum())
 
     @torch.no_grad()
-    def proximal_pass(self, parts: list[TokenBatch], trainer_version: int) -> dict[str, float]:
+    def proximal_pass(self, parts: list[TokenBatch], trainer_version: int) -> Observed:
         """Before a step's first update: sets each part's proximal (and reference)
-        logprobs from the weights as they are, and returns the mismatch and entropy
-        metrics. Run on the very parts the updates take, so the first update's ratio is
+        logprobs from the weights as they are, and returns what it saw (mismatch,
+        entropy). Run on the very parts the updates take, so the first update's ratio is
         exactly 1 (same shapes, same kernels)."""
-        mismatch, entropy_sum, count = MismatchStats(), 0.0, 0.0
+        seen = Observed()
         for part in parts:
             logits = self.logits(self.model, part)
             logprobs = token_logprobs(logits, part.targets.to(self.device), self.temperature)
             part.proximal_logprobs = logprobs
             if self.reference is not None:
                 part.reference_logprobs = self.logprobs(self.reference, part)
-            part_sum, part_count = self._observe(part, logits, logprobs, trainer_version, mismatch)
-            entropy_sum, count = entropy_sum + part_sum, count + part_count
-        return {**mismatch.metrics(), "entropy_mean": entropy_sum / max(count, 1.0)}
+            self._observe(part, logits, logprobs, trainer_version, seen)
+        return seen
 
     def accumulate(
-        self, parts: list[TokenBatch], trainer_version: int, observe: bool = False
-    ) -> tuple[dict[str, float], dict[str, float]]:
+        self,
+        parts: list[TokenBatch],
+        trainer_version: int,
+        observe: bool = False,
+        *,
+        total_tokens: float | None = None,
+        ranks: int = 1,
+        backward: Callable[[torch.Tensor], None] | None = None,
+    ) -> tuple[list[dict[str, float]], list[float], Observed | None]:
         """Backpropagates the loss of one minibatch (the token mean over all its parts)
-        into the parameters' `.grad`, one part at a time; returns its loss metrics and,
-        when `observe` (the step's only update, so its weights are the proximal ones),
-        the mismatch and entropy metrics of `proximal_pass`.
+        into the parameters' gradients, one part at a time; returns each part's loss
+        metrics and its share of the minibatch's tokens and, when `observe` (the step's
+        only update, so its weights are the proximal ones), what `proximal_pass` would
+        have seen.
+
+        Across ranks: `parts` are this rank's, `total_tokens` the minibatch's tokens on
+        all `ranks`, whose gradients the backend averages; each part's loss is scaled
+        by its tokens / total_tokens x ranks, so the average is the minibatch's token
+        mean. `backward` is the backend's (plain `loss.backward()` by default).
 
         A part without `proximal_logprobs` takes its own detached logprobs as proximal:
         right only before the step's first update.
         """
         loss_cfg = self.config.loss
-        total = max(sum(part.tokens for part in parts), 1.0)
+        backward = backward or torch.Tensor.backward
+        total = max(total_tokens if total_tokens is not None else sum(p.tokens for p in parts), 1.0)
         rows, shares = [], []
-        mismatch, entropy_sum, count = MismatchStats(), 0.0, 0.0
+        seen = Observed() if observe else None
         for part in parts:
             logits = self.logits(self.model, part)
             logprobs = token_logprobs(logits, part.targets.to(self.device), self.temperature)
-            if observe:
-                part_sum, part_count = self._observe(
-                    part, logits, logprobs, trainer_version, mismatch
-                )
-                entropy_sum, count = entropy_sum + part_sum, count + part_count
+            if seen is not None:
+                self._observe(part, logits, logprobs, trainer_version, seen)
             del logits
             reference = part.reference_logprobs
             if reference is None and self.reference is not None:
@@ -196,13 +235,11 @@ class Updater:
                 kl_coef=loss_cfg.kl_coef,
             )
             # Each part's token mean, weighted by its share of the minibatch's tokens:
-            # the sum is the minibatch's token mean, whatever the split.
+            # the sum is the minibatch's token mean, whatever the split. A padding part
+            # (no tokens) still runs forward and backward: on sharded backends both are
+            # collective.
             share = part.tokens / total
-            (out.loss * share).backward()
+            backward(out.loss * (share * ranks))
             rows.append({"loss": float(out.loss.detach()), **out.metrics})
             shares.append(share)
-        observed = {}
-        if observe:
-            observed = {**mismatch.metrics(), "entropy_mean": entropy_sum / max(count, 1.0)}
-        # Shares add up to one: weighted means are the minibatch's token means.
-        return average(rows, shares), observed
+        return rows, shares, seen

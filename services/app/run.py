@@ -107,7 +107,6 @@ def run_train(config: RunConfig) -> int:
     _stop_on_sigterm()
     started = time.perf_counter()
     try:
-        config.trainer.refuse_unrun_backend()  # before anything starts
         config, run_dir = _prepare(config)
     except (LaunchError, ValueError, OSError) as error:
         print(f"rollwire train: {error}")

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from rollwire.services.core.config.distributed import DistributedConfig
 from rollwire.services.core.config.runtime import (
     CurveServerConfig,
     MiB,
@@ -234,19 +235,18 @@ class TrainerConfig(StrictModel):
     server: ServerConfig = ServerConfig()
     """Listening settings for the TrainerService."""
     backend: Literal["local", "fsdp2", "deepspeed"] = "local"
-    """`local`: one process on CPU or one GPU. `fsdp2` (torch.distributed) and `deepspeed`
-    (ZeRO 1-3) are built and tested on two ranks (`rollwire.trainer.backends`), but the
-    trainer process does not run them yet: `rollwire train` and `rollwire trainer` refuse
-    them with a message rather than train with `local` instead."""
-
-    def refuse_unrun_backend(self) -> None:
-        """ValueError for a backend the trainer process cannot run yet (see `backend`)."""
-        if self.backend != "local":
-            raise ValueError(
-                f"trainer.backend={self.backend}: the backend is built and tested "
-                "(rollwire.trainer.backends) but the trainer process does not run it yet; "
-                "use trainer.backend=local"
-            )
+    """`local`: one process on CPU or one GPU. `fsdp2`: torch FSDP2 (parameters, gradients
+    and optimizer state sharded over the ranks); `deepspeed`: DeepSpeed ZeRO stage 1, 2
+    or 3 (`trainer.distributed`). Either runs `world_size` ranks (gloo on CPUs, NCCL on
+    GPUs); rank 0 alone talks to the buffer and the rollout-servers."""
+    world_size: int = Field(1, ge=1)
+    """Trainer ranks on this machine (one per GPU; on CPUs, one per `threads` cores).
+    Above 1, `rollwire trainer` starts itself under torchrun (`--standalone`); for several
+    machines run `torchrun --nnodes ... -m rollwire.services.app.cli trainer -c FILE` on
+    each with torchrun's own rendezvous options, and WORLD_SIZE decides."""
+    distributed: DistributedConfig = DistributedConfig()
+    """Settings of the `fsdp2` and `deepspeed` backends (collective timeout, resharding,
+    ZeRO stage, offload)."""
 
     model_path: Path | None = None
     """Model to start from (Hugging Face folder); the built-in tiny model when unset.
@@ -290,7 +290,7 @@ class TrainerConfig(StrictModel):
     loss: LossConfig = LossConfig()
     """Policy loss settings."""
     lora: LoraConfig | None = None
-    """Train LoRA adapters instead of all the weights (`local` backend). The rollout-servers
+    """Train LoRA adapters instead of all the weights (`local` backend only). The rollout-servers
     get the merged weights; a checkpoint holds the adapters (`adapter/`) and the merged
     model as its Hugging Face folder. A KL reference is then the base model itself
     (the adapters switched off), not a second copy."""
@@ -322,3 +322,21 @@ class TrainerConfig(StrictModel):
     """`group`: NCCL when this trainer has a CUDA GPU (auto), else gloo."""
     weight_group_timeout_seconds: float = Field(60.0, gt=0)
     """`group`: how long forming the group, or one broadcast, may take."""
+
+    @model_validator(mode="after")
+    def _backend_settings_compose(self) -> TrainerConfig:
+        if self.world_size > 1 and self.backend == "local":
+            raise ValueError(
+                f"trainer.world_size={self.world_size} needs trainer.backend fsdp2 or deepspeed "
+                "(local is one process)"
+            )
+        if self.backend != "local" and self.lora is not None:
+            raise ValueError(
+                f"trainer.lora runs on trainer.backend=local only, not {self.backend}"
+            )
+        if self.backend != "local" and self.loss.kl_coef > 0:
+            raise ValueError(
+                f"trainer.loss.kl_coef > 0 (a frozen reference model) runs on "
+                f"trainer.backend=local only, not {self.backend}"
+            )
+        return self
