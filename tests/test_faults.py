@@ -220,3 +220,78 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def trainer_rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
+    """The pid of trainer rank `rank`: a child of the trainer's torchrun (its pid file)
+    whose environment says RANK=rank."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parent = int((run_dir / "logs" / "trainer.pid").read_text())
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            children = []
+        for child in children:
+            try:
+                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ:
+                return int(child)
+        time.sleep(0.2)
+    raise AssertionError(f"no trainer rank {rank} found within {timeout:g}s")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_a_killed_trainer_rank_restarts_the_group_and_a_two_rank_run_resumes(tmp_path) -> None:
+    """trainer.world_size 2 (fsdp2): rank 1 killed mid-run takes the group down, the
+    launcher starts the group again from its checkpoint, nothing is trained twice; a
+    second `rollwire train` on the same run directory resumes on two ranks."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        *SHORT_RUN,
+        "rl.max_steps=12",
+        "trainer.checkpoint_every=2",
+        "trainer.backend=fsdp2",
+        "trainer.world_size=2",
+        f"run.output_dir={run_dir}",
+    ]
+    process = start_rollwire("train", overrides, tmp_path, subprocess.PIPE)
+    try:
+        wait_for_step(run_dir, 5, process, timeout=300)
+        follower = trainer_rank_pid(run_dir, 1)
+        os.kill(follower, signal.SIGKILL)
+        output, _ = process.communicate(timeout=500)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    assert process.returncode == 0, output[-3000:]
+    assert "trainer exited with code 1; restarting it" in output, output[-3000:]
+    records = jsonl(run_dir / "metrics" / "trained_ids.jsonl")
+    assert any("resumed_from_step" in r for r in records), records[-3:]
+    steps = effective_training(records)
+    assert len(steps) == 12
+    ids = [i for step in steps for i in step["ids"]]
+    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+    final = run_dir / "checkpoints" / "step_000012"
+    assert (final / "backend").is_dir() and (final / "model.safetensors").exists()
+
+    # Again on the same directory, further: it resumes from step 12 on two ranks.
+    process = start_rollwire(
+        "train",
+        [*overrides[:-1], "rl.max_steps=14", f"run.output_dir={run_dir}"],
+        tmp_path,
+        subprocess.PIPE,
+    )
+    output, _ = process.communicate(timeout=500)
+    assert process.returncode == 0, output[-3000:]
+    records = jsonl(run_dir / "metrics" / "trained_ids.jsonl")
+    assert records[-3]["resumed_from_step"] == 12, records[-3:]
+    steps = effective_training(records)
+    assert [s["step"] for s in steps] == list(range(1, 15))
+    ids = [i for step in steps for i in step["ids"]]
+    assert len(ids) == len(set(ids)), "a trajectory was trained twice across the resume"
+    assert_no_process_left(run_dir)
