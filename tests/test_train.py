@@ -115,6 +115,23 @@ def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
     # Every process of the run has exited.
     assert_no_process_left(run_dir)
 
+    # `rollwire eval` on the run's final checkpoint, with the run's settings: the same
+    # held-out greedy reward as the run's own final evaluation, and pass@k from samples.
+    env = {**os.environ, "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "rollwire.services.app.cli", "eval", "-c"]
+    command += [str(run_dir / "resolved_config.yaml"), "--checkpoint", str(run_dir)]
+    command += ["--samples", "4", "--set", f"run.output_dir={tmp_path / 'eval'}"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=env, start_new_session=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "eval" / "evals" / "step_000004" / "eval.json").read_text())
+    assert report["model"] == str(checkpoint.resolve()) and report["tasks"] == 16
+    assert report["greedy_reward"] == pytest.approx(evals[-1]["eval_reward"])
+    assert 0 <= report["pass@1"] <= report["pass@4"] <= 1
+    assert f"greedy_reward  {report['greedy_reward']:.4f}" in done.stdout
+    assert_no_process_left(tmp_path / "eval")
+
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)

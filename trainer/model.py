@@ -349,7 +349,9 @@ class Policy:
             step_seconds=time.perf_counter() - started,
         )
         if self.sharded:
+            gather_started = time.perf_counter()
             self._gather()
+            metrics["gather_seconds"] = time.perf_counter() - gather_started
         return metrics
 
     def _plan(self, minibatches: list[TokenBatch]) -> list[list[TokenBatch]]:

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import IO
+from typing import IO, Any
 
 import grpc.aio
 import numpy as np
@@ -126,3 +126,33 @@ class Evaluation:
         self.log_file.flush()
         log.info("evaluated", extra={"policy_version": version, "eval_reward": round(mean, 4)})
         return mean
+
+
+async def measure(
+    tasks: Sequence[Task],
+    greedy_of: Callable[[Task], Awaitable[float]],
+    samples_of: Callable[[Task, int], Awaitable[list[float]]],
+    *,
+    samples: int,
+    correct_at: float,
+    concurrency: int,
+) -> dict[str, float]:
+    """Held-out numbers of one model: `greedy_reward` (what training's evaluation logs)
+    and, when `samples` > 0, from that many sampled responses per task, `pass@1` (the
+    expected fraction correct of one sample) and `pass@{samples}` (the fraction of tasks
+    with at least one correct); a response is correct at reward >= `correct_at`."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def bounded(call: Awaitable[Any]) -> Any:
+        async with limit:
+            return await call
+
+    greedy = await asyncio.gather(*(bounded(greedy_of(task)) for task in tasks))
+    out = {"tasks": float(len(tasks)), "greedy_reward": float(np.mean(greedy)) if greedy else 0.0}
+    if samples > 0 and tasks:
+        sampled = await asyncio.gather(*(bounded(samples_of(task, samples)) for task in tasks))
+        correct = np.array([[r >= correct_at for r in rewards] for rewards in sampled], float)
+        out["sampled_reward"] = float(np.mean(sampled))
+        out["pass@1"] = float(correct.mean())
+        out[f"pass@{samples}"] = float(correct.max(axis=1).mean())
+    return out

@@ -324,6 +324,34 @@ class Orchestrator:
         (result,) = await self.servers.score(task, [self.decode(list(output.token_ids))])
         return result.reward
 
+    async def sampled_rewards(self, task: Task, samples: int) -> list[float]:
+        """The rewards of `samples` responses to `task` (or episodes of it) at the
+        training temperature: what pass@k measures."""
+        if self.agentic:
+            runs = [self.episodes.run(task, i, self.rl.temperature) for i in range(samples)]
+            return [episode.reward for episode in await asyncio.gather(*runs)]
+        outputs = await self.servers.generate_group(self.encode_prompt(task), samples=samples)
+        texts = [self.decode(list(output.token_ids)) for output in outputs]
+        return [result.reward for result in await self.servers.score(task, texts)]
+
+    async def measure(self, samples: int = 0, correct_at: float = 1.0) -> dict[str, float]:
+        """The held-out numbers (`evaluation.measure`) of the model the rollout-servers
+        serve now, on this run's evaluation set; for `rollwire eval`."""
+        from rollwire.rollout.orchestrator.evaluation import measure
+
+        if self.settings.eval_dataset is None:
+            raise ValueError("orchestrator.eval_dataset is unset: there is nothing to evaluate")
+        if self.agentic:
+            await self.start_episodes()
+        return await measure(
+            load_tasks(self.settings.eval_dataset),
+            self.greedy_reward,
+            self.sampled_rewards,
+            samples=samples,
+            correct_at=correct_at,
+            concurrency=self.settings.max_concurrent_groups * self.rl.group_size,
+        )
+
     # ------------------------------------------------------------ episodes and tokens
 
     async def start_episodes(self) -> None:

@@ -83,10 +83,11 @@ class Servers:
         )
 
     async def generate_group(
-        self, prompt_ids: list[int], ordinal: int | None = None
+        self, prompt_ids: list[int], ordinal: int | None = None, samples: int | None = None
     ) -> list[rollout_pb2.GenerateResponse]:
-        """`rl.group_size` samples of one prompt, in one call, batched on one rollout-server;
-        seeded from the prompt's ordinal when `orchestrator.sampling_seed` is set."""
+        """`samples` (`rl.group_size` by default) samples of one prompt, in one call,
+        batched on one rollout-server; seeded from the prompt's ordinal when
+        `orchestrator.sampling_seed` is set."""
         sampling = self._sampling(self.rl.temperature, self.settings.max_new_tokens)
         if self.settings.sampling_seed is not None and ordinal is not None:
             sampling.seed = sample_seed(self.settings.sampling_seed, ordinal)
@@ -94,7 +95,7 @@ class Servers:
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,
             sampling=sampling,
-            num_samples=self.rl.group_size,
+            num_samples=samples or self.rl.group_size,
         )
         stub = self.rollout[next(self._next_rollout)]
         reply = await self._call(

@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # command -> (config section, module with `registrations(section)`, help)
@@ -345,6 +346,42 @@ def _env_check(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _add_eval(commands: Any) -> None:
+    help_text = "held-out reward of a checkpoint (or the run's model) with the run's eval settings"
+    sub = commands.add_parser("eval", help=help_text, description=help_text)
+    _add_config_options(sub)
+    sub.add_argument(
+        "--checkpoint",
+        type=Path,
+        metavar="DIR",
+        help="a Hugging Face model folder, or a run folder (its newest checkpoint); "
+        "default: the model the run starts from",
+    )
+    sub.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also sample K responses per task at rl.temperature: pass@1 and pass@K",
+    )
+    sub.add_argument(
+        "--correct-at",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="a sampled response counts as correct at reward >= R (default 1.0)",
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        from rollwire.services.app.run import run_eval
+
+        if args.samples < 0:
+            raise SystemExit("rollwire eval: --samples cannot be negative")
+        return run_eval(_load(args), args.checkpoint, args.samples, args.correct_at)
+
+    sub.set_defaults(handler=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollwire",
@@ -378,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_options(sub)
         sub.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
         sub.set_defaults(handler=_process(command, runner))
+    _add_eval(commands)
     _add_env_check(commands)
     _add_mismatch(commands)
     health = commands.add_parser("health", help="ask a service for its gRPC health status")

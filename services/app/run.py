@@ -227,3 +227,73 @@ def plot_rewards(run_dir: Path, rows: list[dict], evals: list[dict]) -> Path | N
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def _checkpoint_folder(path: Path) -> Path:
+    """A Hugging Face folder as it is; a run folder (or its checkpoints/) as its newest
+    checkpoint."""
+    if (path / "config.json").exists():
+        return path
+    for run_dir in (path, path.parent):
+        found = latest_checkpoint(run_dir)
+        if found is not None:
+            return found
+    raise LaunchError(f"{path} is neither a model folder (config.json) nor a run with checkpoints")
+
+
+def run_eval(
+    config: RunConfig, checkpoint: Path | None = None, samples: int = 0, correct_at: float = 1.0
+) -> int:
+    """`rollwire eval`: the held-out numbers of one model with the run's evaluation settings
+    (eval set, prompt template, chat template, max_new_tokens, engine); prints them and
+    writes them as JSON beside the logs of the services it started."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from rollwire.rollout.orchestrator.loop import Orchestrator
+    from rollwire.services.core.tiny import quiet_transformers
+
+    _stop_on_sigterm()
+    quiet_transformers()
+    try:
+        if checkpoint is not None:
+            model = _checkpoint_folder(Path(checkpoint)).resolve()
+        else:
+            model = prepare_model(config)
+    except (LaunchError, OSError) as error:
+        print(f"rollwire eval: {error}")
+        return 1
+    work_dir = Path(config.run.output_dir).resolve() / "evals" / model.name
+    print(f"model: {model}\nlogs: {work_dir / 'logs'}")
+    config = config.model_copy(
+        update={
+            "run": config.run.model_copy(update={"output_dir": work_dir}),
+            "rollout_server": config.rollout_server.model_copy(update={"model_path": model}),
+            "trainer": config.trainer.model_copy(update={"model_path": model}),
+        }
+    )
+    stack = Stack(work_dir, write_resolved_config(config, work_dir), thread_budget(config))
+    try:
+        config = start_servers(config, stack)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+
+        async def measure() -> dict[str, float]:
+            return await Orchestrator(config, tokenizer).measure(samples, correct_at)
+
+        started = time.perf_counter()
+        numbers = asyncio.run(measure())
+    except (LaunchError, ValueError) as error:
+        print(f"rollwire eval: {error}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stack.stop()
+    numbers["seconds"] = time.perf_counter() - started
+    result = {"model": str(model), "eval_dataset": config.orchestrator.eval_dataset, **numbers}
+    (work_dir / "eval.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    for key, value in numbers.items():
+        print(f"{key:>16}  {value:.4f}" if key != "tasks" else f"{key:>16}  {int(value)}")
+    print(f"written to {work_dir / 'eval.json'}")
+    return 0

@@ -331,9 +331,7 @@ class TrainerConfig(StrictModel):
                 "(local is one process)"
             )
         if self.backend != "local" and self.lora is not None:
-            raise ValueError(
-                f"trainer.lora runs on trainer.backend=local only, not {self.backend}"
-            )
+            raise ValueError(f"trainer.lora runs on trainer.backend=local only, not {self.backend}")
         if self.backend != "local" and self.loss.kl_coef > 0:
             raise ValueError(
                 f"trainer.loss.kl_coef > 0 (a frozen reference model) runs on "
