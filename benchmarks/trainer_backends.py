@@ -67,6 +67,7 @@ def trajectories(vocab: int, version: int = 0) -> list:
             Trajectory(
                 trajectory_id=f"t{i}",
                 task_id=f"g{i // GROUP}",
+                group_id=f"g{i // GROUP}",
                 sample_index=i % GROUP,
                 prompt_ordinal=i // GROUP,
                 source="bench",
@@ -105,15 +106,20 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def gradient_bytes(policy) -> int:
-    """Bytes of gradients this rank holds once the backward passes are done."""
+    """Bytes of gradients this rank holds once the backward passes are done: ZeRO keeps
+    its partitions in the optimizer (a flat buffer, or per-group lists), the others in
+    each parameter's `.grad`."""
     optimizer = policy.backend.optimizer
-    for holder in ("averaged_gradients", "grads_in_partition"):
-        held = getattr(optimizer, holder, None)  # ZeRO-1/2/3 hold partitions here
-        if isinstance(held, dict):
-            return sum(local_bytes(g) for grads in held.values() for g in grads if g is not None)
-        if isinstance(held, torch.Tensor):
-            return local_bytes(held)
-    return sum(local_bytes(p.grad) for p in policy.model.parameters())
+    held = 0
+    for holder in ("grads_in_partition", "averaged_gradients", "all_grad_tensors"):
+        value = getattr(optimizer, holder, None)
+        if isinstance(value, torch.Tensor):
+            held += local_bytes(value)
+        elif isinstance(value, dict | list):
+            for grads in value.values() if isinstance(value, dict) else value:
+                for grad in grads if isinstance(grads, list) else [grads]:
+                    held += local_bytes(grad) if isinstance(grad, torch.Tensor) else 0
+    return held + sum(local_bytes(p.grad) for p in policy.model.parameters())
 
 
 def worker(setting: str, model: Path, steps: int, out: Path) -> None:
@@ -122,6 +128,13 @@ def worker(setting: str, model: Path, steps: int, out: Path) -> None:
     from rollwire.trainer.model import Policy
 
     torch.set_num_threads(1)
+    # The libraries' own memory is not the model's: imported before the baseline.
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+
+    if "LoRA" in setting:
+        import peft  # noqa: F401
+    if "ZeRO" in setting:
+        import deepspeed  # noqa: F401
     before = rss_bytes()
     config = TrainerConfig(**SETTINGS[setting][0], micro_batch_size=4, learning_rate=1e-5)
     policy = Policy(model, config, RLSection(group_size=GROUP, max_steps=steps + 1))
@@ -207,7 +220,7 @@ def main() -> None:
         print(f"{setting} ...", flush=True)
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
         if done.returncode != 0 or not out.exists():
-            print(done.stdout[-3000:], done.stderr[-3000:])
+            print(done.stdout[-3000:], done.stderr[-6000:])
             continue
         results[setting] = json.loads(out.read_text())
     base = results.get("local fp32")
