@@ -5,7 +5,9 @@
 #   bash deploy/gpu-checks.sh
 #
 # 1. .venv-gpu, rollwire[dev,train,deepspeed]: the `gpu`-marked tests (the weight group
-#    over NCCL, FSDP2 and DeepSpeed ZeRO-3 over NCCL, resume on GPU).
+#    over NCCL; FSDP2 and DeepSpeed ZeRO-3 backends and the trainer step led by rank 0 on
+#    one rank per GPU over NCCL, against one CUDA process, with resume; a short
+#    `rollwire train` with trainer ranks on CUDA in bf16, for fsdp2 and deepspeed).
 # 2. .venv-gpu-vllm, rollwire[dev,train,vllm]: the vLLM engine tests on CUDA (marker vllm).
 # 3. .venv-gpu-sglang, rollwire[dev,train,sglang]: the SGLang engine tests (gpu-marked);
 #    SGLang and vLLM pin their own torch, so each has its environment.
@@ -34,11 +36,11 @@ part() {  # part NAME SECONDS PYTHON PYTEST-ARGS...
 }
 
 venv .venv-gpu dev,train,deepspeed
-part "gpu-marked (NCCL, FSDP2, ZeRO-3)" 200 .venv-gpu/bin/python -m gpu
+part "gpu-marked (NCCL, FSDP2, ZeRO-3, trainer ranks)" 240 .venv-gpu/bin/python -m gpu
 venv .venv-gpu-vllm dev,train,vllm
-part "vLLM on CUDA" 150 .venv-gpu-vllm/bin/python -m vllm tests/test_vllm_engine.py tests/test_vllm_run.py
+part "vLLM on CUDA" 130 .venv-gpu-vllm/bin/python -m vllm tests/test_vllm_engine.py tests/test_vllm_run.py
 venv .venv-gpu-sglang dev,train,sglang
-part "SGLang" 130 .venv-gpu-sglang/bin/python -m gpu tests/test_sglang_engine.py
+part "SGLang" 100 .venv-gpu-sglang/bin/python -m gpu tests/test_sglang_engine.py
 
 echo "== summary"
 status=0

@@ -50,10 +50,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--phase", choices=["train", "resume"], default="train")
     parser.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=2)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = TrainerConfig(
         backend=args.backend,
+        device=args.device,
         learning_rate=1e-3,
         max_grad_norm=0.5,
         minibatches_per_step=3,

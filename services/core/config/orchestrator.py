@@ -28,6 +28,10 @@ class ReasoningGymDataset(StrictModel):
     """Tasks in the dataset; the run cycles through them."""
     seed: int = 0
     """Generator seed; use different seeds for training and evaluation."""
+    domain: str = "reasoning_gym"
+    """Reward domain to score with: `reasoning_gym` is the dataset's own `score_answer` on
+    the answer in `<answer>` tags; `math` is math-verify on the tagged answer or, with no
+    tags, on the whole response (its last expression), for models that answer in prose."""
 
 
 class FileDataset(StrictModel):
@@ -92,7 +96,7 @@ class MixtureDataset(StrictModel):
 def share_key(dataset: ReasoningGymDataset | FileDataset, by: str) -> str:
     """The key a dataset's groups are counted under in `buffer.batch_shares`."""
     if by == "domain":
-        return "reasoning_gym" if isinstance(dataset, ReasoningGymDataset) else dataset.domain
+        return dataset.domain
     return dataset.name if isinstance(dataset, ReasoningGymDataset) else dataset.path.name
 
 
