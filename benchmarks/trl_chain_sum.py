@@ -122,7 +122,7 @@ def main() -> None:
             lr_scheduler_type="constant",
             warmup_steps=0,
             temperature=rl.temperature,
-            beta=config.trainer.loss.kl_coef,
+            beta=config.trainer.kl.coef,
             epsilon=config.trainer.loss.clip_low,
             epsilon_high=config.trainer.loss.clip_high,
             logging_steps=10,

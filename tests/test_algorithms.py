@@ -9,16 +9,21 @@ import pytest
 import torch
 
 from rollwire.trainer.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     discounted_returns,
+    dr_grpo,
     group_advantages,
-    kl_k3,
+    grpo,
+    high_variance_groups,
+    lite_ppo,
     lr_factor,
-    masked_mean,
-    policy_loss,
+    reinforce_plus_plus,
+    rloo,
     step_advantages,
     token_entropy,
     token_logprobs,
 )
+from rollwire.trainer.losses import masked_mean
 
 ln = math.log
 
@@ -34,6 +39,53 @@ def test_group_advantages_by_hand() -> None:
     assert unscaled.tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, 2, -1, -1, 0])
     with pytest.raises(ValueError, match="groups of 5"):
         group_advantages(rewards, 5)
+
+
+def test_every_advantage_estimator_by_hand() -> None:
+    # Two groups of three: [1, 0, 0] (mean 1/3, std sqrt(2)/3) and [2, 2, 5] (mean 3, std sqrt 2).
+    rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0])
+    r2 = math.sqrt(2)
+    assert grpo(rewards=rewards, group_size=3).tolist() == pytest.approx(
+        [2 / r2, -1 / r2, -1 / r2, -1 / r2, -1 / r2, 2 / r2], abs=1e-5
+    )
+    assert dr_grpo(rewards=rewards, group_size=3).tolist() == pytest.approx(
+        [2 / 3, -1 / 3, -1 / 3, -1, -1, 2]
+    )
+    # RLOO: r_i minus the mean of the other two: 1 - 0, 0 - 0.5, ...; 2 - 3.5, 5 - 2.
+    assert rloo(rewards=rewards, group_size=3).tolist() == pytest.approx(
+        [1.0, -0.5, -0.5, -1.5, -1.5, 3.0]
+    )
+    with pytest.raises(ValueError, match="at least two"):
+        rloo(rewards=rewards, group_size=1)
+    # Lite PPO: group-centred, over the batch std (mean 5/3 over all six rewards).
+    batch_std = math.sqrt(sum((r - 5 / 3) ** 2 for r in rewards.tolist()) / 6)
+    centred = [2 / 3, -1 / 3, -1 / 3, -1, -1, 2]
+    assert lite_ppo(rewards=rewards, group_size=3).tolist() == pytest.approx(
+        [c / batch_std for c in centred], abs=1e-5
+    )
+    # REINFORCE++: the batch's mean and std; its group baseline: group-centred, then the
+    # std of those centred values (mean 0): sqrt((4/9 + 1/9 + 1/9 + 1 + 1 + 4) / 6).
+    assert reinforce_plus_plus(rewards=rewards, group_size=3).tolist() == pytest.approx(
+        [(r - 5 / 3) / batch_std for r in rewards.tolist()], abs=1e-5
+    )
+    centred_std = math.sqrt((4 / 9 + 1 / 9 + 1 / 9 + 1 + 1 + 4) / 6)
+    grouped = reinforce_plus_plus(rewards=rewards, group_size=3, baseline="group")
+    assert grouped.tolist() == pytest.approx([c / centred_std for c in centred], abs=1e-5)
+    assert set(ADVANTAGE_ESTIMATORS) == {
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "lite_ppo",
+        "reinforce_plus_plus",
+    }
+
+
+def test_starpo_s_keeps_the_groups_whose_rewards_vary_most() -> None:
+    # Stds: group 0 [1, 1] -> 0, group 1 [0, 1] -> 0.5, group 2 [0, 4] -> 2, group 3 -> 0.5.
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 4.0, 1.0, 0.0])
+    keep = high_variance_groups(rewards, 2, 0.5)
+    assert keep.tolist() == [False, False, True, True, True, True, False, False]  # tie: earlier
+    assert high_variance_groups(rewards, 2, 0.1).tolist() == [False] * 4 + [True] * 2 + [False] * 2
 
 
 def test_discounted_returns_by_hand() -> None:
@@ -66,80 +118,6 @@ def test_step_advantages_by_hand() -> None:
         step_advantages(torch.zeros(1), [["a", "b"]], [[1.0]], group_size=1)
     with pytest.raises(ValueError, match="do not form groups of 2"):
         step_advantages(torch.zeros(3), [[]] * 3, [[]] * 3, group_size=2)
-
-
-def tokens(*values: float) -> torch.Tensor:
-    return torch.tensor([values], dtype=torch.float64)
-
-
-MASK = torch.tensor([[0, 1, 1]])
-
-
-def test_plain_ppo_clipping_positive_advantage() -> None:
-    behaviour = tokens(0, ln(0.5), ln(0.5))
-    current = tokens(ln(0.9), ln(0.6), ln(0.3)).requires_grad_()
-    # ratios 1.2 and 0.6; A = +1; clip range [0.8, 1.28]
-    # token 2: min(1.2, 1.2) = 1.2; token 3: min(0.6, 0.8) = 0.6 -> loss -(1.2 + 0.6)/2
-    out = policy_loss(current, behaviour, behaviour, torch.tensor([1.0]), MASK, correction="none")
-    assert out.loss.item() == pytest.approx(-0.9)
-    out.loss.backward()
-    # d/dlogp of -ratio*A/2 = -ratio/2 for unclipped tokens; token 1 is masked.
-    assert current.grad.tolist()[0] == pytest.approx([0.0, -0.6, -0.3])
-    assert out.metrics["ratio_mean"] == pytest.approx(0.9)
-    assert out.metrics["clip_frac_high"] == 0.0 and out.metrics["clip_frac_low"] == 0.0
-
-
-def test_plain_ppo_clipping_negative_advantage_and_clip_higher() -> None:
-    behaviour = tokens(0, ln(0.5), ln(0.5))
-    current = tokens(0, ln(0.6), ln(0.3)).requires_grad_()
-    # A = -1: token 2: min(-1.2, -1.2) = -1.2; token 3: min(-0.6, -0.8) = -0.8 (clipped)
-    out = policy_loss(current, behaviour, behaviour, torch.tensor([-1.0]), MASK, correction="none")
-    assert out.loss.item() == pytest.approx((1.2 + 0.8) / 2)
-    out.loss.backward()
-    assert current.grad.tolist()[0] == pytest.approx(
-        [0.0, 0.6, 0.0]
-    )  # clipped token gets no gradient
-    assert out.metrics["clip_frac_low"] == pytest.approx(0.5)
-    # Clip-higher: ratio 1.5 with A = +1 is cut at 1 + 0.28, not 1 + 0.2.
-    high = tokens(0, ln(0.75), ln(0.5))
-    out = policy_loss(high, behaviour, behaviour, torch.tensor([1.0]), MASK, correction="none")
-    assert out.loss.item() == pytest.approx(-(1.28 + 1.0) / 2)
-    assert out.metrics["clip_frac_high"] == pytest.approx(0.5)
-
-
-def test_truncated_importance_sampling() -> None:
-    proximal = tokens(0, ln(0.4), ln(0.5))
-    behaviour = tokens(0, ln(0.5), ln(0.25))
-    current = proximal.clone().requires_grad_()
-    # weights pi_prox/mu = 0.8 and 2.0, truncated at 1.5; ratio 1; A = 1
-    out = policy_loss(
-        current, proximal, behaviour, torch.tensor([1.0]), MASK, correction="tis", tis_cap=1.5
-    )
-    assert out.loss.item() == pytest.approx(-(0.8 + 1.5) / 2)
-    out.loss.backward()
-    assert current.grad.tolist()[0] == pytest.approx([0.0, -0.4, -0.75])
-    assert out.metrics["is_weight_max"] == pytest.approx(2.0)
-    assert out.metrics["is_truncated_frac"] == pytest.approx(0.5)
-
-
-def test_kl_k3_by_hand_and_penalty() -> None:
-    # policy 0.5, reference 0.25: d = ln 0.5; exp(d) - d - 1 = 0.5 + ln 2 - 1
-    assert float(kl_k3(torch.tensor(ln(0.5)), torch.tensor(ln(0.25)))) == pytest.approx(ln(2) - 0.5)
-    assert float(kl_k3(torch.tensor(-1.3), torch.tensor(-1.3))) == 0.0
-    behaviour = tokens(0, ln(0.5), ln(0.5))
-    reference = tokens(0, ln(0.25), ln(0.5))
-    out = policy_loss(
-        behaviour,
-        behaviour,
-        behaviour,
-        torch.tensor([0.0]),
-        MASK,
-        correction="none",
-        reference_logprobs=reference,
-        kl_coef=0.1,
-    )
-    assert out.loss.item() == pytest.approx(0.1 * (ln(2) - 0.5) / 2)
-    assert out.metrics["kl"] == pytest.approx((ln(2) - 0.5) / 2)
 
 
 def test_masked_mean_and_token_logprobs() -> None:
@@ -186,24 +164,13 @@ def test_lr_factor_by_hand() -> None:
         lr_factor(0, 10, "step")  # type: ignore[arg-type]
 
 
-def test_unknown_correction_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown off-policy correction"):
-        policy_loss(
-            tokens(0, 0, 0),
-            tokens(0, 0, 0),
-            tokens(0, 0, 0),
-            torch.tensor([1.0]),
-            MASK,
-            correction="ppo",
-        )  # type: ignore[arg-type]
-
-
-def test_algorithms_import_no_transport() -> None:
+@pytest.mark.parametrize("name", ["algorithms", "losses"])
+def test_algorithms_import_no_transport(name: str) -> None:
     """import-linter cannot forbid a subpackage of torch, so read the imports directly."""
     import ast
+    import importlib
 
-    import rollwire.trainer.algorithms as module
-
+    module = importlib.import_module(f"rollwire.trainer.{name}")
     tree = ast.parse(Path(module.__file__).read_text())
     imported = {
         alias.name

@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rollwire.services.core.config import LoraConfig, LossConfig, RLSection, TrainerConfig
+from rollwire.services.core.config import LoraConfig, RLSection, TrainerConfig
 from rollwire.trainer.batching import collate
 from rollwire.trainer.model import Policy
 from tests.test_update import group
@@ -108,7 +108,7 @@ def test_published_weights_are_merged_and_load_into_a_plain_model(tiny_model_pat
 def test_the_kl_reference_is_the_base_model_without_a_copy(tiny_model_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    policy = make_policy(tiny_model_path, learning_rate=5e-2, loss=LossConfig(kl_coef=0.1))
+    policy = make_policy(tiny_model_path, learning_rate=5e-2, kl={"coef": 0.1})
     policy.train_step(group(), 0)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     batch = collate(group(), policy.pad_token_id)

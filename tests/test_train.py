@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -131,6 +132,62 @@ def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
     assert 0 <= report["pass@1"] <= report["pass@4"] <= 1
     assert f"greedy_reward  {report['greedy_reward']:.4f}" in done.stdout
     assert_no_process_left(tmp_path / "eval")
+
+
+ALGORITHMS = {
+    # Every advantage estimator, policy loss and correction in one short run or another.
+    "dr_grpo+gspo+none": [
+        "trainer.advantage={type: dr_grpo}",
+        "trainer.loss={type: gspo}",
+        "trainer.correction={type: none}",
+        "trainer.aggregation=seq_mean_token_mean",
+    ],
+    "rloo+cispo+decoupled": [
+        "trainer.advantage={type: rloo}",
+        "trainer.loss={type: cispo}",
+        "trainer.correction={type: decoupled}",
+    ],
+    "lite_ppo+topr+mis": [
+        "trainer.advantage={type: lite_ppo}",
+        "trainer.loss={type: topr}",
+        "trainer.correction={type: mis}",
+        "trainer.aggregation=seq_mean_token_sum",
+    ],
+    "reinforce_plus_plus+raft_plus_plus": [
+        "trainer.advantage={type: reinforce_plus_plus, baseline: group}",
+        "trainer.loss={type: raft_plus_plus}",
+        "trainer.entropy_coef=0.001",
+    ],
+    "episode+reinforce+constant+kl": [
+        "trainer.advantage={type: episode, keep_groups_fraction: 0.5}",
+        "trainer.loss={type: reinforce}",
+        "trainer.aggregation=constant",
+        "trainer.aggregation_constant=10",
+        "trainer.kl={coef: 0.01, estimator: k2}",
+    ],
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_each_algorithm_trains_through_every_process(algorithm: str, tmp_path) -> None:
+    """Four steps of two updates each (so ratios move and the clips can act), every
+    estimator, loss and correction of the tables in one of these runs."""
+    run_dir, result = rollwire_train(
+        tmp_path, *SHORT_RUN, "trainer.minibatches_per_step=2", *ALGORITHMS[algorithm]
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    trained = [s for s in steps if s["optimizer_steps"] > 0]
+    assert trained, "no step had a sequence with signal"
+    assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in trained)
+    assert all("ratio_mean" in s and "is_masked_frac" in s for s in trained)
+    if "kl" in algorithm:
+        assert all("kl" in s for s in trained)
+    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["trainer"]
+    assert resolved["loss"]["type"] in algorithm and resolved["advantage"]["type"] in algorithm
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollwire.services.core.config import LossConfig, LRScheduleConfig, RLSection, TrainerConfig
+from rollwire.services.core.config import LRScheduleConfig, RLSection, TrainerConfig
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.algorithms import token_entropy
 from rollwire.trainer.batching import (
@@ -159,7 +159,7 @@ def test_epochs_reuse_the_proximal_logprobs_and_the_reference_is_computed_once(
         tiny_model_path,
         learning_rate=5e-2,
         epochs_per_step=2,
-        loss=LossConfig(kl_coef=0.1),
+        kl={"coef": 0.1},
     )
     metrics = policy.train_step(group(), 0)
     first, second = policy.update_metrics

@@ -1,5 +1,6 @@
-"""Pure RL math over tensors: advantages, the clipped policy loss, KL estimators,
-entropy and the learning-rate schedule.
+"""Pure RL math over tensors: the table of advantage estimators, step-level (GiGPO)
+advantages, token logprobs and entropy, and the learning-rate schedule. The policy
+losses, corrections and KL estimators are `rollwire.trainer.losses`.
 
 Nothing here knows about gRPC, ZeroMQ or torch.distributed; every function is
 tested against numbers worked out by hand (tests/test_algorithms.py).
@@ -13,12 +14,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-Correction = Literal["none", "tis"]
 Schedule = Literal["constant", "linear", "cosine"]
 
 
@@ -42,6 +41,88 @@ def group_advantages(
     if scale:
         centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
     return centred.reshape(-1).to(rewards.dtype)
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.ndim != 1 or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}"
+        )
+    return rewards.reshape(-1, group_size).to(torch.float64)
+
+
+def grpo(*, rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO (Shao et al. 2024): [B] rewards minus their group's mean, over the group's
+    population std (+ eps); 0 for a group whose rewards are all equal."""
+    return group_advantages(rewards, group_size, scale=True, eps=eps)
+
+
+def dr_grpo(*, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025): rewards minus their group's mean, no std; pair it with
+    `aggregation: constant` for the paper's fixed length normaliser."""
+    return group_advantages(rewards, group_size, scale=False)
+
+
+def rloo(*, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each reward minus the mean of the other rewards of its
+    group, r_i - (sum_j r_j - r_i) / (N - 1); needs groups of two or more."""
+    if group_size < 2:
+        raise ValueError("rloo needs groups of at least two samples")
+    grouped = _grouped(rewards, group_size)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(-1).to(rewards.dtype)
+
+
+def lite_ppo(*, rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """Lite PPO (Liu et al. 2025, "Tricks or Traps", ROLL): rewards minus their group's
+    mean, over the std of the whole batch's rewards (+ eps)."""
+    grouped = _grouped(rewards, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    return (centred / (grouped.std(unbiased=False) + eps)).reshape(-1).to(rewards.dtype)
+
+
+def reinforce_plus_plus(
+    *,
+    rewards: torch.Tensor,
+    group_size: int,
+    baseline: Literal["batch", "group"] = "batch",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): the reward normalised over the whole batch (minus its mean,
+    over its std). `baseline: group` (REINFORCE++-baseline) first subtracts each group's
+    mean, then divides by the std of those centred rewards over the batch."""
+    grouped = _grouped(rewards, group_size)
+    if baseline == "group":
+        centred = grouped - grouped.mean(dim=1, keepdim=True)
+    elif baseline == "batch":
+        centred = grouped - grouped.mean()
+    else:
+        raise ValueError(f"unknown REINFORCE++ baseline {baseline!r}; use batch or group")
+    return (centred / (centred.std(unbiased=False) + eps)).reshape(-1).to(rewards.dtype)
+
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "lite_ppo": lite_ppo,
+    "reinforce_plus_plus": reinforce_plus_plus,
+}
+"""`trainer.advantage.type` -> the estimator of one advantage per sequence, from [B]
+rewards in adjacent groups of `group_size`. `episode` (StarPO) and `step` (GiGPO) start
+from `grpo` (`rollwire.trainer.model.Policy.advantages`)."""
+
+
+def high_variance_groups(rewards: torch.Tensor, group_size: int, fraction: float) -> torch.Tensor:
+    """StarPO-S's filter: [B] bool keeping the `fraction` of groups (at least one) with the
+    largest reward std; ties go to the earlier group."""
+    grouped = _grouped(rewards, group_size)
+    spread = grouped.std(dim=1, unbiased=False)
+    count = max(1, round(fraction * spread.shape[0]))
+    order = sorted(range(spread.shape[0]), key=lambda g: (-float(spread[g]), g))
+    keep = torch.zeros(spread.shape[0], dtype=torch.bool)
+    keep[order[:count]] = True
+    return keep.repeat_interleave(group_size)
 
 
 def discounted_returns(step_rewards: Sequence[float], gamma: float) -> list[float]:
@@ -113,109 +194,6 @@ def step_advantages(
         (base[i] + weight * torch.tensor(step[i], dtype=torch.float64)).to(episode_advantages.dtype)
         for i in range(size)
     ]
-
-
-def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(policy || reference): exp(d) - d - 1 with d = ref - policy.
-
-    Non-negative, unbiased under samples from the policy, low variance.
-    """
-    delta = reference_logprobs - logprobs
-    return torch.exp(delta) - delta - 1
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over the tokens where mask is 1 (token-level aggregation); 0 when none are."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
-@dataclass
-class PolicyLossOutput:
-    loss: torch.Tensor
-    """Scalar to backpropagate."""
-    metrics: dict[str, float]
-    """Ratio, clipping and importance-weight statistics over the masked tokens."""
-
-
-def policy_loss(
-    logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    correction: Correction = "tis",
-    tis_cap: float = 2.0,
-    reference_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-) -> PolicyLossOutput:
-    """PPO clipped surrogate with clip-higher, token-level aggregation and an explicit
-    off-policy correction.
-
-    ratio = pi / pi_old, clipped to [1 - clip_low, 1 + clip_high] (clip-higher: a
-    larger upper bound keeps low-probability tokens learnable). What pi_old is
-    depends on `correction`:
-
-    - "none": pi_old is the behaviour policy (the engine's logprobs): plain PPO.
-    - "tis": pi_old is the proximal policy (the trainer's own logprobs before this
-      update, `proximal_logprobs`), and each token is weighted by the truncated
-      importance weight min(pi_prox / mu, tis_cap) against the behaviour policy
-      mu. This corrects for stale tokens and for engine/trainer mismatch.
-
-    Args:
-        logprobs: [B, T] current policy logprobs of the taken tokens (with grad).
-        proximal_logprobs: [B, T] trainer logprobs before the update (no grad).
-        behaviour_logprobs: [B, T] engine logprobs recorded at generation.
-        advantages: [B] or [B, T].
-        mask: [B, T] 1 on tokens the policy generated.
-        reference_logprobs: [B, T] reference-model logprobs, for the KL penalty.
-    """
-    mask_f = mask.to(logprobs.dtype)
-    if advantages.ndim == 1:
-        advantages = advantages[:, None].expand_as(logprobs)
-    if correction == "none":
-        old = behaviour_logprobs
-        weight = torch.ones_like(logprobs)
-    elif correction == "tis":
-        old = proximal_logprobs
-        weight = torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=tis_cap).detach()
-    else:
-        raise ValueError(f"unknown off-policy correction {correction!r}; use 'none' or 'tis'")
-    ratio = torch.exp(logprobs - old.detach())
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-    surrogate = torch.minimum(ratio * advantages, clipped * advantages)
-    per_token = -weight * surrogate
-    loss = masked_mean(per_token, mask_f)
-    metrics: dict[str, float] = {}
-    if reference_logprobs is not None and kl_coef > 0:
-        kl = masked_mean(kl_k3(logprobs, reference_logprobs.detach()), mask_f)
-        loss = loss + kl_coef * kl
-        metrics["kl"] = float(kl.detach())
-    with torch.no_grad():
-        selected = mask_f > 0
-        r = ratio[selected]
-        a = advantages[selected]
-        if r.numel():
-            # A token is clipped when the clipped branch is the one min() picked.
-            clipped_high = ((r > 1 + clip_high) & (a > 0)).float().mean()
-            clipped_low = ((r < 1 - clip_low) & (a < 0)).float().mean()
-            raw_weight = torch.exp(proximal_logprobs - behaviour_logprobs)[selected]
-            metrics.update(
-                ratio_mean=float(r.mean()),
-                ratio_max=float(r.max()),
-                ratio_min=float(r.min()),
-                clip_frac_high=float(clipped_high),
-                clip_frac_low=float(clipped_low),
-                is_weight_mean=float(raw_weight.mean()),
-                is_weight_max=float(raw_weight.max()),
-                is_truncated_frac=float((raw_weight > tis_cap).float().mean())
-                if correction == "tis"
-                else 0.0,
-                behaviour_kl=float((behaviour_logprobs - proximal_logprobs)[selected].mean()),
-            )
-    return PolicyLossOutput(loss=loss, metrics=metrics)
 
 
 def token_logprobs(

@@ -19,9 +19,16 @@ import numpy as np
 import torch
 
 from rollwire.services.core.config import LoraConfig, RLSection, TrainerConfig
+from rollwire.services.core.config.algorithms import settings_of
 from rollwire.services.core.files import staged_directory
 from rollwire.services.core.wire import Trajectory
-from rollwire.trainer.algorithms import group_advantages, lr_factor, step_advantages
+from rollwire.trainer.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    group_advantages,
+    high_variance_groups,
+    lr_factor,
+    step_advantages,
+)
 from rollwire.trainer.backends import (
     AdamWSettings,
     LocalBackend,
@@ -93,10 +100,10 @@ class Policy:
         self.optimizer_steps = 0
         """Optimizer updates made so far in the run: the LR schedule's position."""
         self.reference: Any = None
-        if config.loss.kl_coef > 0 and config.lora is not None:
+        if config.kl.coef > 0 and config.lora is not None:
             # The base model is the reference: the same weights, adapters off.
             self.reference = AdaptersOff(self.model)
-        elif config.loss.kl_coef > 0:
+        elif config.kl.coef > 0:
             from transformers import AutoModelForCausalLM
 
             # Frozen, so no master copy is needed: under bf16 it is held in bf16.
@@ -241,20 +248,7 @@ class Policy:
     def _train_step(self, trajectories: list[Trajectory], trainer_version: int) -> dict[str, float]:
         started = time.perf_counter()
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        advantages = group_advantages(
-            rewards, self.rl.group_size, scale=self.config.loss.scale_advantages
-        )
-        per_turn: list[torch.Tensor] | None = None
-        if self.config.loss.advantage == "step":
-            per_turn = step_advantages(
-                advantages,
-                [t.turn_keys for t in trajectories],
-                [t.step_rewards.tolist() for t in trajectories],
-                self.rl.group_size,
-                gamma=self.config.loss.gamma,
-                weight=self.config.loss.step_advantage_weight,
-                scale=self.config.loss.scale_advantages,
-            )
+        advantages, per_turn = self.advantages(trajectories, rewards)
         # Sequences with zero advantage carry no gradient: leave them out entirely.
         keep = [
             i
@@ -303,7 +297,7 @@ class Policy:
         ]
         # The micro-batches are cut once and reused by every epoch.
         plan = self._plan(minibatches)
-        totals = [minibatch.tokens for minibatch in minibatches]
+        totals = [self.updater.denominator(minibatch) for minibatch in minibatches]
         # One update per step: its weights are the proximal ones, and its own forward
         # gives their logprobs (no extra pass). More: the weights move after the first
         # update, so the proximal logprobs must be taken before it.
@@ -323,7 +317,7 @@ class Policy:
                     parts,
                     trainer_version,
                     observe=not ahead,
-                    total_tokens=total,
+                    total=total,
                     ranks=backend.world_size,
                     backward=backend.backward,
                 )
@@ -353,6 +347,35 @@ class Policy:
             self._gather()
             metrics["gather_seconds"] = time.perf_counter() - gather_started
         return metrics
+
+    def advantages(
+        self, trajectories: list[Trajectory], rewards: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """[B] advantages by `trainer.advantage`, and for `step` (GiGPO) each episode's
+        per-turn ones. `episode` with keep_groups_fraction < 1 (StarPO-S) zeroes the
+        groups whose rewards vary least, which leaves them out of the step."""
+        settings = self.config.advantage
+        group_size = self.rl.group_size
+        if settings.type in ADVANTAGE_ESTIMATORS:
+            estimate = ADVANTAGE_ESTIMATORS[settings.type]
+            return estimate(rewards=rewards, group_size=group_size, **settings_of(settings)), None
+        scale = getattr(settings, "scale", True)
+        advantages = group_advantages(rewards, group_size, scale=scale)
+        if settings.type == "episode":
+            if settings.keep_groups_fraction < 1:
+                kept = high_variance_groups(rewards, group_size, settings.keep_groups_fraction)
+                advantages = advantages * kept
+            return advantages, None
+        per_turn = step_advantages(
+            advantages,
+            [t.turn_keys for t in trajectories],
+            [t.step_rewards.tolist() for t in trajectories],
+            group_size,
+            gamma=settings.gamma,
+            weight=settings.weight,
+            scale=scale,
+        )
+        return advantages, per_turn
 
     def _plan(self, minibatches: list[TokenBatch]) -> list[list[TokenBatch]]:
         """This rank's micro-batches of each minibatch. Over several ranks each minibatch's

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from rollwire.services.core.config import TrainerConfig
-from rollwire.trainer.algorithms import policy_loss, token_entropy, token_logprobs
+from rollwire.services.core.config.algorithms import settings_of
+from rollwire.trainer.algorithms import token_entropy, token_logprobs
 from rollwire.trainer.batching import TokenBatch, micro_batches
+from rollwire.trainer.losses import aggregate, policy_objective
 
 
 class MismatchStats:
@@ -181,33 +183,43 @@ class Updater:
             self._observe(part, logits, logprobs, trainer_version, seen)
         return seen
 
+    def denominator(self, batch: TokenBatch) -> float:
+        """What the loss of `batch` is divided by under `trainer.aggregation` (its tokens,
+        its sequences, or sequences x the constant): the sum over its parts."""
+        zeros = torch.zeros(batch.mask.shape, dtype=torch.float32)
+        return aggregate(
+            zeros, batch.mask, self.config.aggregation, self.config.aggregation_constant or 1.0
+        )[1]
+
     def accumulate(
         self,
         parts: list[TokenBatch],
         trainer_version: int,
         observe: bool = False,
         *,
-        total_tokens: float | None = None,
+        total: float | None = None,
         ranks: int = 1,
         backward: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[list[dict[str, float]], list[float], Observed | None]:
-        """Backpropagates the loss of one minibatch (the token mean over all its parts)
-        into the parameters' gradients, one part at a time; returns each part's loss
-        metrics and its share of the minibatch's tokens and, when `observe` (the step's
-        only update, so its weights are the proximal ones), what `proximal_pass` would
-        have seen.
+        """Backpropagates the loss of one minibatch (`rollwire.trainer.losses.policy_objective`
+        aggregated over all its parts) into the parameters' gradients, one part at a
+        time; returns each part's loss metrics and its share of the minibatch's
+        denominator and, when `observe` (the step's only update, so its weights are the
+        proximal ones), what `proximal_pass` would have seen.
 
-        Across ranks: `parts` are this rank's, `total_tokens` the minibatch's tokens on
-        all `ranks`, whose gradients the backend averages; each part's loss is scaled
-        by its tokens / total_tokens x ranks, so the average is the minibatch's token
-        mean. `backward` is the backend's (plain `loss.backward()` by default).
+        Across ranks: `parts` are this rank's, `total` the minibatch's denominator over
+        all `ranks` (`denominator`), whose gradients the backend averages; each part's
+        numerator is divided by `total` and multiplied by `ranks`, so the average is the
+        minibatch's loss. `backward` is the backend's (plain `loss.backward()` by default).
 
         A part without `proximal_logprobs` takes its own detached logprobs as proximal:
         right only before the step's first update.
         """
-        loss_cfg = self.config.loss
+        config = self.config
         backward = backward or torch.Tensor.backward
-        total = max(total_tokens if total_tokens is not None else sum(p.tokens for p in parts), 1.0)
+        if total is None:
+            total = sum(self.denominator(part) for part in parts)
+        total = max(total, 1e-12)
         rows, shares = [], []
         seen = Observed() if observe else None
         for part in parts:
@@ -215,31 +227,38 @@ class Updater:
             logprobs = token_logprobs(logits, part.targets.to(self.device), self.temperature)
             if seen is not None:
                 self._observe(part, logits, logprobs, trainer_version, seen)
+            entropy = token_entropy(logits, self.temperature) if config.entropy_coef > 0 else None
             del logits
             reference = part.reference_logprobs
             if reference is None and self.reference is not None:
                 with torch.no_grad():
                     reference = self.logprobs(self.reference, part)
             proximal = part.proximal_logprobs
-            out = policy_loss(
-                logprobs,
-                logprobs.detach() if proximal is None else proximal.to(self.device),
-                part.behaviour_logprobs.to(self.device),
-                part.advantages.to(self.device),
-                part.mask.to(self.device),
-                clip_low=loss_cfg.clip_low,
-                clip_high=loss_cfg.clip_high,
-                correction=loss_cfg.correction,
-                tis_cap=loss_cfg.tis_cap,
+            out = policy_objective(
+                logprobs=logprobs,
+                proximal_logprobs=logprobs.detach()
+                if proximal is None
+                else proximal.to(self.device),
+                behaviour_logprobs=part.behaviour_logprobs.to(self.device),
+                advantages=part.advantages.to(self.device),
+                mask=part.mask.to(self.device),
+                loss=config.loss.type,
+                loss_settings=settings_of(config.loss),
+                correction=config.correction.type,
+                correction_settings=settings_of(config.correction),
+                aggregation=config.aggregation,
+                constant=config.aggregation_constant or 1.0,
                 reference_logprobs=None if reference is None else reference.to(self.device),
-                kl_coef=loss_cfg.kl_coef,
+                kl_coef=config.kl.coef,
+                kl_estimator=config.kl.estimator,
+                entropy=entropy,
+                entropy_coef=config.entropy_coef,
             )
-            # Each part's token mean, weighted by its share of the minibatch's tokens:
-            # the sum is the minibatch's token mean, whatever the split. A padding part
-            # (no tokens) still runs forward and backward: on sharded backends both are
-            # collective.
-            share = part.tokens / total
-            backward(out.loss * (share * ranks))
-            rows.append({"loss": float(out.loss.detach()), **out.metrics})
-            shares.append(share)
+            # Each part's numerator over the whole minibatch's denominator: the parts add
+            # up to the minibatch's loss, whatever the split. A padding part (no tokens)
+            # still runs forward and backward: on sharded backends both are collective.
+            backward(out.numerator * (ranks / total))
+            local = out.numerator.detach() / max(out.denominator, 1e-12)
+            rows.append({"loss": float(local), **out.metrics})
+            shares.append(out.denominator / total)
         return rows, shares, seen

@@ -373,10 +373,10 @@ def _add_eval(commands: Any) -> None:
     )
 
     def run(args: argparse.Namespace) -> int:
-        from rollwire.services.app.run import run_eval
-
         if args.samples < 0:
             raise SystemExit("rollwire eval: --samples cannot be negative")
+        # By name, like the other commands: the CLI module itself stays free of torch.
+        run_eval = importlib.import_module("rollwire.services.app.run").run_eval
         return run_eval(_load(args), args.checkpoint, args.samples, args.correct_at)
 
     sub.set_defaults(handler=run)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from rollwire.services.core.config.algorithms import KLConfig
 from rollwire.services.core.config.orchestrator import (
     CHAIN_SUM_SMALL,
     AgentConfig,
@@ -49,7 +50,6 @@ from rollwire.services.core.config.servers import (
     BufferConfig,
     EnvServerConfig,
     LoraConfig,
-    LossConfig,
     LRScheduleConfig,
     RewardServerConfig,
     RolloutServerConfig,
@@ -70,9 +70,9 @@ __all__ = [
     "EnvDataset",
     "EnvServerConfig",
     "FileDataset",
+    "KLConfig",
     "LRScheduleConfig",
     "LoraConfig",
-    "LossConfig",
     "MiB",
     "MixtureDataset",
     "MixturePart",

@@ -11,6 +11,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from rollwire.services.core.config.algorithms import (
+    AdvantageConfig,
+    CorrectionConfig,
+    GRPOAdvantage,
+    KLConfig,
+    PolicyLossConfig,
+    PPOClipLoss,
+    TISCorrection,
+)
 from rollwire.services.core.config.distributed import DistributedConfig
 from rollwire.services.core.config.runtime import (
     CurveServerConfig,
@@ -150,45 +159,6 @@ class BufferConfig(StrictModel):
     to anyone who can connect when absent (fine on loopback or inside a private network)."""
 
 
-class LossConfig(StrictModel):
-    """The policy loss (see `rollwire.trainer.algorithms.policy_loss`).
-
-    Three logprobs of every generated token meet in it. **Behaviour** (mu): the
-    engine's, recorded when it sampled the token; it differs from the others when the
-    token is stale (sampled by an older policy version) and by the engine/trainer
-    mismatch (kernels, precision: the `mismatch_*` metrics). **Proximal** (pi_prox): the
-    trainer's weights before this step's first update, computed once per step. **Current**
-    (pi): the weights being updated; equal to the proximal ones in the first update of a
-    step, different from the second on (`trainer.minibatches_per_step` or
-    `trainer.epochs_per_step` above 1), which is where the clip acts.
-    """
-
-    clip_low: float = Field(0.2, ge=0, lt=1)
-    """Lower clip of the ratio pi / pi_old: 1 - clip_low."""
-    clip_high: float = Field(0.28, ge=0)
-    """Upper clip of the ratio: 1 + clip_high (clip-higher when above clip_low). With
-    `tis`, pi_old is the proximal policy, so the clip binds only from a step's second
-    update on (one update per step leaves every ratio at 1)."""
-    correction: Literal["none", "tis"] = "tis"
-    """Off-policy correction: `tis` takes the ratio against the proximal policy and weights
-    each token by min(pi_prox / mu, tis_cap) against the behaviour logprobs mu; `none`
-    is plain PPO, the ratio against mu itself."""
-    tis_cap: float = Field(2.0, gt=0)
-    """Truncation of the importance weight in `tis`."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the k3 KL penalty to the initial model; 0 loads no reference model."""
-    scale_advantages: bool = True
-    """Divide group-centred rewards by the group's std (GRPO); False is Dr. GRPO."""
-    advantage: Literal["episode", "step"] = "episode"
-    """`episode`: one return per episode, normalised within its group (GRPO, StarPO for
-    multi-turn episodes). `step`: adds step-level advantages (GiGPO): turns of one group
-    that acted in the same state are compared by their discounted returns."""
-    step_advantage_weight: float = Field(1.0, ge=0)
-    """Weight of the step-level advantage added to the episode one (`advantage: step`)."""
-    gamma: float = Field(0.95, ge=0, le=1)
-    """Discount of later turns' rewards in a turn's return (`advantage: step`)."""
-
-
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
@@ -226,8 +196,8 @@ class TrainerConfig(StrictModel):
     """The trainer.
 
     A step takes one batch from the buffer and publishes the weights once, as one new
-    policy version. Within it the trainer computes the proximal logprobs (see
-    `trainer.loss`), then makes epochs_per_step passes over the batch in
+    policy version. Within it the trainer computes the advantages and the proximal
+    logprobs (see `trainer.loss`), then makes epochs_per_step passes over the batch in
     minibatches_per_step minibatches, one optimizer update each; each minibatch is
     split into micro-batches whose gradients accumulate.
     """
@@ -287,8 +257,38 @@ class TrainerConfig(StrictModel):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (Hugging Face
     `gradient_checkpointing_enable`): less memory, about one more forward of time."""
-    loss: LossConfig = LossConfig()
-    """Policy loss settings."""
+    advantage: AdvantageConfig = GRPOAdvantage()
+    """The advantage estimator (`type`: grpo, dr_grpo, rloo, lite_ppo,
+    reinforce_plus_plus, episode, step); sequences whose advantage is 0 are left out."""
+    loss: PolicyLossConfig = PPOClipLoss()
+    """The policy loss (`type`: ppo_clip, gspo, cispo, topr, raft_plus_plus, reinforce).
+
+    Three logprobs of every generated token meet in it. **Behaviour** (mu): the
+    engine's, recorded when it sampled the token; it differs from the others when the
+    token is stale (sampled by an older policy version) and by the engine/trainer
+    mismatch (kernels, precision: the `mismatch_*` metrics). **Proximal** (pi_prox): the
+    trainer's weights before this step's first update, computed once per step.
+    **Current** (pi): the weights being updated; equal to the proximal ones in the first
+    update of a step, different from the second on (`minibatches_per_step` or
+    `epochs_per_step` above 1), which is where a clip acts."""
+    correction: CorrectionConfig = TISCorrection()
+    """The off-policy correction (`type`: none, tis, decoupled, mis): what the ratio is
+    taken against (mu, or pi_prox) and how each token is weighted or masked by
+    pi_prox / mu."""
+    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"] = (
+        "token_mean"
+    )
+    """How token losses become the loss: the mean over all tokens, the mean over
+    sequences of their sums or of their means, or the token sum over sequences x
+    `aggregation_constant` (Dr. GRPO)."""
+    aggregation_constant: float | None = Field(None, gt=0)
+    """`aggregation: constant`: the fixed length each sequence's sum is divided by (the
+    run's orchestrator.max_new_tokens, say)."""
+    kl: KLConfig = KLConfig()
+    """KL penalty to the initial model (a frozen reference; the base model under LoRA)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus: this times the policy's mean token entropy is subtracted from the
+    loss (its gradient then costs a softmax over the vocabulary per token)."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of all the weights (`local` backend only). The rollout-servers
     get the merged weights; a checkpoint holds the adapters (`adapter/`) and the merged
@@ -332,9 +332,14 @@ class TrainerConfig(StrictModel):
             )
         if self.backend != "local" and self.lora is not None:
             raise ValueError(f"trainer.lora runs on trainer.backend=local only, not {self.backend}")
-        if self.backend != "local" and self.loss.kl_coef > 0:
+        if self.backend != "local" and self.kl.coef > 0:
             raise ValueError(
-                f"trainer.loss.kl_coef > 0 (a frozen reference model) runs on "
+                f"trainer.kl.coef > 0 (a frozen reference model) runs on "
                 f"trainer.backend=local only, not {self.backend}"
+            )
+        if self.aggregation == "constant" and self.aggregation_constant is None:
+            raise ValueError(
+                "trainer.aggregation: constant needs trainer.aggregation_constant (the fixed "
+                "length, e.g. the run's orchestrator.max_new_tokens)"
             )
         return self

@@ -1,0 +1,428 @@
+"""Pure math of the policy loss: off-policy corrections, the table of policy losses,
+loss aggregation, KL estimators, and `policy_objective`, which composes them.
+
+Nothing here knows about gRPC, ZeroMQ or torch.distributed; each entry is tested
+against numbers worked out by hand (tests/test_losses.py). Shapes: B sequences of T
+tokens, right-padded; `mask` [B, T] is 1 on the tokens the policy generated.
+
+Three logprobs of each generated token meet here: the **behaviour** ones (mu, the
+engine's, recorded at sampling), the **proximal** ones (the trainer's weights before
+this step's first update) and the **current** ones (the weights being updated, with
+grad). A correction decides which of mu and pi_prox the ratio is taken against and
+how each token is weighted or masked; a policy loss turns ratio and advantage into a
+per-token loss; the aggregation turns per-token values into one number.
+
+Adding a policy loss: one function taking keyword-only tensors and returning a
+`TokenLoss`, one entry in `POLICY_LOSSES`, one config class in
+`services/core/config/algorithms.py`, one test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+# ---------------------------------------------------------------- corrections
+
+
+@dataclass
+class Correction:
+    """What an off-policy correction gives the loss."""
+
+    old_logprobs: torch.Tensor
+    """[B, T] the logprobs the ratio is taken against (no grad)."""
+    weight: torch.Tensor
+    """[B, T] each token's importance weight (no grad)."""
+    keep: torch.Tensor
+    """[B, T] 1 for the tokens the loss uses, 0 for those the correction masks out."""
+    truncates: bool = False
+    """The weights are capped (`tis`): a weight below the raw one was truncated."""
+
+
+def no_correction(
+    *, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor
+) -> Correction:
+    """Plain PPO: the ratio against the behaviour policy itself, every weight 1."""
+    ones = torch.ones_like(behaviour_logprobs)
+    return Correction(behaviour_logprobs.detach(), ones, ones)
+
+
+def _behaviour_weight(proximal: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
+    return torch.exp(proximal - behaviour).detach()
+
+
+def tis(
+    *, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float = 2.0
+) -> Correction:
+    """Truncated importance sampling: the ratio against the proximal policy, each token
+    weighted by min(pi_prox / mu, cap) (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training")."""
+    weight = _behaviour_weight(proximal_logprobs, behaviour_logprobs).clamp(max=cap)
+    return Correction(proximal_logprobs.detach(), weight, torch.ones_like(weight), truncates=True)
+
+
+def decoupled(
+    *, proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float = 5.0
+) -> Correction:
+    """AReaL's decoupled PPO (Fu et al. 2025): the clipped ratio against the proximal
+    policy, times the weight pi_prox / mu; tokens whose weight exceeds `cap` are left
+    out rather than truncated."""
+    weight = _behaviour_weight(proximal_logprobs, behaviour_logprobs)
+    keep = (weight <= cap).to(weight.dtype)
+    return Correction(proximal_logprobs.detach(), weight * keep, keep)
+
+
+def mis(
+    *,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> Correction:
+    """Masked importance sampling: the ratio against the proximal policy, no weight, and
+    tokens whose weight pi_prox / mu lies outside [low, high] masked out."""
+    weight = _behaviour_weight(proximal_logprobs, behaviour_logprobs)
+    keep = ((weight >= low) & (weight <= high)).to(weight.dtype)
+    return Correction(proximal_logprobs.detach(), keep, keep)
+
+
+CORRECTIONS: dict[str, Callable[..., Correction]] = {
+    "none": no_correction,
+    "tis": tis,
+    "decoupled": decoupled,
+    "mis": mis,
+}
+"""`trainer.correction.type` -> the correction."""
+
+# ---------------------------------------------------------------- policy losses
+
+
+@dataclass
+class TokenLoss:
+    """A policy loss per token, before weights, masks and aggregation."""
+
+    values: torch.Tensor
+    """[B, T] the loss of each token (to be minimised), with grad."""
+    ratio: torch.Tensor
+    """[B, T] the ratio pi / pi_old the loss saw (per sequence for `gspo`), no grad."""
+    clipped_high: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """[B, T] bool: tokens whose gradient the upper clip removed (empty: none can be)."""
+    clipped_low: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """[B, T] bool: the same for the lower clip (and the dual clip)."""
+
+
+def _ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    return torch.exp(logprobs - old_logprobs.detach())
+
+
+def ppo_clip(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: float | None = None,
+) -> TokenLoss:
+    """PPO's clipped surrogate per token (Schulman et al. 2017), with separate low and
+    high clips (clip-higher, DAPO) and, for negative advantages, the dual clip c
+    (Ye et al. 2020): the surrogate is then bounded below by c * A."""
+    ratio = _ratio(logprobs, old_logprobs)
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+    with torch.no_grad():
+        high = (ratio > 1 + clip_high) & (advantages > 0)
+        low = (ratio < 1 - clip_low) & (advantages < 0)
+    if dual_clip is not None:
+        floor = dual_clip * advantages
+        negative = advantages < 0
+        with torch.no_grad():
+            low = low | (negative & (surrogate < floor))
+        surrogate = torch.where(negative, torch.maximum(surrogate, floor), surrogate)
+    return TokenLoss(-surrogate, ratio.detach(), high, low)
+
+
+def gspo(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> TokenLoss:
+    """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token
+    ratios, clipped per sequence; the sequence's surrogate is put on each of its
+    tokens, so `seq_mean_token_mean` aggregation averages sequences. `advantages`
+    [B, T] must be constant along each sequence (the first generated token's is used)."""
+    mask_f = mask.to(logprobs.dtype)
+    lengths = mask_f.sum(dim=1).clamp(min=1)
+    log_ratio = ((logprobs - old_logprobs.detach()) * mask_f).sum(dim=1) / lengths
+    ratio = torch.exp(log_ratio)  # [B]
+    first = mask_f.argmax(dim=1, keepdim=True)
+    advantage = advantages.gather(1, first).squeeze(1)
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    surrogate = torch.minimum(ratio * advantage, clipped * advantage)
+    with torch.no_grad():
+        high = ((ratio > 1 + clip_high) & (advantage > 0))[:, None].expand_as(mask_f)
+        low = ((ratio < 1 - clip_low) & (advantage < 0))[:, None].expand_as(mask_f)
+    per_token = (-surrogate)[:, None].expand_as(mask_f)
+    return TokenLoss(per_token, ratio.detach()[:, None].expand_as(mask_f), high, low)
+
+
+def cispo(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float | None = None,
+    clip_high: float = 0.28,
+) -> TokenLoss:
+    """CISPO (MiniMax-M1, 2025): the importance ratio clipped and detached, times the
+    advantage and the log-likelihood's gradient, so no token loses its gradient to a
+    clip. No lower bound unless `clip_low` is set."""
+    ratio = _ratio(logprobs, old_logprobs).detach()
+    weight = ratio.clamp(max=1 + clip_high)
+    if clip_low is not None:
+        weight = weight.clamp(min=1 - clip_low)
+    return TokenLoss(-weight * advantages * logprobs, ratio)
+
+
+def topr(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> TokenLoss:
+    """TOPR, tapered off-policy REINFORCE (Le Roux et al. 2025): positive-advantage
+    sequences take the plain REINFORCE gradient, negative ones are weighted by the
+    ratio truncated to [0, 1] (detached)."""
+    ratio = _ratio(logprobs, old_logprobs).detach()
+    weight = torch.where(advantages >= 0, torch.ones_like(ratio), ratio.clamp(0.0, 1.0))
+    return TokenLoss(-weight * advantages * logprobs, ratio)
+
+
+def raft_plus_plus(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> TokenLoss:
+    """RAFT++ (Xiong et al. 2025): learn only from the accepted samples, those with a
+    positive advantage (better than their group), by PPO's clipped surrogate with
+    advantage 1; the others contribute nothing."""
+    accepted = (advantages > 0).to(logprobs.dtype)
+    out = ppo_clip(
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=accepted,
+        mask=mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+    )
+    return TokenLoss(out.values * accepted, out.ratio, out.clipped_high, out.clipped_low)
+
+
+def reinforce(
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> TokenLoss:
+    """REINFORCE (Williams 1992): -A log pi per token; off-policy only through the
+    correction's weights."""
+    return TokenLoss(-advantages * logprobs, _ratio(logprobs, old_logprobs).detach())
+
+
+POLICY_LOSSES: dict[str, Callable[..., TokenLoss]] = {
+    "ppo_clip": ppo_clip,
+    "gspo": gspo,
+    "cispo": cispo,
+    "topr": topr,
+    "raft_plus_plus": raft_plus_plus,
+    "reinforce": reinforce,
+}
+"""`trainer.loss.type` -> the policy loss."""
+
+# ---------------------------------------------------------------- aggregation and KL
+
+
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, how: Aggregation = "token_mean", constant: float = 1.0
+) -> tuple[torch.Tensor, float]:
+    """(numerator, denominator) of the loss of `values` [B, T] over the tokens of `mask`.
+
+    The loss is numerator / denominator; numerators and denominators of several parts
+    (micro-batches, ranks) add up, so their sum gives the loss of the whole batch:
+    - `token_mean`: the mean over all tokens (long sequences weigh more);
+    - `seq_mean_token_sum`: the mean over sequences of their token sums;
+    - `seq_mean_token_mean`: the mean over sequences of their token means (each sequence
+      weighs the same, GRPO's original);
+    - `constant`: the token sum over sequences x `constant` (Dr. GRPO: a fixed length
+      normaliser, no length bias).
+    A sequence without generated tokens counts in none of them.
+    """
+    mask_f = mask.to(values.dtype)
+    summed = values * mask_f
+    tokens = mask_f.sum(dim=1)
+    sequences = float((tokens > 0).sum())
+    if how == "token_mean":
+        return summed.sum(), float(tokens.sum())
+    if how == "seq_mean_token_sum":
+        return summed.sum(), sequences
+    if how == "seq_mean_token_mean":
+        return (summed.sum(dim=1) / tokens.clamp(min=1)).sum(), sequences
+    if how == "constant":
+        return summed.sum(), sequences * constant
+    raise ValueError(f"unknown aggregation {how!r}; use one of {list(Aggregation.__args__)}")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the tokens where mask is 1 (token-level aggregation); 0 when none are."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def kl_estimate(
+    logprobs: torch.Tensor, reference_logprobs: torch.Tensor, estimator: KLEstimator = "k3"
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman,
+    "Approximating KL divergence"), with d = log ref - log pi: `k1` = -d (unbiased, high
+    variance, can be negative), `k2` = d^2 / 2 (low variance, biased), `k3` =
+    exp(d) - d - 1 (unbiased, low variance, never negative)."""
+    delta = reference_logprobs.detach() - logprobs
+    if estimator == "k1":
+        return -delta
+    if estimator == "k2":
+        return 0.5 * delta**2
+    if estimator == "k3":
+        return torch.exp(delta) - delta - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}; use k1, k2 or k3")
+
+
+# ---------------------------------------------------------------- the objective
+
+
+@dataclass
+class Objective:
+    """The loss of one part of a batch, as a numerator over a denominator (`aggregate`)."""
+
+    numerator: torch.Tensor
+    """Scalar with grad: policy loss (+ KL, - entropy bonus) summed the aggregation's way."""
+    denominator: float
+    """What the numerators of all parts are divided by, summed over the parts."""
+    metrics: dict[str, float]
+    """Ratio, clip, weight and mask statistics over this part's generated tokens."""
+
+
+def policy_objective(
+    *,
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    loss: str = "ppo_clip",
+    loss_settings: dict | None = None,
+    correction: str = "tis",
+    correction_settings: dict | None = None,
+    aggregation: Aggregation = "token_mean",
+    constant: float = 1.0,
+    reference_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> Objective:
+    """The correction, then the policy loss weighted and masked by it, then the KL term
+    (`kl_coef` x the estimator, when reference logprobs are given) and the entropy bonus
+    (`entropy_coef` x `entropy` [B, T], with grad), aggregated the same way.
+
+    `advantages` may be [B] (one per sequence) or [B, T].
+    """
+    if loss not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {loss!r}; use one of {sorted(POLICY_LOSSES)}")
+    if correction not in CORRECTIONS:
+        raise ValueError(
+            f"unknown off-policy correction {correction!r}; use one of {sorted(CORRECTIONS)}"
+        )
+    if advantages.ndim == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    fix = CORRECTIONS[correction](
+        proximal_logprobs=proximal_logprobs,
+        behaviour_logprobs=behaviour_logprobs,
+        **(correction_settings or {}),
+    )
+    out = POLICY_LOSSES[loss](
+        logprobs=logprobs,
+        old_logprobs=fix.old_logprobs,
+        advantages=advantages,
+        mask=mask,
+        **(loss_settings or {}),
+    )
+    mask_f = mask.to(logprobs.dtype)
+    # Masked tokens add nothing but still count in the denominator: the aggregation is
+    # over the batch's generated tokens, whatever the correction drops.
+    per_token = out.values * fix.weight * fix.keep
+    numerator, denominator = aggregate(per_token, mask_f, aggregation, constant)
+    metrics: dict[str, float] = {}
+    if reference_logprobs is not None and kl_coef > 0:
+        kl = kl_estimate(logprobs, reference_logprobs, kl_estimator)
+        kl_sum, _ = aggregate(kl, mask_f, aggregation, constant)
+        numerator = numerator + kl_coef * kl_sum
+        metrics["kl"] = float(masked_mean(kl.detach(), mask_f))
+    if entropy is not None and entropy_coef > 0:
+        entropy_sum, _ = aggregate(entropy, mask_f, aggregation, constant)
+        numerator = numerator - entropy_coef * entropy_sum
+    metrics.update(_statistics(out, fix, proximal_logprobs, behaviour_logprobs, advantages, mask_f))
+    return Objective(numerator, denominator, metrics)
+
+
+@torch.no_grad()
+def _statistics(
+    out: TokenLoss,
+    fix: Correction,
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    mask_f: torch.Tensor,
+) -> dict[str, float]:
+    selected = mask_f > 0
+    if not bool(selected.any()):
+        return {}
+    ratio = out.ratio[selected]
+    raw_weight = torch.exp(proximal - behaviour)[selected]
+    stats = {
+        "ratio_mean": float(ratio.mean()),
+        "ratio_max": float(ratio.max()),
+        "ratio_min": float(ratio.min()),
+        "clip_frac_high": float(out.clipped_high[selected].float().mean())
+        if out.clipped_high.numel()
+        else 0.0,
+        "clip_frac_low": float(out.clipped_low[selected].float().mean())
+        if out.clipped_low.numel()
+        else 0.0,
+        "is_weight_mean": float(raw_weight.mean()),
+        "is_weight_max": float(raw_weight.max()),
+        # Tokens whose weight the correction truncated, and tokens it masked out.
+        "is_truncated_frac": float((fix.weight[selected] < raw_weight).float().mean())
+        if fix.truncates
+        else 0.0,
+        "is_masked_frac": float((fix.keep[selected] == 0).float().mean()),
+        "behaviour_kl": float((behaviour - proximal)[selected].mean()),
+        "advantage_abs_mean": float(advantages[selected].abs().mean()),
+    }
+    return stats
