@@ -123,3 +123,20 @@ def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
     assert evals[-1]["policy_version"] == 20
     # Measured 0.10 -> 0.67 by version 10 in the full example; the margin here is wide.
     assert end >= start + 0.25, f"held-out success {start:.2f} -> {end:.2f}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_short_agentic_run_with_step_level_advantages(tmp_path) -> None:
+    """`trainer.advantage: step` (GiGPO) through every process: guess-the-number names its
+    states, so turns taken in the same state get a step-level advantage."""
+    run_dir, result = rollwire_train(
+        tmp_path, *GUESS_RUN, "rl.max_steps=3", "trainer.advantage={type: step, weight: 0.5}"
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    # The step-level part was computed on every step (0 when no two turns shared a state).
+    assert all("step_advantage_abs_mean" in row for row in steps)
+    assert any(row["step_advantage_abs_mean"] > 0 for row in steps), steps
+    assert_no_process_left(run_dir)

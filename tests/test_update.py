@@ -259,3 +259,27 @@ def test_average_means_rows_and_takes_extremes() -> None:
     rows = [{"loss": 1.0, "ratio_max": 1.5, "ratio_min": 0.9}, {"loss": 3.0, "ratio_max": 1.2}]
     assert average(rows) == {"loss": 2.0, "ratio_max": 1.5, "ratio_min": 0.9}
     assert average(rows, [0.75, 0.25])["loss"] == pytest.approx(1.5)
+
+
+def test_advantage_settings_reach_the_step(tiny_model_path) -> None:
+    """trainer.advantage picks the estimator, trainer.reward_clip clips rewards first, and
+    StarPO-S's filter zeroes the groups whose rewards vary least."""
+    trajectories = group() + group()
+    rewards = torch.tensor([3.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    policy = make_policy(tiny_model_path, advantage={"type": "dr_grpo"}, reward_clip=1.0)
+    advantages, per_turn = policy.advantages(trajectories, rewards)
+    # Clipped to [1, 0, 1, 0 | 1, 1, 1, 0], minus each group's mean (0.5, 0.75).
+    assert advantages.tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5, 0.25, 0.25, 0.25, -0.75])
+    assert per_turn is None
+    policy.config.advantage = TrainerConfig(advantage={"type": "rloo"}).advantage
+    policy.config.reward_clip = None
+    # RLOO on the raw rewards: 3 - 1/3, 0 - 4/3, 1 - 1, 0 - 4/3 | ...
+    assert policy.advantages(trajectories, rewards)[0].tolist()[:4] == pytest.approx(
+        [3 - 1 / 3, -4 / 3, 0.0, -4 / 3]
+    )
+    policy.config.advantage = TrainerConfig(
+        advantage={"type": "episode", "keep_groups_fraction": 0.5}
+    ).advantage
+    kept = policy.advantages(trajectories, rewards)[0]
+    # Group 0's rewards vary more (std 1.22 against 0.43): group 1 is left out.
+    assert kept[:4].abs().sum() > 0 and kept[4:].tolist() == [0.0] * 4

@@ -351,11 +351,14 @@ class Policy:
     def advantages(
         self, trajectories: list[Trajectory], rewards: torch.Tensor
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """[B] advantages by `trainer.advantage`, and for `step` (GiGPO) each episode's
+        """[B] advantages by `trainer.advantage` (of rewards clipped to trainer.reward_clip
+        when set), and for `step` (GiGPO) each episode's
         per-turn ones. `episode` with keep_groups_fraction < 1 (StarPO-S) zeroes the
         groups whose rewards vary least, which leaves them out of the step."""
         settings = self.config.advantage
         group_size = self.rl.group_size
+        if self.config.reward_clip is not None:
+            rewards = rewards.clamp(-self.config.reward_clip, self.config.reward_clip)
         if settings.type in ADVANTAGE_ESTIMATORS:
             estimate = ADVANTAGE_ESTIMATORS[settings.type]
             return estimate(rewards=rewards, group_size=group_size, **settings_of(settings)), None

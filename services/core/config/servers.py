@@ -260,6 +260,9 @@ class TrainerConfig(StrictModel):
     advantage: AdvantageConfig = GRPOAdvantage()
     """The advantage estimator (`type`: grpo, dr_grpo, rloo, lite_ppo,
     reinforce_plus_plus, episode, step); sequences whose advantage is 0 are left out."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Clip every reward to [-reward_clip, reward_clip] before the advantages (a reward
+    model's outliers); unset leaves them as scored."""
     loss: PolicyLossConfig = PPOClipLoss()
     """The policy loss (`type`: ppo_clip, gspo, cispo, topr, raft_plus_plus, reinforce).
 
