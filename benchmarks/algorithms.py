@@ -12,11 +12,7 @@ are orchestrator.sampling_seed.
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-from pathlib import Path
-
-from grid import Cell, plot, run_grid, table
+from grid import Cell, common_overrides, finish, output_root, parser, run_grid
 
 ESTIMATORS = {
     "grpo": [],
@@ -33,20 +29,9 @@ LOSSES = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--out", type=Path, help="folder for the runs and the plot")
-    args = parser.parse_args()
-    root = args.out or Path(tempfile.mkdtemp(prefix="rollwire-algorithms-"))
-    common = [
-        f"rl.max_steps={args.steps}",
-        f"orchestrator.eval_every={max(1, args.steps // 4)}",
-        "trainer.minibatches_per_step=2",
-        "trainer.checkpoint_every=0",
-        *args.set,
-    ]
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    root = output_root(args, "algorithms")
+    common = common_overrides(args, "trainer.minibatches_per_step=2")
     cells = [
         Cell(f"{name} + ppo_clip", [f"trainer.advantage={{type: {name}}}", *extra])
         for name, extra in ESTIMATORS.items()
@@ -56,10 +41,7 @@ def main() -> None:
         for name, extra in LOSSES.items()
     ]
     run_grid(cells, args.seeds, root, common)
-    title = f"default task, {args.steps} steps, {len(args.seeds)} seeds"
-    print(table(cells, title))
-    picture = plot(cells, root / "algorithms.png", title)
-    print(f"\nplot: {picture}\nruns: {root}")
+    finish(cells, args, root, "algorithms")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@ table of mean and spread over seeds, and a plot of held-out reward by policy ver
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,3 +149,36 @@ def plot(cells: list[Cell], path: Path, title: str) -> Path | None:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options every grid benchmark takes: steps, seeds, extra --set, output folder."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", type=Path, help="folder for the runs and the plot")
+    return parser
+
+
+def finish(cells: list[Cell], args: argparse.Namespace, root: Path, name: str) -> None:
+    """Prints the table and writes the plot of a finished grid."""
+    title = f"default task, {args.steps} steps, {len(args.seeds)} seeds"
+    print(table(cells, title))
+    picture = plot(cells, root / f"{name}.png", title)
+    print(f"\nplot: {picture}\nruns: {root}")
+
+
+def common_overrides(args: argparse.Namespace, *extra: str) -> list[str]:
+    """Steps, four evaluations, no periodic checkpoints, then `extra` and the user's --set."""
+    return [
+        f"rl.max_steps={args.steps}",
+        f"orchestrator.eval_every={max(1, args.steps // 4)}",
+        "trainer.checkpoint_every=0",
+        *extra,
+        *args.set,
+    ]
+
+
+def output_root(args: argparse.Namespace, name: str) -> Path:
+    return args.out or Path(tempfile.mkdtemp(prefix=f"rollwire-{name}-"))

@@ -15,34 +15,19 @@ run); the table says whether anything like it shows on this task.
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-from pathlib import Path
-
-from grid import Cell, plot, run_grid, table
+from grid import Cell, common_overrides, finish, output_root, parser, run_grid
 
 STALENESS = (0, 1, 4, 8)
 CORRECTIONS = ("none", "tis", "decoupled")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
-    parser.add_argument("--corrections", nargs="+", default=list(CORRECTIONS))
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--out", type=Path, help="folder for the runs and the plot")
-    args = parser.parse_args()
-    root = args.out or Path(tempfile.mkdtemp(prefix="rollwire-staleness-"))
-    common = [
-        f"rl.max_steps={args.steps}",
-        f"orchestrator.eval_every={max(1, args.steps // 4)}",
-        "trainer.epochs_per_step=4",
-        "trainer.minibatches_per_step=2",
-        "trainer.checkpoint_every=0",
-        *args.set,
-    ]
+    options = parser(__doc__.splitlines()[0])
+    options.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
+    options.add_argument("--corrections", nargs="+", default=list(CORRECTIONS))
+    args = options.parse_args()
+    root = output_root(args, "staleness")
+    common = common_overrides(args, "trainer.epochs_per_step=4", "trainer.minibatches_per_step=2")
     cells = []
     for eta in args.staleness:
         mode = ["rl.mode=sync"] if eta == 0 else [f"rl.max_staleness={eta}"]
@@ -50,10 +35,7 @@ def main() -> None:
             name = f"staleness {eta if eta else '0 (sync)'} / {correction}"
             cells.append(Cell(name, [*mode, f"trainer.correction={{type: {correction}}}"]))
     run_grid(cells, args.seeds, root, common)
-    title = f"default task, {args.steps} steps, {len(args.seeds)} seeds"
-    print(table(cells, title))
-    picture = plot(cells, root / "staleness.png", title)
-    print(f"\nplot: {picture}\nruns: {root}")
+    finish(cells, args, root, "staleness")
 
 
 if __name__ == "__main__":

@@ -138,11 +138,7 @@ def worker(setting: str, model: Path, steps: int, out: Path) -> None:
     before = rss_bytes()
     config = TrainerConfig(**SETTINGS[setting][0], micro_batch_size=4, learning_rate=1e-5)
     policy = Policy(model, config, RLSection(group_size=GROUP, max_steps=steps + 1))
-    if policy.rank != 0:
-        try:
-            policy.follow()
-        finally:
-            policy.close()
+    if policy.followed():  # ranks other than 0 did what rank 0 asked
         return
     batch = trajectories(int(policy.backend.hf_config.vocab_size))
     tokens = sum(int(t.loss_mask.sum()) for t in batch)

@@ -66,11 +66,7 @@ def main() -> None:
         ),
     )
     policy = Policy(args.model, config, RLSection(group_size=4, max_steps=4))
-    if policy.rank != 0:
-        try:
-            policy.follow()
-        finally:
-            policy.close()
+    if policy.followed():  # ranks other than 0 did what rank 0 asked
         return
     from safetensors.torch import save_file
 

@@ -347,11 +347,7 @@ def follow(config: RunConfig, model_path: Path) -> int:
     0, which finishes with a checkpoint these ranks must write their parts of."""
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: log.info("stop asked; rank 0 decides when"))
-    policy = Policy(model_path, config.trainer, config.rl)
-    try:
-        policy.follow()
-    finally:
-        policy.close()
+    Policy(model_path, config.trainer, config.rl).followed()
     return 0
 
 

@@ -185,6 +185,17 @@ class Policy:
                 return
             calls[kind](*args)
 
+    def followed(self) -> bool:
+        """On ranks other than 0: follows rank 0 until it stops, leaves the group, and
+        returns True; on rank 0 returns False at once (it leads: the caller's work)."""
+        if self.backend.is_main:
+            return False
+        try:
+            self.follow()
+        finally:
+            self.close()
+        return True
+
     def heartbeat(self, every_seconds: float | None = None) -> None:
         """Rank 0, while it waits: tells the other ranks it lives, at most every
         `every_seconds` (a quarter of the collective timeout by default), so their
