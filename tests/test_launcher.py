@@ -39,19 +39,21 @@ def test_a_folder_that_is_no_model_is_named(tmp_path) -> None:
         prepare_model(config(trainer={"model_path": str(tmp_path)}))
 
 
-def test_a_backend_the_trainer_cannot_run_yet_is_refused_before_anything_starts(
-    tmp_path, capsys
-) -> None:
-    """A validated setting that the trainer would ignore is an error, not a silent `local`."""
-    import signal
+def test_trainer_settings_that_do_not_compose_are_refused_with_the_reason() -> None:
+    """Ranks need a multi-process backend; LoRA and a KL reference run on `local` only; a
+    constant aggregation needs its constant: errors, not settings silently ignored."""
+    from pydantic import ValidationError
 
-    from rollwire.services.app.run import run_train
+    from rollwire.services.core.config import TrainerConfig
 
-    run = config(trainer={"backend": "fsdp2"}, run={"output_dir": str(tmp_path / "run")})
-    handler = signal.getsignal(signal.SIGTERM)  # run_train turns SIGTERM into Ctrl-C
-    try:
-        assert run_train(run) == 1
-    finally:
-        signal.signal(signal.SIGTERM, handler)
-    assert "trainer.backend=fsdp2" in capsys.readouterr().out
-    assert not (tmp_path / "run").exists()
+    cases = {
+        "needs trainer.backend fsdp2 or deepspeed": {"world_size": 2},
+        "trainer.lora runs on trainer.backend=local only": {"backend": "fsdp2", "lora": {}},
+        "trainer.kl.coef > 0": {"backend": "deepspeed", "kl": {"coef": 0.1}},
+        "needs trainer.aggregation_constant": {"aggregation": "constant"},
+    }
+    for message, settings in cases.items():
+        with pytest.raises(ValidationError, match=message):
+            TrainerConfig(**settings)
+    assert TrainerConfig(backend="fsdp2", world_size=2).distributed.timeout_seconds == 600
+
