@@ -56,4 +56,3 @@ def test_trainer_settings_that_do_not_compose_are_refused_with_the_reason() -> N
         with pytest.raises(ValidationError, match=message):
             TrainerConfig(**settings)
     assert TrainerConfig(backend="fsdp2", world_size=2).distributed.timeout_seconds == 600
-

@@ -174,8 +174,13 @@ ALGORITHMS = {
 def test_each_algorithm_trains_through_every_process(algorithm: str, tmp_path) -> None:
     """Four steps of two updates each (so ratios move and the clips can act), every
     estimator, loss and correction of the tables in one of these runs."""
+    # The default tiny model and warm-up, not SHORT_RUN's smaller ones: they leave some
+    # groups with both right and wrong answers, so every step has sequences to train on.
     run_dir, result = rollwire_train(
-        tmp_path, *SHORT_RUN, "trainer.minibatches_per_step=2", *ALGORITHMS[algorithm]
+        tmp_path,
+        *[item for item in SHORT_RUN if not item.startswith(("warmup.", "run.tiny_model"))],
+        "trainer.minibatches_per_step=2",
+        *ALGORITHMS[algorithm],
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
