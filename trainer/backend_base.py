@@ -25,7 +25,7 @@ import os
 import shutil
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -320,31 +320,23 @@ class LocalBackend(TrainBackend):
         optimizer: AdamWSettings,
         device: str = "cpu",
         gradient_checkpointing: bool = False,
+        wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ) -> None:
+        """`wrap` turns the loaded model into the trained one (e.g. peft's LoRA model); the
+        optimizer holds only the parameters that then require grad."""
         from transformers import AutoModelForCausalLM
 
         self.model_path = Path(model_path)
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.to(self.device)
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(
+            # Non-reentrant: no need for inputs that require grad, and exact gradients.
+            model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        self.model.to(self.device).train()
-        self.optimizer = optimizer.build(self.model.parameters())
-
-    @classmethod
-    def around(
-        cls, model: torch.nn.Module, optimizer: AdamWSettings, model_path: str | Path
-    ) -> LocalBackend:
-        """A backend over a model already built (e.g. wrapped with LoRA adapters), on the
-        device it is on; the optimizer holds only the parameters that require grad."""
-        backend = cls.__new__(cls)
-        backend.model_path = Path(model_path)
-        backend.model = model
-        backend.device = next(model.parameters()).device
-        backend.optimizer = optimizer.build([p for p in model.parameters() if p.requires_grad])
-        return backend
+        self.model = (wrap(model) if wrap is not None else model).train()
+        self.optimizer = optimizer.build([p for p in self.model.parameters() if p.requires_grad])
 
     @property
     def module(self) -> torch.nn.Module:

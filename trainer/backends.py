@@ -29,6 +29,7 @@ __all__ = [
     "DistEnv",
     "LocalBackend",
     "TrainBackend",
+    "adamw_settings",
     "backend_for",
     "init_process_group",
     "make_backend",
@@ -79,22 +80,26 @@ def make_backend(
     raise ValueError(f"unknown trainer backend {kind!r} (local, fsdp2 or deepspeed)")
 
 
+def adamw_settings(config: TrainerConfig) -> AdamWSettings:
+    """The optimizer settings of the trainer section."""
+    return AdamWSettings(
+        lr=config.learning_rate,
+        weight_decay=config.weight_decay,
+        betas=(float(config.adam_betas[0]), float(config.adam_betas[1])),
+        eps=config.adam_eps,
+    )
+
+
 def backend_for(
     config: TrainerConfig, model_path: str | Path, distributed: DistributedConfig | None = None
 ) -> TrainBackend:
     """`make_backend` from the trainer section: backend, device, precision, gradient
     checkpointing, AdamW settings and clip (pass `config.distributed` once TrainerConfig
     holds it)."""
-    optimizer = AdamWSettings(
-        lr=config.learning_rate,
-        weight_decay=config.weight_decay,
-        betas=(float(config.adam_betas[0]), float(config.adam_betas[1])),
-        eps=config.adam_eps,
-    )
     return make_backend(
         config.backend,
         model_path,
-        optimizer,
+        adamw_settings(config),
         device=config.device,
         precision=config.precision,
         gradient_checkpointing=config.gradient_checkpointing,

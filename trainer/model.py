@@ -30,9 +30,9 @@ from rollwire.trainer.algorithms import (
     step_advantages,
 )
 from rollwire.trainer.backends import (
-    AdamWSettings,
     LocalBackend,
     TrainBackend,
+    adamw_settings,
     backend_for,
     shutdown_process_group,
     split_by_tokens,
@@ -88,11 +88,19 @@ class Policy:
         torch.set_num_threads(config.threads)
         self.config, self.rl = config, rl
         self.model_path = Path(model_path)
-        self.backend: TrainBackend = (
-            self._local_backend()
-            if config.backend == "local"
-            else backend_for(config, self.model_path, config.distributed)
-        )
+        if config.backend == "local":
+            # float32 whatever trainer.precision says: these are the master weights. With
+            # LoRA only the adapters require grad: the optimizer holds just them.
+            lora = config.lora
+            self.backend: TrainBackend = LocalBackend(
+                self.model_path,
+                adamw_settings(config),
+                config.device,
+                config.gradient_checkpointing,
+                wrap=None if lora is None else lambda model: _with_adapters(model, lora),
+            )
+        else:
+            self.backend = backend_for(config, self.model_path, config.distributed)
         self.model = self.backend.module
         self.optimizer = self.backend.optimizer
         self.device = self.backend.device
@@ -122,31 +130,6 @@ class Policy:
         self.last_command = time.monotonic()
         if self.sharded:
             self._gather()
-
-    def _local_backend(self) -> LocalBackend:
-        from transformers import AutoModelForCausalLM
-
-        config = self.config
-        # float32 whatever trainer.precision says: these are the master weights.
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(
-            config.device
-        )
-        if config.gradient_checkpointing:
-            # Non-reentrant: no need for inputs that require grad, and exact gradients.
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        if config.lora is not None:
-            model = _with_adapters(model, config.lora)
-        model.train()
-        settings = AdamWSettings(
-            lr=config.learning_rate,
-            weight_decay=config.weight_decay,
-            betas=(float(config.adam_betas[0]), float(config.adam_betas[1])),
-            eps=config.adam_eps,
-        )
-        # With LoRA only the adapters require grad: the optimizer holds just them.
-        return LocalBackend.around(model, settings, self.model_path)
 
     @property
     def sharded(self) -> bool:
