@@ -131,7 +131,8 @@ def plot(cells: list[Cell], path: Path, title: str) -> Path | None:
     except ImportError:
         return None
     figure, axis = plt.subplots(figsize=(8, 5))
-    for cell in cells:
+    styles = ("-", "--", ":", "-.")  # past ten cells the colours repeat; the styles tell them apart
+    for index, cell in enumerate(cells):
         ok = [r for r in cell.runs if not r.failed and r.evals]
         if not ok:
             continue
@@ -139,7 +140,8 @@ def plot(cells: list[Cell], path: Path, title: str) -> Path | None:
         means = [
             statistics.fmean(dict(r.evals)[v] for r in ok if v in dict(r.evals)) for v in versions
         ]
-        axis.plot(versions, means, "o-", label=cell.name, alpha=0.8)
+        style = styles[index // 10 % len(styles)]
+        axis.plot(versions, means, marker="o", linestyle=style, label=cell.name, alpha=0.8)
     axis.set_xlabel("policy version")
     axis.set_ylabel("held-out greedy reward (mean over seeds)")
     axis.set_title(title)
