@@ -139,6 +139,18 @@ def shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
+def load_master_model(model_path: str | Path, gradient_checkpointing: bool = False) -> Any:
+    """The Hugging Face causal LM at `model_path` in float32 (the master weights, whatever
+    the precision), on the CPU and in training mode; with non-reentrant activation
+    checkpointing when asked (no need for inputs that require grad, exact gradients)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(model_path), dtype=torch.float32)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
 # ---------------------------------------------------------------- the interface
 
 
@@ -324,17 +336,9 @@ class LocalBackend(TrainBackend):
     ) -> None:
         """`wrap` turns the loaded model into the trained one (e.g. peft's LoRA model); the
         optimizer holds only the parameters that then require grad."""
-        from transformers import AutoModelForCausalLM
-
         self.model_path = Path(model_path)
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        model.to(self.device)
-        if gradient_checkpointing:
-            # Non-reentrant: no need for inputs that require grad, and exact gradients.
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+        model = load_master_model(self.model_path, gradient_checkpointing).to(self.device)
         self.model = (wrap(model) if wrap is not None else model).train()
         self.optimizer = optimizer.build([p for p in self.model.parameters() if p.requires_grad])
 

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from rollwire.services.core.config.distributed import DeepSpeedConfig
-from rollwire.trainer.backend_base import AdamWSettings, DistEnv, MiB, TrainBackend
+from rollwire.trainer.backend_base import (
+    AdamWSettings,
+    DistEnv,
+    MiB,
+    TrainBackend,
+    load_master_model,
+)
 from rollwire.trainer.backend_weights import buckets
 
 _TAG = "state"
@@ -69,18 +75,12 @@ class DeepSpeedBackend(TrainBackend):
         gradient_checkpointing: bool = False,
     ) -> None:
         import deepspeed
-        from transformers import AutoModelForCausalLM
 
         config = config or DeepSpeedConfig()
         self.stage = config.zero_stage
         self.model_path = Path(model_path)
         self.rank, self.world_size = env.rank, env.world_size
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        model.train()
+        model = load_master_model(self.model_path, gradient_checkpointing)
         if env.device.type == "cuda":
             model.to(env.device)
         settings = {

@@ -21,7 +21,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rollwire.services.core.config.distributed import FSDP2Config
-from rollwire.trainer.backend_base import AdamWSettings, DistEnv, MiB, TrainBackend
+from rollwire.trainer.backend_base import (
+    AdamWSettings,
+    DistEnv,
+    MiB,
+    TrainBackend,
+    load_master_model,
+)
 from rollwire.trainer.backend_weights import buckets
 
 
@@ -48,17 +54,11 @@ class FSDP2Backend(TrainBackend):
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
 
         config = config or FSDP2Config()
         self.model_path = Path(model_path)
         self.rank, self.world_size, self.device = env.rank, env.world_size, env.device
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        model.train()
+        model = load_master_model(self.model_path, gradient_checkpointing)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
