@@ -4,7 +4,7 @@ reward at fixed steps and wall time, several seeds.
     .venv/bin/python benchmarks/algorithms.py [--steps 60] [--seeds 0 1 2] [--set key=value ...]
 
 Estimators (with the `ppo_clip` loss): grpo, dr_grpo (with `aggregation: constant`),
-rloo, reinforce_plus_plus, lite_ppo. Losses (with `grpo` advantages): ppo_clip, gspo
+rloo, reinforce_plus_plus, lite_ppo, gae (PPO with a critic at the default settings). Losses (with `grpo` advantages): ppo_clip, gspo
 (with `seq_mean_token_mean`), cispo, topr. Every cell makes two updates a step
 (trainer.minibatches_per_step 2), so the clipped losses differ from plain ones. Seeds
 are orchestrator.sampling_seed.
@@ -20,6 +20,7 @@ ESTIMATORS = {
     "rloo": [],
     "reinforce_plus_plus": [],
     "lite_ppo": [],
+    "gae": [],
 }
 LOSSES = {
     "gspo": ["trainer.aggregation=seq_mean_token_mean"],

@@ -1,6 +1,7 @@
 """One rank of the trainer-step checks in tests/test_backends.py (run directly for `local`,
 under torchrun for the others): `Policy.train_step` on two fixed groups, then a
 checkpoint, another step, and (`--phase resume`) the same step after a restore.
+`--advantage gae` adds the critic (a second model on the same ranks) to all of it.
 
 Rank 0 drives the `Policy` as the trainer process does; the other ranks `follow` it.
 Three minibatches of 3, 3 and 2 sequences, one sequence a micro-batch, two epochs:
@@ -31,6 +32,8 @@ COMPARED = (
     "optimizer_steps",
     "learning_rate",
 )
+CRITIC = ("critic_loss", "critic_value_mean", "critic_explained_variance", "critic_grad_norm")
+"""Compared too under `--advantage gae`."""
 
 
 def batch(version: int) -> list:
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--phase", choices=["train", "resume"], default="train")
     parser.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--advantage", choices=["grpo", "gae"], default="grpo")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = TrainerConfig(
@@ -61,6 +65,7 @@ def main() -> None:
         minibatches_per_step=3,
         epochs_per_step=2,
         micro_batch_size=1,
+        advantage={"type": args.advantage},
         distributed=DistributedConfig(
             timeout_seconds=120, deepspeed=DeepSpeedConfig(zero_stage=args.zero_stage)
         ),
@@ -71,10 +76,11 @@ def main() -> None:
     from safetensors.torch import save_file
 
     out, results = args.out, {"world_size": policy.backend.world_size}
+    compared = COMPARED + (CRITIC if args.advantage == "gae" else ())
     try:
         if args.phase == "train":
             first = policy.train_step(batch(0), 0)
-            results["step1"] = {key: first[key] for key in COMPARED}
+            results["step1"] = {key: first[key] for key in compared}
             save_file(dict(policy.named_weights()), str(out / "policy1.safetensors"))
             policy.save_checkpoint(out / "policy_checkpoint", 1, 1, {"uncommitted_ids": ["t0"]})
         else:
@@ -82,7 +88,7 @@ def main() -> None:
             results["restored"] = [saved["step"], saved["policy_version"], saved["uncommitted_ids"]]
             save_file(dict(policy.named_weights()), str(out / "restored1.safetensors"))
         second = policy.train_step(batch(1), 1)
-        results["step2"] = {key: second[key] for key in COMPARED}
+        results["step2"] = {key: second[key] for key in compared}
         save_file(dict(policy.named_weights()), str(out / f"{args.phase}2.safetensors"))
         (out / f"policy_{args.phase}.json").write_text(json.dumps(results))
     finally:

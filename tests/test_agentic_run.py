@@ -108,21 +108,28 @@ def test_short_agentic_run_on_the_node_env_server(tmp_path, spawn) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
-    """examples/agentic.yaml, shortened: held-out greedy success must rise clearly."""
+    """examples/agentic.yaml, shortened: held-out greedy success must rise clearly, and
+    stay up. Evaluated every 5 versions: one evaluation of an asynchronous run is noisy
+    (single evaluations at version 20 measured 0.39, 0.41, 0.70 and 0.77 from 0.16)."""
     run_dir, result = rollwire_train(
         tmp_path,
         "rl.max_steps=20",
-        "orchestrator.eval_every=20",
+        "orchestrator.eval_every=5",
         config=REPO / "examples" / "agentic.yaml",
         timeout=840,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     evals = jsonl(run_dir / "metrics" / "eval.jsonl")
-    start, end = evals[0]["eval_reward"], evals[-1]["eval_reward"]
-    print(f"held-out greedy success {start:.2f} -> {end:.2f}")
-    assert evals[-1]["policy_version"] == 20
-    # Measured 0.10 -> 0.67 by version 10 in the full example; the margin here is wide.
-    assert end >= start + 0.25, f"held-out success {start:.2f} -> {end:.2f}"
+    curve = [(e["policy_version"], e["eval_reward"]) for e in evals]
+    print(f"held-out greedy success by version: {curve}")
+    assert [version for version, _ in curve] == [0, 5, 10, 15, 20]
+    start = curve[0][1]
+    best = max(reward for _, reward in curve[1:])
+    late = (curve[-2][1] + curve[-1][1]) / 2
+    # Measured in three 30-step runs: 0.16 -> 0.60 / 0.66 / 0.67 at version 5; at 15 and
+    # 20, 0.64 and 0.70 / 0.61 and 0.65 / 0.45 and 0.49.
+    assert best >= start + 0.3, curve
+    assert late >= start + 0.2, curve
 
 
 @pytest.mark.multiproc

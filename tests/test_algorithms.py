@@ -10,13 +10,18 @@ import torch
 
 from rollwire.trainer.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    RunningMoments,
     discounted_returns,
     dr_grpo,
+    final_token_rewards,
+    gae,
     group_advantages,
     grpo,
     high_variance_groups,
     lite_ppo,
     lr_factor,
+    normalized_rewards,
+    overlong_penalty,
     reinforce_plus_plus,
     rloo,
     step_advantages,
@@ -185,3 +190,63 @@ def test_algorithms_import_no_transport(name: str) -> None:
         for name in imported
         if name.startswith(("torch.distributed", "grpc", "zmq", "rollwire.services"))
     }
+
+
+def test_final_token_rewards_sit_on_each_last_generated_token() -> None:
+    mask = torch.tensor([[0, 1, 1, 0], [1, 0, 1, 1], [0, 0, 0, 0]])
+    out = final_token_rewards(torch.tensor([2.0, -1.0, 5.0]), mask)
+    assert out.tolist() == [[0, 0, 2, 0], [0, 0, 0, -1], [0, 0, 0, 0]]
+
+
+def test_gae_by_hand() -> None:
+    # Prompt token, then three actions; reward 1 at the end, gamma 1, lambda 0.5:
+    # d3 = 1 - 0.8 = 0.2, d2 = 0.8 - 0.6 = 0.2, d1 = 0.6 - 0.5 = 0.1;
+    # A3 = 0.2, A2 = 0.2 + 0.5 * 0.2 = 0.3, A1 = 0.1 + 0.5 * 0.3 = 0.25; R = A + V.
+    advantages, returns = gae(
+        token_rewards=torch.tensor([[0.0, 0.0, 0.0, 1.0]]),
+        values=torch.tensor([[9.0, 0.5, 0.6, 0.8]]),
+        mask=torch.tensor([[0, 1, 1, 1]]),
+        gamma=1.0,
+        lam=0.5,
+    )
+    assert advantages.tolist()[0] == pytest.approx([0.0, 0.25, 0.3, 0.2])
+    assert returns.tolist()[0] == pytest.approx([0.0, 0.75, 0.9, 1.0])
+    # A tool's token between two actions is skipped, not discounted: with lambda 1 the
+    # return is the Monte-Carlo one, 0.9 * 2 = 1.8, and A0 = 1.8 - 0.5.
+    advantages, returns = gae(
+        token_rewards=torch.tensor([[0.0, 0.0, 2.0]]),
+        values=torch.tensor([[0.5, 7.0, 1.0]]),
+        mask=torch.tensor([[1, 0, 1]]),
+        gamma=0.9,
+        lam=1.0,
+    )
+    assert advantages.tolist()[0] == pytest.approx([1.3, 0.0, 1.0])
+    assert returns.tolist()[0] == pytest.approx([1.8, 0.0, 2.0])
+    with pytest.raises(ValueError, match="one \\[B, T\\] shape"):
+        gae(token_rewards=torch.zeros(1, 3), values=torch.zeros(1, 2), mask=torch.ones(1, 3))
+
+
+def test_overlong_penalty_by_hand() -> None:
+    # Limit 10, buffer 4: free up to 6 tokens, then -1/4 a token, -1 at 10 and beyond.
+    lengths = torch.tensor([3, 6, 7, 9, 10, 12])
+    penalty = overlong_penalty(lengths=lengths, max_tokens=10, buffer_tokens=4)
+    assert penalty.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.75, -1.0, -1.0])
+    with pytest.raises(ValueError, match="buffer_tokens"):
+        overlong_penalty(lengths=lengths, max_tokens=3, buffer_tokens=4)
+
+
+def test_running_moments_merge_batches_like_one() -> None:
+    moments = RunningMoments()
+    moments.update(torch.tensor([1.0, 3.0]))
+    assert (moments.mean, moments.std) == pytest.approx((2.0, 1.0))
+    moments.update(torch.tensor([5.0, 7.0, 9.0]))
+    everything = torch.tensor([1.0, 3.0, 5.0, 7.0, 9.0], dtype=torch.float64)
+    assert moments.count == 5
+    assert moments.mean == pytest.approx(5.0)
+    assert moments.std == pytest.approx(float(everything.std(unbiased=False)))
+    again = RunningMoments()
+    again.load_state_dict(moments.state_dict())
+    assert (again.count, again.mean, again.std) == (moments.count, moments.mean, moments.std)
+    assert normalized_rewards(torch.tensor([2.0, 4.0]), 3.0, 1.0).tolist() == pytest.approx(
+        [-1.0, 1.0], abs=1e-5
+    )

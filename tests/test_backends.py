@@ -129,7 +129,13 @@ def test_the_trainer_section_builds_its_backend(tiny_model_path: Path) -> None:
 
 def _run(args: list[str], timeout: float) -> None:
     """Runs a command in a process group of its own; on a timeout kills that group."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",  # a rank that aborts prints its Python stack
+    }
     process = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
@@ -256,18 +262,25 @@ def test_two_ranks_step_like_one_process_and_resume_exactly(
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "options",
-    [["--backend", "fsdp2"], ["--backend", "deepspeed", "--zero-stage", "3"]],
-    ids=["fsdp2", "zero3"],
+    [
+        ["--backend", "fsdp2"],
+        ["--backend", "deepspeed", "--zero-stage", "3"],
+        ["--backend", "fsdp2", "--advantage", "gae"],
+        ["--backend", "deepspeed", "--zero-stage", "3", "--advantage", "gae"],
+    ],
+    ids=["fsdp2", "zero3", "fsdp2-gae", "zero3-gae"],
 )
 def test_the_trainer_step_on_two_ranks_equals_one_process_and_resumes(
     options: list[str], tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """`Policy.train_step` with rank 0 leading and rank 1 following: three minibatches
     split unevenly by tokens (padding passes), two epochs, the clip acting; the same
-    metrics and weights as one local process, and a restore that carries on exactly."""
+    metrics and weights as one local process, and a restore that carries on exactly.
+    With `gae` the critic (a second sharded model) steps, saves and resumes with it."""
     timeout = 360 if "deepspeed" in options else 120
     local, ours = tmp_path / "local", tmp_path / "ours"
-    _worker(tiny_model_path, local, "--backend", "local", ranks=0, script=POLICY_WORKER)
+    extra = options[options.index("--advantage") :] if "--advantage" in options else []
+    _worker(tiny_model_path, local, "--backend", "local", *extra, ranks=0, script=POLICY_WORKER)
     _worker(tiny_model_path, ours, *options, timeout=timeout, script=POLICY_WORKER)
     theirs = json.loads((local / "policy_train.json").read_text())
     results = json.loads((ours / "policy_train.json").read_text())
@@ -287,6 +300,7 @@ def test_the_trainer_step_on_two_ranks_equals_one_process_and_resumes(
 
     folder = ours / "policy_checkpoint"
     assert (folder / "backend").is_dir()
+    assert (folder / "critic").is_dir() == bool(extra)
     loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     saved = _weights(ours / "policy1.safetensors")
     assert all(torch.equal(loaded[name], saved[name]) for name in saved)

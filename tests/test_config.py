@@ -198,3 +198,13 @@ def test_every_model_is_importable_from_the_package_and_from_models() -> None:
         assert defined <= set(models.__all__), defined - set(models.__all__)
     for name in models.__all__:
         assert getattr(package, name) is getattr(models, name), name
+
+
+def test_the_overlong_penalty_counts_to_the_orchestrators_limit() -> None:
+    config = RunConfig.model_validate(
+        {"trainer": {"overlong": {"penalty_tokens": 4}}, "orchestrator": {"max_new_tokens": 12}}
+    )
+    assert config.trainer.overlong.max_tokens == 12
+    assert RunConfig().trainer.overlong.max_tokens is None  # the default is left alone
+    with pytest.raises(ValueError, match="more than orchestrator.max_new_tokens=10"):
+        RunConfig.model_validate({"trainer": {"overlong": {"penalty_tokens": 40}}})

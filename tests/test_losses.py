@@ -16,6 +16,7 @@ from rollwire.trainer.losses import (
     kl_estimate,
     masked_mean,
     policy_objective,
+    value_loss,
 )
 
 ln = math.log
@@ -289,3 +290,29 @@ def test_entropy_bonus_lowers_the_loss_by_its_mean() -> None:
     entropy = tokens(0, 1.0, 3.0)
     loss, _, _ = run(BEHAVIOUR, 0.0, entropy=entropy, entropy_coef=0.01)
     assert loss == pytest.approx(-0.01 * (1.0 + 3.0) / 2)
+
+
+def test_value_loss_clips_by_hand() -> None:
+    # Token 0: (1 - 2)^2 = 1, clipped value 0.5 + 0.2 = 0.7 gives (0.7 - 2)^2 = 1.69:
+    # the larger, so 0.845 and no gradient (the clamp is flat). Token 1: (0 - 0.4)^2 =
+    # 0.16 against (0.3 - 0.4)^2 = 0.01: 0.08 with gradient v - R = -0.4. Token 2 masked.
+    values = torch.tensor([[1.0, 0.0, 3.0]], requires_grad=True)
+    per_token, clipped = value_loss(
+        values=values,
+        old_values=torch.tensor([[0.5, 0.5, 0.0]]),
+        returns=torch.tensor([[2.0, 0.4, 0.0]]),
+        mask=torch.tensor([[1, 1, 0]]),
+        clip=0.2,
+    )
+    assert per_token.tolist()[0] == pytest.approx([0.845, 0.08, 0.0])
+    assert clipped.tolist() == [[True, False, False]]
+    per_token.sum().backward()
+    assert values.grad.tolist()[0] == pytest.approx([0.0, -0.4, 0.0])
+    plain, clipped = value_loss(
+        values=values.detach(),
+        old_values=torch.zeros(1, 3),
+        returns=torch.tensor([[2.0, 0.4, 0.0]]),
+        mask=torch.tensor([[1, 1, 0]]),
+        clip=None,
+    )
+    assert plain.tolist()[0] == pytest.approx([0.5, 0.08, 0.0]) and not clipped.any()

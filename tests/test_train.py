@@ -165,6 +165,10 @@ ALGORITHMS = {
         "trainer.aggregation_constant=10",
         "trainer.kl={coef: 0.01, estimator: k2}",
     ],
+    "gae+ppo_clip+tis": [
+        "trainer.advantage={type: gae, lam: 0.9, critic: {learning_rate: 0.003}}",
+        "trainer.loss={type: ppo_clip, dual_clip: 3}",
+    ],
 }
 
 
@@ -191,6 +195,12 @@ def test_each_algorithm_trains_through_every_process(algorithm: str, tmp_path) -
     assert all("ratio_mean" in s and "is_masked_frac" in s for s in trained)
     if "kl" in algorithm:
         assert all("kl" in s for s in trained)
+    if "gae" in algorithm:
+        # Every sequence trains (token advantages from the critic), and the critic steps.
+        assert all(s["sequences_with_signal"] == s["sequences"] for s in steps)
+        assert all(math.isfinite(s["critic_loss"]) and s["critic_grad_norm"] > 0 for s in steps)
+        checkpoints = list((run_dir / "checkpoints").glob("step_*"))
+        assert checkpoints and all((c / "critic").is_dir() for c in checkpoints)
     resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["trainer"]
     assert resolved["loss"]["type"] in algorithm and resolved["advantage"]["type"] in algorithm
 

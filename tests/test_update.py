@@ -3,6 +3,9 @@ precision, gradient checkpointing, the LR schedule and its checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -283,3 +286,138 @@ def test_advantage_settings_reach_the_step(tiny_model_path) -> None:
     kept = policy.advantages(trajectories, rewards)[0]
     # Group 0's rewards vary more (std 1.22 against 0.43): group 1 is left out.
     assert kept[:4].abs().sum() > 0 and kept[4:].tolist() == [0.0] * 4
+
+
+def critic_weights(policy: Policy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in policy.critic.backend.module.named_parameters()}
+
+
+def test_the_critic_starts_at_zero_and_its_value_loss_falls_on_a_fixed_batch(
+    tiny_model_path,
+) -> None:
+    """advantage: gae. With lambda = gamma = 1 the returns are the rewards (fixed targets),
+    so the critic's loss on one batch must fall step after step; before its first update
+    every value is 0, so the whitened advantages are the whitened rewards."""
+    policy = make_policy(
+        tiny_model_path,
+        advantage={"type": "gae", "lam": 1.0, "critic": {"learning_rate": 1e-2}},
+        epochs_per_step=2,
+    )
+    assert policy.critic is not None
+    first = policy.train_step(group(), 0)
+    assert first["critic_value_mean"] == 0.0
+    # Rewards 1, 0, 1, 0 on 4, 3, 6 and 2 generated tokens: 10 of 15 tokens have return 1.
+    assert first["critic_return_mean"] == pytest.approx(10 / 15, rel=1e-5)
+    assert first["sequences_with_signal"] == 4.0 and first["optimizer_steps"] == 2.0
+    losses = [first["critic_loss"]]
+    losses += [policy.train_step(group(), v)["critic_loss"] for v in range(1, 8)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert policy.train_step(group(), 8)["critic_explained_variance"] > 0.3
+
+
+def test_the_critic_is_checkpointed_and_resumed_exactly(tiny_model_path, tmp_path) -> None:
+    settings = dict(advantage={"type": "gae", "critic": {"learning_rate": 1e-2}})
+    straight = make_policy(tiny_model_path, **settings)
+    straight.train_step(group(), 0)
+    folder = straight.save_checkpoint(tmp_path / "ckpt", step=1, version=1)
+    assert (folder / "critic").is_dir()
+    after = straight.train_step(group(), 1)
+
+    resumed = make_policy(tiny_model_path, **settings)
+    resumed.restore(folder)
+    again = resumed.train_step(group(), 1)
+    assert again["critic_loss"] == pytest.approx(after["critic_loss"], rel=1e-6)
+    assert again["critic_value_mean"] == pytest.approx(after["critic_value_mean"], rel=1e-6)
+    ours, theirs = critic_weights(resumed), critic_weights(straight)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-8, msg=name)
+    # A checkpoint made without a critic starts one afresh, with a warning.
+    plain = make_policy(tiny_model_path)
+    plain.train_step(group(), 0)
+    fresh = make_policy(tiny_model_path, **settings)
+    start = critic_weights(fresh)
+    fresh.restore(plain.save_checkpoint(tmp_path / "plain", step=1, version=1))
+    assert all(torch.equal(start[n], p) for n, p in critic_weights(fresh).items())
+
+
+def test_a_kl_in_the_reward_is_paid_by_the_tokens_before_it(tiny_model_path) -> None:
+    """kl.in_reward with REINFORCE++: token rewards lose coef x the KL estimate, each
+    token's advantage is its return to go, whitened over the batch's tokens."""
+    policy = make_policy(
+        tiny_model_path,
+        advantage={"type": "reinforce_plus_plus"},
+        kl={"coef": 0.1, "estimator": "k1", "in_reward": True},
+    )
+    half, quarter = math.log(0.5), math.log(0.25)
+    part = TokenBatch(
+        input_ids=torch.zeros(1, 4, dtype=torch.long),
+        attention=torch.ones(1, 4, dtype=torch.long),
+        targets=torch.zeros(1, 3, dtype=torch.long),
+        mask=torch.tensor([[0.0, 1.0, 1.0]]),
+        behaviour_logprobs=torch.zeros(1, 3),
+        policy_versions=torch.zeros(1, 3, dtype=torch.long),
+        proximal_logprobs=torch.tensor([[0.0, half, half]]),
+        reference_logprobs=torch.tensor([[0.0, quarter, half]]),
+        token_rewards=torch.tensor([[0.0, 0.0, 1.0]]),
+    )
+    metrics = policy._token_advantages([part])
+    # k1 = log pi - log ref = ln 2 on the first generated token, 0 on the second: mean
+    # ln 2 / 2. Rewards -0.1 ln 2 and 1; returns to go 1 - 0.0693 and 1; whitened: -1, 1.
+    assert metrics["kl"] == pytest.approx(math.log(2) / 2)
+    assert part.token_rewards.tolist()[0] == pytest.approx([0.0, -0.1 * math.log(2), 1.0])
+    assert part.advantages.tolist()[0] == pytest.approx([0.0, -1.0, 1.0], abs=1e-3)
+    # Through a step: at the start the policy is its reference (no KL), so the advantages
+    # are the whitened rewards, 1 on 10 of 15 tokens: |A| = 0.7071 there, 1.4142 on 5.
+    first = policy.train_step(group(), 0)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert first["advantage_abs_mean"] == pytest.approx((10 * 0.70711 + 5 * 1.41421) / 15, 1e-4)
+    assert first["sequences_with_signal"] == 4.0
+    assert policy.train_step(group(), 1)["kl"] != 0.0
+
+
+def test_a_kl_in_the_reward_needs_an_estimator_that_takes_token_rewards() -> None:
+    with pytest.raises(ValueError, match="gae and reinforce_plus_plus"):
+        TrainerConfig(kl={"coef": 0.1, "in_reward": True})
+    with pytest.raises(ValueError, match="kl.coef > 0"):
+        TrainerConfig(advantage={"type": "gae"}, kl={"in_reward": True})
+
+
+def test_overlong_responses_are_penalised_or_left_out(tiny_model_path) -> None:
+    """trainer.overlong: the soft penalty lowers the reward of long responses before the
+    advantages; mask_truncated leaves responses cut at the limit out of the loss."""
+    trajectories = group()  # 4, 3, 6 and 2 generated tokens; rewards 1, 0, 1, 0
+    trajectories[2] = dataclasses.replace(trajectories[2], finish_reason="length")
+    policy = make_policy(
+        tiny_model_path,
+        advantage={"type": "dr_grpo"},
+        overlong={"penalty_tokens": 2, "max_tokens": 6},
+    )
+    rewards, truncated, metrics = policy._shaped_rewards(
+        trajectories, torch.tensor([1.0, 0.0, 1.0, 0.0])
+    )
+    # Free up to 4 tokens: only the 6-token response pays, -1 (at the limit).
+    assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0] and truncated == [False, False, True, False]
+    assert metrics == {"overlong_penalty_mean": -0.25, "truncated_fraction": 0.25}
+    masked = make_policy(tiny_model_path, overlong={"mask_truncated": True})
+    out = masked.train_step(trajectories, 0)
+    assert out["sequences_with_signal"] == 3.0 and out["truncated_fraction"] == 0.25
+    with pytest.raises(ValueError, match="max_tokens"):
+        make_policy(tiny_model_path, overlong={"penalty_tokens": 2}).train_step(group(), 0)
+
+
+def test_reward_normalization_by_batch_and_running_resumes(tiny_model_path, tmp_path) -> None:
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    batch = make_policy(tiny_model_path, reward_normalization="batch")
+    assert batch._shaped_rewards(group(), rewards)[0].tolist() == pytest.approx(
+        [1.0, -1.0, 1.0, -1.0], abs=1e-5
+    )
+    running = make_policy(tiny_model_path, reward_normalization="running")
+    running.train_step(group(), 0)  # seen: 1, 0, 1, 0
+    shaped, _, metrics = running._shaped_rewards(group(), torch.tensor([3.0, 3.0, 3.0, 3.0]))
+    # Seen now: four 3s too, mean 14 / 8 = 1.75, std sqrt(38 / 8 - 1.75^2) = 1.299.
+    assert metrics["reward_running_mean"] == pytest.approx(1.75)
+    assert shaped.tolist() == pytest.approx([(3 - 1.75) / 1.2990] * 4, rel=1e-3)
+    folder = running.save_checkpoint(tmp_path / "ckpt", step=1, version=1)
+    resumed = make_policy(tiny_model_path, reward_normalization="running")
+    resumed.restore(folder)
+    assert resumed.reward_moments.state_dict() == running.reward_moments.state_dict()

@@ -101,6 +101,115 @@ def reinforce_plus_plus(
     return (centred / (centred.std(unbiased=False) + eps)).reshape(-1).to(rewards.dtype)
 
 
+class RunningMoments:
+    """Mean and (population) variance of every value seen so far, merged batch by batch
+    (Chan et al.'s parallel update): `trainer.reward_normalization: running`."""
+
+    def __init__(self) -> None:
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, values: torch.Tensor) -> None:
+        """Adds a batch of values."""
+        batch = values.detach().to(torch.float64).reshape(-1)
+        n = batch.numel()
+        if n == 0:
+            return
+        batch_mean = float(batch.mean())
+        batch_m2 = float(((batch - batch_mean) ** 2).sum())
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += batch_m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return (self.m2 / self.count) ** 0.5 if self.count else 0.0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), state["mean"], state["m2"]
+
+
+def normalized_rewards(
+    rewards: torch.Tensor, mean: float, std: float, eps: float = 1e-6
+) -> torch.Tensor:
+    """(rewards - mean) / (std + eps): rewards in units of their spread."""
+    return ((rewards.to(torch.float64) - mean) / (std + eps)).to(rewards.dtype)
+
+
+def overlong_penalty(*, lengths: torch.Tensor, max_tokens: int, buffer_tokens: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025): [B] reward added to responses of
+    [B] `lengths` generated tokens; 0 up to max_tokens - buffer_tokens, then falling
+    linearly to -1 at max_tokens, and -1 beyond."""
+    if not 0 < buffer_tokens <= max_tokens:
+        raise ValueError(f"buffer_tokens={buffer_tokens} must be in 1..max_tokens={max_tokens}")
+    lengths = lengths.to(torch.float64)
+    free = max_tokens - buffer_tokens
+    penalty = ((free - lengths) / buffer_tokens).clamp(min=-1.0, max=0.0)
+    return penalty.to(torch.float32)
+
+
+def final_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] token rewards: each sequence's reward ([B]) on its last generated token
+    (the last 1 of `mask`), 0 elsewhere; a row without generated tokens gets none."""
+    if rewards.ndim != 1 or mask.ndim != 2 or rewards.shape[0] != mask.shape[0]:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} are not [B] and [B, T]"
+        )
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    positions = torch.arange(mask.shape[1]).expand(mask.shape)
+    last = torch.where(mask > 0, positions, -1).max(dim=1).values
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] = rewards[rows].to(torch.float32)
+    return out
+
+
+def gae(
+    *,
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over the generated tokens.
+
+    The tokens where `mask` is 1 are the actions, in order; tokens between them (a tool's
+    output in a multi-turn episode) are skipped, not discounted. With d_t = r_t +
+    gamma V_next - V_t (V_next = 0 after a sequence's last action), the advantage is
+    A_t = d_t + gamma lam A_next and the return (the critic's target) R_t = A_t + V_t.
+
+    Args:
+        token_rewards: [B, T] reward of each action (`final_token_rewards`, plus any
+            per-token KL penalty folded in).
+        values: [B, T] the critic's value before each action.
+        mask: [B, T] 1 on actions.
+    Returns:
+        (advantages, returns), both [B, T], 0 off the mask; float32.
+    """
+    if not token_rewards.shape == values.shape == mask.shape or mask.ndim != 2:
+        raise ValueError(
+            f"token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and "
+            f"mask {tuple(mask.shape)} must be one [B, T] shape"
+        )
+    rewards, values = token_rewards.to(torch.float64), values.to(torch.float64)
+    taken = mask > 0
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros(rewards.shape[0], dtype=torch.float64)
+    next_advantage = torch.zeros_like(next_value)
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        here = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(taken[:, t], here, 0.0)
+        next_value = torch.where(taken[:, t], values[:, t], next_value)
+        next_advantage = torch.where(taken[:, t], here, next_advantage)
+    returns = torch.where(taken, advantages + values, 0.0)
+    return advantages.to(torch.float32), returns.to(torch.float32)
+
+
 ADVANTAGE_ESTIMATORS = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,

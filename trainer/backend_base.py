@@ -21,6 +21,7 @@ ranks call it, in the same order.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import zlib
@@ -132,20 +133,41 @@ def init_process_group(device: str = "cpu", timeout_seconds: float = 600.0) -> D
 
 
 def shutdown_process_group() -> None:
-    """Waits for every rank, then leaves the group (a no-op outside one)."""
+    """Waits for every rank, then leaves the group (a no-op outside one). Collective
+    handles still referenced are freed first, while the interpreter is whole."""
     if dist.is_initialized():
+        gc.collect()
         with contextlib.suppress(RuntimeError):
             dist.barrier()
         dist.destroy_process_group()
 
 
-def load_master_model(model_path: str | Path, gradient_checkpointing: bool = False) -> Any:
+def load_master_model(
+    model_path: str | Path, gradient_checkpointing: bool = False, value_head: bool = False
+) -> Any:
     """The Hugging Face causal LM at `model_path` in float32 (the master weights, whatever
     the precision), on the CPU and in training mode; with non-reentrant activation
-    checkpointing when asked (no need for inputs that require grad, exact gradients)."""
-    from transformers import AutoModelForCausalLM
+    checkpointing when asked (no need for inputs that require grad, exact gradients).
 
-    model = AutoModelForCausalLM.from_pretrained(Path(model_path), dtype=torch.float32)
+    `value_head`: the same transformer with a one-output token head instead (a critic:
+    `AutoModelForTokenClassification`, `logits[..., 0]` is the value), the head zeroed
+    so every value starts at 0 and no dropout before it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if value_head:
+        config = AutoConfig.from_pretrained(Path(model_path))
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        model = AutoModelForTokenClassification.from_pretrained(
+            Path(model_path), config=config, dtype=torch.float32
+        )
+        head = getattr(model, "score", None) or getattr(model, "classifier", None)
+        if head is None:
+            raise ValueError(f"{model_path}: {type(model).__name__} has no value head to zero")
+        with torch.no_grad():
+            for param in head.parameters():
+                param.zero_()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(Path(model_path), dtype=torch.float32)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
@@ -333,12 +355,15 @@ class LocalBackend(TrainBackend):
         device: str = "cpu",
         gradient_checkpointing: bool = False,
         wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        value_head: bool = False,
     ) -> None:
         """`wrap` turns the loaded model into the trained one (e.g. peft's LoRA model); the
-        optimizer holds only the parameters that then require grad."""
+        optimizer holds only the parameters that then require grad. `value_head`: a
+        critic (`load_master_model`)."""
         self.model_path = Path(model_path)
         self.device = torch.device(device)
-        model = load_master_model(self.model_path, gradient_checkpointing).to(self.device)
+        model = load_master_model(self.model_path, gradient_checkpointing, value_head)
+        model = model.to(self.device)
         self.model = (wrap(model) if wrap is not None else model).train()
         self.optimizer = optimizer.build([p for p in self.model.parameters() if p.requires_grad])
 

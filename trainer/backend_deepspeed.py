@@ -14,6 +14,7 @@ path is tested here, the CUDA one by the `gpu` tests.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from collections.abc import Iterator
@@ -73,6 +74,7 @@ class DeepSpeedBackend(TrainBackend):
         config: DeepSpeedConfig | None = None,
         max_grad_norm: float = 1.0,
         gradient_checkpointing: bool = False,
+        value_head: bool = False,
     ) -> None:
         import deepspeed
 
@@ -80,7 +82,7 @@ class DeepSpeedBackend(TrainBackend):
         self.stage = config.zero_stage
         self.model_path = Path(model_path)
         self.rank, self.world_size = env.rank, env.world_size
-        model = load_master_model(self.model_path, gradient_checkpointing)
+        model = load_master_model(self.model_path, gradient_checkpointing, value_head)
         if env.device.type == "cuda":
             model.to(env.device)
         settings = {
@@ -183,3 +185,7 @@ class DeepSpeedBackend(TrainBackend):
 
     def close(self) -> None:
         self.engine.destroy()
+        # The engine and its ZeRO optimizer hold pending collective handles; freed here,
+        # not at interpreter exit, where a gloo thread freeing them can abort the rank.
+        del self.engine, self.optimizer
+        gc.collect()

@@ -51,6 +51,7 @@ class FSDP2Backend(TrainBackend):
         config: FSDP2Config | None = None,
         precision: Literal["fp32", "bf16"] = "fp32",
         gradient_checkpointing: bool = False,
+        value_head: bool = False,
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -58,7 +59,7 @@ class FSDP2Backend(TrainBackend):
         config = config or FSDP2Config()
         self.model_path = Path(model_path)
         self.rank, self.world_size, self.device = env.rank, env.world_size, env.device
-        model = load_master_model(self.model_path, gradient_checkpointing)
+        model = load_master_model(self.model_path, gradient_checkpointing, value_head)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,

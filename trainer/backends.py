@@ -49,22 +49,32 @@ def make_backend(
     gradient_checkpointing: bool = False,
     distributed: DistributedConfig | None = None,
     max_grad_norm: float = 1.0,
+    value_head: bool = False,
 ) -> TrainBackend:
     """The backend `kind` for the model at `model_path`, on `device` (`cpu`, or `cuda`:
     the multi-process backends put each rank on GPU LOCAL_RANK). `fsdp2` and `deepspeed`
     join the default process group first. `precision: bf16` makes FSDP2 gather layers in
     bfloat16; on every backend the caller's autocast does the rest (the weights the
     optimizer updates are float32 everywhere). `max_grad_norm` is DeepSpeed's initial
-    clip (each `clip_and_step` sets it again)."""
+    clip (each `clip_and_step` sets it again). `value_head`: a critic, the transformer
+    with a zeroed one-output head (`load_master_model`)."""
     distributed = distributed or DistributedConfig()
     if kind == "local":
-        return LocalBackend(model_path, optimizer, device, gradient_checkpointing)
+        return LocalBackend(
+            model_path, optimizer, device, gradient_checkpointing, value_head=value_head
+        )
     env = init_process_group(device, distributed.timeout_seconds)
     if kind == "fsdp2":
         from rollwire.trainer.backend_fsdp2 import FSDP2Backend
 
         return FSDP2Backend(
-            model_path, optimizer, env, distributed.fsdp2, precision, gradient_checkpointing
+            model_path,
+            optimizer,
+            env,
+            distributed.fsdp2,
+            precision,
+            gradient_checkpointing,
+            value_head,
         )
     if kind == "deepspeed":
         from rollwire.trainer.backend_deepspeed import DeepSpeedBackend
@@ -76,6 +86,7 @@ def make_backend(
             distributed.deepspeed,
             max_grad_norm,
             gradient_checkpointing,
+            value_head,
         )
     raise ValueError(f"unknown trainer backend {kind!r} (local, fsdp2 or deepspeed)")
 

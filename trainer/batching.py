@@ -27,6 +27,9 @@ class TokenBatch:
     advantages: torch.Tensor | None = None  # [B, T-1], set by the trainer step
     proximal_logprobs: torch.Tensor | None = None  # [B, T-1], when computed ahead
     reference_logprobs: torch.Tensor | None = None  # [B, T-1], when computed ahead
+    token_rewards: torch.Tensor | None = None  # [B, T-1], `advantage: gae`
+    old_values: torch.Tensor | None = None  # [B, T-1], the critic's before the step
+    returns: torch.Tensor | None = None  # [B, T-1], the critic's targets
 
     @property
     def lengths(self) -> list[int]:

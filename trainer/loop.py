@@ -388,6 +388,8 @@ def run_trainer(config: RunConfig, argv: list[str] | None = None) -> int:
             # The ranks are torchrun's children: they end when it does (it keeps this
             # process's tie to the launcher across the exec).
             os.environ["ROLLWIRE_LAUNCHER_PID"] = str(os.getpid())
+        # A rank that dies of a signal (an abort in a collective library) prints where.
+        os.environ.setdefault("PYTHONFAULTHANDLER", "1")
         sys.stdout.flush()
         os.execv(command[0], command)
     rank = int(os.environ.get("RANK", "0"))

@@ -313,6 +313,31 @@ def kl_estimate(
     raise ValueError(f"unknown KL estimator {estimator!r}; use k1, k2 or k3")
 
 
+def value_loss(
+    *,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's per-token loss, PPO's clipped squared error: 0.5 max((V - R)^2,
+    (V_clip - R)^2) with V_clip = V_old + clamp(V - V_old, -clip, clip), so one update
+    cannot move a value far from where the step began; plain 0.5 (V - R)^2 when `clip`
+    is None. All [B, T]; returns (loss [B, T] with grad, clipped [B, T] bool), 0 and
+    False off the mask."""
+    taken = mask > 0
+    error = (values - returns) ** 2
+    if clip is None:
+        per_token, clipped = 0.5 * error, torch.zeros_like(taken)
+    else:
+        moved = old_values + torch.clamp(values - old_values, -clip, clip)
+        error_clipped = (moved - returns) ** 2
+        per_token = 0.5 * torch.maximum(error, error_clipped)
+        clipped = error_clipped > error
+    return per_token * taken, clipped & taken
+
+
 # ---------------------------------------------------------------- the objective
 
 

@@ -24,9 +24,13 @@ from rollwire.services.core.files import staged_directory
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    RunningMoments,
+    final_token_rewards,
     group_advantages,
     high_variance_groups,
     lr_factor,
+    normalized_rewards,
+    overlong_penalty,
     step_advantages,
 )
 from rollwire.trainer.backends import (
@@ -38,6 +42,8 @@ from rollwire.trainer.backends import (
     split_by_tokens,
 )
 from rollwire.trainer.batching import TokenBatch, collate, per_token_advantages, split_rows
+from rollwire.trainer.critic import Critic, return_advantages
+from rollwire.trainer.losses import kl_estimate
 from rollwire.trainer.update import Observed, Updater, average
 
 log = logging.getLogger(__name__)
@@ -123,6 +129,12 @@ class Policy:
             )
             self.reference.requires_grad_(False)
         self.updater = Updater(self.model, self.reference, config, rl.temperature, self.device)
+        self.reward_moments = RunningMoments()
+        """Every reward trained on so far (trainer.reward_normalization: running)."""
+        self.critic: Critic | None = None
+        """`advantage: gae`: the value model, on the same backend and ranks."""
+        if config.advantage.type == "gae":
+            self.critic = Critic(config.advantage, config, self.model_path)
         self.update_metrics: list[dict[str, float]] = []
         """The loss metrics of each optimizer update of the last step, in order."""
         self._published: list[tuple[str, torch.Tensor]] = []
@@ -196,6 +208,8 @@ class Policy:
                 self._lead("stop")
             except RuntimeError as error:  # a rank is gone already: torchrun ends the rest
                 log.warning("could not tell the other ranks to stop: %s", error)
+        if self.critic is not None:
+            self.critic.close()
         self.backend.close()
         if self.sharded:
             shutdown_process_group()
@@ -241,18 +255,27 @@ class Policy:
 
     def _train_step(self, trajectories: list[Trajectory], trainer_version: int) -> dict[str, float]:
         started = time.perf_counter()
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        advantages, per_turn = self.advantages(trajectories, rewards)
-        # Sequences with zero advantage carry no gradient: leave them out entirely.
-        keep = [
-            i
-            for i in range(len(trajectories))
-            if float(advantages[i]) != 0.0
-            or (per_turn is not None and bool(per_turn[i].abs().sum() > 0))
-        ]
-        metrics = {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(unbiased=False)),
+        scored = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        rewards, truncated, metrics = self._shaped_rewards(trajectories, scored)
+        if self.token_level:
+            # Advantages per token, from token rewards, per part: below.
+            advantages, per_turn = torch.zeros_like(rewards), None
+            keep = list(range(len(trajectories)))
+        else:
+            advantages, per_turn = self.advantages(trajectories, rewards)
+            # Sequences with zero advantage carry no gradient: leave them out entirely.
+            keep = [
+                i
+                for i in range(len(trajectories))
+                if float(advantages[i]) != 0.0
+                or (per_turn is not None and bool(per_turn[i].abs().sum() > 0))
+            ]
+        if self.config.overlong.mask_truncated:
+            # DAPO's overlong filtering: in the group's statistics, out of the loss.
+            keep = [i for i in keep if not truncated[i]]
+        metrics |= {
+            "reward_mean": float(scored.mean()),
+            "reward_std": float(scored.std(unbiased=False)),
             "sequences": float(len(trajectories)),
             "sequences_with_signal": float(len(keep)),
         }
@@ -285,6 +308,10 @@ class Policy:
             None if per_turn is None else [per_turn[i] for i in keep],
             batch.mask.shape[1],
         )
+        if self.token_level:
+            batch.token_rewards = final_token_rewards(
+                self._sequence_rewards(rewards)[keep], batch.mask
+            )
         minibatches = [
             batch if len(rows) == len(keep) else batch.select(rows)
             for rows in split_rows(len(keep), self.config.minibatches_per_step)
@@ -294,15 +321,15 @@ class Policy:
         totals = [self.updater.denominator(minibatch) for minibatch in minibatches]
         # One update per step: its weights are the proximal ones, and its own forward
         # gives their logprobs (no extra pass). More: the weights move after the first
-        # update, so the proximal logprobs must be taken before it.
-        ahead = len(plan) * self.config.epochs_per_step > 1
+        # update, so the proximal logprobs must be taken before it; so must a KL that
+        # goes into the rewards.
+        ahead = len(plan) * self.config.epochs_per_step > 1 or self.config.kl.in_reward
         observed: list[Observed] = []
+        parts = [part for minibatch_parts in plan for part in minibatch_parts]
         if ahead:
-            observed.append(
-                self.updater.proximal_pass(
-                    [part for parts in plan for part in parts], trainer_version
-                )
-            )
+            observed.append(self.updater.proximal_pass(parts, trainer_version))
+        if self.token_level:
+            metrics.update(self._token_advantages(parts))
         backend = self.backend
         for _ in range(self.config.epochs_per_step):
             for parts, total in zip(plan, totals, strict=True):
@@ -330,6 +357,10 @@ class Policy:
                 out.update(grad_norm=float(grad_norm), learning_rate=learning_rate)
                 self.update_metrics.append(out)
         metrics.update(average(self.update_metrics))
+        if self.critic is not None:
+            factor = self.learning_rate() / self.config.learning_rate
+            tokens = [minibatch.tokens for minibatch in minibatches]
+            metrics.update(self.critic.update(plan, tokens, factor))
         seen_by_all = [part for parts in backend.all_gather_object(observed) for part in parts]
         metrics.update(Observed.merged(seen_by_all).metrics())
         metrics.update(
@@ -342,6 +373,86 @@ class Policy:
             metrics["gather_seconds"] = time.perf_counter() - gather_started
         return metrics
 
+    def _shaped_rewards(
+        self, trajectories: list[Trajectory], scored: torch.Tensor
+    ) -> tuple[torch.Tensor, list[bool], dict[str, float]]:
+        """The [B] rewards the advantages start from (the scored ones plus DAPO's soft
+        overlong penalty when trainer.overlong.penalty_tokens is set, standardised by
+        trainer.reward_normalization), which trajectories
+        the engine cut at its length limit, and their metrics."""
+        overlong = self.config.overlong
+        rewards, metrics = scored, {}
+        if overlong.penalty_tokens is not None:
+            if overlong.max_tokens is None:
+                raise ValueError(
+                    "trainer.overlong.penalty_tokens needs trainer.overlong.max_tokens "
+                    "(a run's config fills it from orchestrator.max_new_tokens)"
+                )
+            lengths = torch.tensor([float(t.loss_mask.sum()) for t in trajectories])
+            penalty = overlong_penalty(
+                lengths=lengths,
+                max_tokens=overlong.max_tokens,
+                buffer_tokens=overlong.penalty_tokens,
+            )
+            rewards = scored + penalty
+            metrics["overlong_penalty_mean"] = float(penalty.mean())
+        how = self.config.reward_normalization
+        if how == "batch":
+            rewards = normalized_rewards(
+                rewards, float(rewards.mean()), float(rewards.std(unbiased=False))
+            )
+        elif how == "running":
+            self.reward_moments.update(rewards)
+            moments = self.reward_moments
+            rewards = normalized_rewards(rewards, moments.mean, moments.std)
+            metrics.update(reward_running_mean=moments.mean, reward_running_std=moments.std)
+        truncated = [t.finish_reason == "length" for t in trajectories]
+        metrics["truncated_fraction"] = sum(truncated) / len(trajectories)
+        return rewards, truncated, metrics
+
+    @property
+    def token_level(self) -> bool:
+        """Advantages per token from token rewards (a critic, or a KL in the reward), not
+        one per sequence: every sequence trains."""
+        return self.critic is not None or self.config.kl.in_reward
+
+    def _sequence_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
+        """[B] what each sequence's last token is rewarded on the token-level path: the
+        reward clipped to trainer.reward_clip, minus its group's mean for REINFORCE++'s
+        group baseline."""
+        clip = self.config.reward_clip
+        rewards = rewards if clip is None else rewards.clamp(-clip, clip)
+        settings = self.config.advantage
+        if getattr(settings, "baseline", None) == "group":
+            grouped = rewards.reshape(-1, self.rl.group_size)
+            rewards = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
+        return rewards
+
+    def _token_advantages(self, parts: list[TokenBatch]) -> dict[str, float]:
+        """Sets every part's token advantages: the KL penalty folded into its token rewards
+        first (kl.in_reward; the proximal pass has set the logprobs it needs), then the
+        critic's GAE, or REINFORCE++'s whitened returns to go. Returns their metrics."""
+        metrics: dict[str, float] = {}
+        kl = self.config.kl
+        if kl.in_reward:
+            penalty, tokens = 0.0, 0.0
+            for part in parts:
+                mask = part.mask.to(self.device)
+                estimate = kl_estimate(
+                    part.proximal_logprobs, part.reference_logprobs, kl.estimator
+                )
+                estimate = estimate * mask
+                part.token_rewards = part.token_rewards.to(self.device) - kl.coef * estimate
+                penalty += float(estimate.sum())
+                tokens += float(mask.sum())
+            summed = self.backend.reduce_metrics({"kl": penalty, "tokens": tokens}, "sum")
+            metrics["kl"] = summed["kl"] / max(summed["tokens"], 1.0)
+        if self.critic is not None:
+            metrics.update(self.critic.prepare(parts))
+        else:
+            return_advantages(parts, self.backend)
+        return metrics
+
     def advantages(
         self, trajectories: list[Trajectory], rewards: torch.Tensor
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -351,6 +462,8 @@ class Policy:
         groups whose rewards vary least, which leaves them out of the step."""
         settings = self.config.advantage
         group_size = self.rl.group_size
+        if settings.type == "gae":
+            raise ValueError("advantage: gae takes its advantages from the critic, per token")
         if self.config.reward_clip is not None:
             rewards = rewards.clamp(-self.config.reward_clip, self.config.reward_clip)
         if settings.type in ADVANTAGE_ESTIMATORS:
@@ -442,13 +555,15 @@ class Policy:
         `extra`), atomically. With LoRA the folder's model is the merged one and the
         adapters are in its `adapter/` (peft's `save_pretrained`). On a sharded backend
         the folder's model is consolidated from the shards and the sharded state (for
-        an exact resume on any backend built the same way) is in its `backend/`."""
+        an exact resume on any backend built the same way) is in its `backend/`. With a
+        critic (`advantage: gae`), its weights and optimizer are in `critic/`."""
         self._lead("save", str(folder), step, version, extra)
         return self._save_checkpoint(folder, step, version, extra)
 
     def _trainer_state(self, step: int, version: int, extra: dict[str, Any] | None) -> dict:
         return {
             "lr_schedule": {"optimizer_steps": self.optimizer_steps},
+            "reward_moments": self.reward_moments.state_dict(),
             "step": step,
             "policy_version": version,
             "rng": torch.get_rng_state(),
@@ -466,6 +581,8 @@ class Policy:
             staging = folder.with_name(f".{folder.name}.partial")
             self.backend.save_pretrained(staging)
             self.backend.save(staging / "backend")
+            if self.critic is not None:
+                self.critic.save(staging / "critic")
             if self.backend.is_main:
                 state = self._trainer_state(step, version, extra)
                 state["backend"] = self.backend.name
@@ -484,6 +601,8 @@ class Policy:
                     staging, state_dict=dict(self.named_weights())
                 )
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(staging)
+            if self.critic is not None:
+                self.critic.save(staging / "critic")
             state = {
                 "optimizer": self.optimizer.state_dict(),
                 **self._trainer_state(step, version, extra),
@@ -510,6 +629,10 @@ class Policy:
                 f"is {self.backend.name}; its Hugging Face folder can start a new run "
                 "(trainer.model_path) instead"
             )
+        if self.critic is not None:
+            self.critic.load(folder / "critic")
+        if "reward_moments" in state:
+            self.reward_moments.load_state_dict(state["reward_moments"])
         if self.sharded:
             self.backend.load(folder / "backend")
             self.optimizer_steps = int(state["lr_schedule"]["optimizer_steps"])

@@ -249,7 +249,7 @@ class Updater:
                 aggregation=config.aggregation,
                 constant=config.aggregation_constant or 1.0,
                 reference_logprobs=None if reference is None else reference.to(self.device),
-                kl_coef=config.kl.coef,
+                kl_coef=0.0 if config.kl.in_reward else config.kl.coef,
                 kl_estimator=config.kl.estimator,
                 entropy=entropy,
                 entropy_coef=config.entropy_coef,

@@ -9,9 +9,10 @@ without `type` takes the default entry (`trainer.loss: {clip_high: 0.3}` is `ppo
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollwire.services.core.config.runtime import StrictModel
 
@@ -75,6 +76,40 @@ class StepAdvantage(StrictModel):
     """Divide by the std within each group (of episodes, and of steps in one state)."""
 
 
+class CriticConfig(StrictModel):
+    """The value model of `advantage: gae`: the policy's transformer (or another one) with
+    a one-output head, trained in the trainer beside the policy, on the same backend and
+    ranks, with its own AdamW; checkpointed and resumed with the policy (`critic/`)."""
+
+    model_path: Path | None = None
+    """Model the critic starts from; the policy's own (trainer.model_path) when unset. Its
+    head is new and starts at 0 (every value 0 before the first update)."""
+    learning_rate: float | None = Field(None, gt=0)
+    """The critic's AdamW rate; trainer.learning_rate when unset (critics often take a
+    few times the policy's). The trainer's lr_schedule applies to it too."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """PPO's value clipping: an update moves a value at most this far from where the
+    step began (in reward units); unset is a plain squared error."""
+    max_grad_norm: float | None = Field(None, gt=0)
+    """Gradient norm clip of the critic's updates; trainer.max_grad_norm when unset."""
+
+
+class GAEAdvantage(StrictModel):
+    """PPO's advantages: generalised advantage estimation over the generated tokens with a
+    learned value model (`critic`), whitened over the batch; the critic is trained on the
+    lambda-returns by the same minibatches and epochs as the policy."""
+
+    type: Literal["gae"] = "gae"
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount per generated token (1: the usual choice for a reward at the end)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE's lambda: 1 is the Monte-Carlo return minus the value, 0 one-step TD."""
+    whiten: bool = True
+    """Normalise the advantages over the batch's generated tokens (mean 0, std 1)."""
+    critic: CriticConfig = CriticConfig()
+    """The value model."""
+
+
 def _default_type(default: str) -> Callable[[Any], str | None]:
     def discriminate(value: Any) -> str | None:
         if isinstance(value, dict):
@@ -91,7 +126,8 @@ AdvantageConfig = Annotated[
     | Annotated[LitePPOAdvantage, Tag("lite_ppo")]
     | Annotated[ReinforcePlusPlusAdvantage, Tag("reinforce_plus_plus")]
     | Annotated[EpisodeAdvantage, Tag("episode")]
-    | Annotated[StepAdvantage, Tag("step")],
+    | Annotated[StepAdvantage, Tag("step")]
+    | Annotated[GAEAdvantage, Tag("gae")],
     Discriminator(_default_type("grpo")),
 ]
 
@@ -216,13 +252,43 @@ CorrectionConfig = Annotated[
 
 
 class KLConfig(StrictModel):
-    """A KL penalty to the initial model, as a loss term."""
+    """A KL penalty to the initial model, as a loss term or in the reward."""
 
     coef: float = Field(0.0, ge=0)
     """Weight of the KL term; 0 loads no reference model."""
     estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator of KL(pi || ref) with d = log ref - log pi: `k1` = -d, `k2` =
     d^2 / 2, `k3` = exp(d) - d - 1 (unbiased and never negative)."""
+    in_reward: bool = False
+    """Fold the penalty into the reward instead of the loss: every generated token's
+    reward loses coef x the estimate (of the proximal policy, before the step's first
+    update; no gradient), and the advantages are taken from those token rewards. For
+    `advantage: gae` (PPO's usual KL) and `reinforce_plus_plus` (each token's return to
+    go, whitened over the batch's tokens), as in those papers."""
+
+
+class OverlongConfig(StrictModel):
+    """DAPO's handling of responses the engine cut at its length limit."""
+
+    mask_truncated: bool = False
+    """Leave responses cut at the limit (finish reason `length`) out of the loss, so a
+    cut-off answer is not taught as a wrong one (DAPO's overlong filtering); they still
+    count in their group's advantages."""
+    penalty_tokens: int | None = Field(None, ge=1)
+    """DAPO's soft overlong punishment: a response within this many generated tokens of
+    `max_tokens` loses reward linearly, down to -1 at the limit; unset is off."""
+    max_tokens: int | None = Field(None, ge=1)
+    """The limit the penalty counts to (generated tokens of the trajectory); the run's
+    orchestrator.max_new_tokens when unset."""
+
+    @model_validator(mode="after")
+    def _penalty_fits(self) -> OverlongConfig:
+        if self.penalty_tokens and self.max_tokens and self.penalty_tokens > self.max_tokens:
+            raise ValueError(
+                f"trainer.overlong.penalty_tokens={self.penalty_tokens} is more than "
+                f"max_tokens={self.max_tokens}"
+            )
+        return self
 
 
 def settings_of(section: StrictModel) -> dict[str, Any]:

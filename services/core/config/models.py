@@ -206,6 +206,19 @@ class RunConfig(StrictModel):
     """Addresses of the services, for the ones that call others."""
 
     @model_validator(mode="after")
+    def _overlong_limit_is_the_orchestrators(self) -> RunConfig:
+        overlong = self.trainer.overlong
+        if overlong.penalty_tokens is not None and overlong.max_tokens is None:
+            limit = self.orchestrator.max_new_tokens
+            if overlong.penalty_tokens > limit:
+                raise ValueError(
+                    f"trainer.overlong.penalty_tokens={overlong.penalty_tokens} is more than "
+                    f"orchestrator.max_new_tokens={limit}"
+                )
+            self.trainer.overlong = overlong.model_copy(update={"max_tokens": limit})
+        return self
+
+    @model_validator(mode="after")
     def _shares_fit_the_batch_and_the_mixture(self) -> RunConfig:
         shares = self.buffer.batch_shares
         if not shares:

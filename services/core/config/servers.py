@@ -16,6 +16,7 @@ from rollwire.services.core.config.algorithms import (
     CorrectionConfig,
     GRPOAdvantage,
     KLConfig,
+    OverlongConfig,
     PolicyLossConfig,
     PPOClipLoss,
     TISCorrection,
@@ -259,10 +260,18 @@ class TrainerConfig(StrictModel):
     `gradient_checkpointing_enable`): less memory, about one more forward of time."""
     advantage: AdvantageConfig = GRPOAdvantage()
     """The advantage estimator (`type`: grpo, dr_grpo, rloo, lite_ppo,
-    reinforce_plus_plus, episode, step); sequences whose advantage is 0 are left out."""
+    reinforce_plus_plus, episode, step, gae); sequences whose advantage is 0 are left
+    out. `gae` trains a critic (a second model, `trainer.advantage.critic`) beside the
+    policy: its forward and update passes roughly double a step's time."""
+    reward_normalization: Literal["none", "batch", "running"] = "none"
+    """Standardise rewards before the advantages: minus the mean, over the std, of the
+    batch (`batch`) or of every reward trained on so far (`running`, kept in each
+    checkpoint); for estimators that do not normalise within groups (gae,
+    reinforce_plus_plus) and rewards on an arbitrary scale."""
     reward_clip: float | None = Field(None, gt=0)
     """Clip every reward to [-reward_clip, reward_clip] before the advantages (a reward
-    model's outliers); unset leaves them as scored."""
+    model's outliers; after reward_normalization, so in std units then); unset leaves
+    them as scored."""
     loss: PolicyLossConfig = PPOClipLoss()
     """The policy loss (`type`: ppo_clip, gspo, cispo, topr, raft_plus_plus, reinforce).
 
@@ -287,6 +296,8 @@ class TrainerConfig(StrictModel):
     aggregation_constant: float | None = Field(None, gt=0)
     """`aggregation: constant`: the fixed length each sequence's sum is divided by (the
     run's orchestrator.max_new_tokens, say)."""
+    overlong: OverlongConfig = OverlongConfig()
+    """DAPO's overlong filtering (mask_truncated) and soft length penalty (penalty_tokens)."""
     kl: KLConfig = KLConfig()
     """KL penalty to the initial model (a frozen reference; the base model under LoRA)."""
     entropy_coef: float = Field(0.0, ge=0)
@@ -339,6 +350,14 @@ class TrainerConfig(StrictModel):
             raise ValueError(
                 f"trainer.kl.coef > 0 (a frozen reference model) runs on "
                 f"trainer.backend=local only, not {self.backend}"
+            )
+        if self.kl.in_reward and self.kl.coef == 0:
+            raise ValueError("trainer.kl.in_reward needs trainer.kl.coef > 0")
+        if self.kl.in_reward and self.advantage.type not in ("gae", "reinforce_plus_plus"):
+            raise ValueError(
+                "trainer.kl.in_reward folds the KL into token rewards, which only "
+                f"gae and reinforce_plus_plus take; trainer.advantage is {self.advantage.type}"
+                " (use the KL as a loss term there: leave in_reward false)"
             )
         if self.aggregation == "constant" and self.aggregation_constant is None:
             raise ValueError(
