@@ -147,16 +147,18 @@ ALGORITHMS = {
         "trainer.loss={type: cispo}",
         "trainer.correction={type: decoupled}",
     ],
-    "lite_ppo+topr+mis": [
+    "lite_ppo+topr+mis+overlong": [
         "trainer.advantage={type: lite_ppo}",
         "trainer.loss={type: topr}",
         "trainer.correction={type: mis}",
         "trainer.aggregation=seq_mean_token_sum",
+        "trainer.overlong={mask_truncated: true, penalty_tokens: 4}",
     ],
-    "reinforce_plus_plus+raft_plus_plus": [
+    "reinforce_plus_plus+raft_plus_plus+kl_in_reward": [
         "trainer.advantage={type: reinforce_plus_plus, baseline: group}",
         "trainer.loss={type: raft_plus_plus}",
         "trainer.entropy_coef=0.001",
+        "trainer.kl={coef: 0.05, estimator: k1, in_reward: true}",
     ],
     "episode+reinforce+constant+kl": [
         "trainer.advantage={type: episode, keep_groups_fraction: 0.5}",
@@ -165,9 +167,10 @@ ALGORITHMS = {
         "trainer.aggregation_constant=10",
         "trainer.kl={coef: 0.01, estimator: k2}",
     ],
-    "gae+ppo_clip+tis": [
+    "gae+ppo_clip+tis+running_norm": [
         "trainer.advantage={type: gae, lam: 0.9, critic: {learning_rate: 0.003}}",
         "trainer.loss={type: ppo_clip, dual_clip: 3}",
+        "trainer.reward_normalization=running",
     ],
 }
 
@@ -195,6 +198,10 @@ def test_each_algorithm_trains_through_every_process(algorithm: str, tmp_path) -
     assert all("ratio_mean" in s and "is_masked_frac" in s for s in trained)
     if "kl" in algorithm:
         assert all("kl" in s for s in trained)
+    if "overlong" in algorithm:
+        assert all("overlong_penalty_mean" in s and "truncated_fraction" in s for s in steps)
+    if "norm" in algorithm:
+        assert all(s["reward_running_std"] >= 0 for s in steps)
     if "gae" in algorithm:
         # Every sequence trains (token advantages from the critic), and the critic steps.
         assert all(s["sequences_with_signal"] == s["sequences"] for s in steps)

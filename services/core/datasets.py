@@ -163,7 +163,7 @@ def load_tasks(
         return ReasoningGymTasks(config)
     if isinstance(config, EnvDataset):
         return EnvTasks(config)
-    rows = list(_read_rows(config.path))
+    rows = list(read_rows(config.path))
     tasks = []
     for index, row in enumerate(rows):
         if config.prompt_field not in row or config.answer_field not in row:
@@ -237,10 +237,15 @@ def training_tasks(dataset: DatasetConfig, eval_dataset: DatasetConfig | None) -
     return Excluding(load_tasks(dataset), held_out)
 
 
-def _read_rows(path: Path) -> Iterator[dict[str, Any]]:
+def read_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of a dataset a user has: a `.jsonl` (or one-record-a-line `.json`)
+    file, a `.parquet` file, or a folder a Hugging Face `datasets.Dataset` was saved into
+    with `save_to_disk` (read with pyarrow; no hub, no `datasets` needed)."""
     if not path.exists():
         raise FileNotFoundError(f"dataset file {path} does not exist")
-    if path.suffix == ".parquet":
+    if path.is_dir():
+        yield from _saved_dataset_rows(path)
+    elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         yield from pq.read_table(path).to_pylist()
@@ -253,7 +258,28 @@ def _read_rows(path: Path) -> Iterator[dict[str, Any]]:
                     except json.JSONDecodeError as error:
                         raise ValueError(f"{path}:{number}: not JSON: {error}") from None
     else:
-        raise ValueError(f"dataset file {path} must end in .jsonl or .parquet")
+        raise ValueError(
+            f"dataset {path} must be a .jsonl or .parquet file, or a folder saved with "
+            "datasets' save_to_disk"
+        )
+
+
+def _saved_dataset_rows(folder: Path) -> Iterator[dict[str, Any]]:
+    """Rows of a `save_to_disk` folder: its state.json lists Arrow stream files."""
+    import pyarrow as pa
+
+    if (folder / "dataset_dict.json").exists():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        raise ValueError(
+            f"{folder} holds a DatasetDict; point at one of its splits: "
+            + ", ".join(str(folder / split) for split in splits)
+        )
+    state_path = folder / "state.json"
+    if not state_path.exists():
+        raise ValueError(f"{folder} is not a folder saved with datasets' save_to_disk")
+    for entry in json.loads(state_path.read_text()).get("_data_files", []):
+        with pa.memory_map(str(folder / entry["filename"])) as source:
+            yield from pa.ipc.open_stream(source).read_all().to_pylist()
 
 
 def task_at(tasks: Sequence[Task], ordinal: int) -> Task:

@@ -1,0 +1,242 @@
+"""Supervised data from the files users have: chat conversations, prompt/completion pairs
+and preference pairs, turned into token ids with a mask that is 1 on the tokens a loss
+is taken on (the assistant's), by the model's own chat template.
+
+Rows come from `rollwire.services.core.datasets.read_rows` (JSONL, Parquet, or a
+`save_to_disk` folder). The shapes:
+
+- `{"messages": [{"role": ..., "content": ...}, ...]}`: system, user and assistant
+  turns, any number; every assistant turn is trained.
+- `{"prompt": ..., "completion": ...}`: each a string (a user turn, an assistant turn)
+  or a list of messages.
+- `{"prompt": ..., "chosen": ..., "rejected": ...}`: a preference pair, the same way.
+
+With a chat template, each assistant turn's tokens are found by rendering the
+conversation up to it twice (without it, ending in the generation prompt; with it):
+what the second adds is the turn as the model is asked to produce it, end-of-turn
+marker included, and its characters are mapped to tokens by the tokenizer's offsets.
+A template that renders a turn differently once later turns follow (some drop past
+reasoning) cannot be trained this way, and is refused with the conversation named.
+Without a template the contents are concatenated, the end-of-sequence token after the
+last assistant turn.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, str]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One sequence: its token ids and, per token, 1 where the loss is taken."""
+
+    ids: list[int]
+    mask: list[int]
+
+    @property
+    def trained(self) -> int:
+        return sum(self.mask)
+
+
+@dataclass(frozen=True)
+class Preference:
+    """A preference pair: one prompt (a conversation so far), two continuations."""
+
+    prompt: list[Message]
+    chosen: list[Message]
+    rejected: list[Message]
+
+
+def messages_of(value: Any, where: str, role: str) -> list[Message]:
+    """`value` as messages: a string is one message of `role`; a list must hold
+    {role, content} mappings with known roles and string contents."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: expected a string or a non-empty list of messages")
+    out = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict) or not {"role", "content"} <= set(message):
+            raise ValueError(f"{where}[{index}]: a message needs 'role' and 'content'")
+        if message["role"] not in ROLES:
+            raise ValueError(
+                f"{where}[{index}]: unknown role {message['role']!r}; use one of {list(ROLES)}"
+            )
+        if not isinstance(message["content"], str):
+            raise ValueError(f"{where}[{index}]: content must be a string")
+        out.append({"role": message["role"], "content": message["content"]})
+    return out
+
+
+def conversation_of(row: dict[str, Any], where: str) -> list[Message]:
+    """The conversation of a `messages` or `prompt`/`completion` row."""
+    if "messages" in row:
+        messages = messages_of(row["messages"], f"{where}.messages", "user")
+    elif "prompt" in row and "completion" in row:
+        messages = messages_of(row["prompt"], f"{where}.prompt", "user") + messages_of(
+            row["completion"], f"{where}.completion", "assistant"
+        )
+    else:
+        raise ValueError(
+            f"{where}: a supervised row needs 'messages', or 'prompt' and 'completion' "
+            f"(it has {sorted(row)})"
+        )
+    if not any(message["role"] == "assistant" for message in messages):
+        raise ValueError(f"{where}: no assistant message to train on")
+    return messages
+
+
+def preference_of(row: dict[str, Any], where: str) -> Preference:
+    """The pair of a `prompt`/`chosen`/`rejected` row."""
+    missing = {"prompt", "chosen", "rejected"} - set(row)
+    if missing:
+        raise ValueError(
+            f"{where}: a preference row needs 'prompt', 'chosen' and 'rejected' "
+            f"(missing {sorted(missing)})"
+        )
+    return Preference(
+        prompt=messages_of(row["prompt"], f"{where}.prompt", "user"),
+        chosen=messages_of(row["chosen"], f"{where}.chosen", "assistant"),
+        rejected=messages_of(row["rejected"], f"{where}.rejected", "assistant"),
+    )
+
+
+def _template_text(tokenizer: Any, messages: list[Message], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def render(
+    tokenizer: Any, messages: list[Message], chat_template: bool | None = None, where: str = ""
+) -> Rendered:
+    """`messages` as token ids with the loss on every assistant turn. `chat_template`:
+    use the tokenizer's (default: when it has one)."""
+    use_template = tokenizer.chat_template is not None if chat_template is None else chat_template
+    if not use_template:
+        return _render_plain(tokenizer, messages)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("rendering with a chat template needs a fast tokenizer (offsets)")
+    text = _template_text(tokenizer, messages, generation_prompt=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _template_text(tokenizer, messages[:index], generation_prompt=True)
+        through = _template_text(tokenizer, messages[: index + 1], generation_prompt=False)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise ValueError(
+                f"{where or 'a conversation'}: the chat template renders assistant turn "
+                f"{index} differently once later turns follow; it cannot be trained turn "
+                "by turn (set chat_template: false, or train on the final turn only)"
+            )
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [
+        int(any(start <= first < end for start, end in spans))
+        for first, _ in encoded["offset_mapping"]
+    ]
+    return Rendered(list(encoded["input_ids"]), mask)
+
+
+def _render_plain(tokenizer: Any, messages: list[Message]) -> Rendered:
+    ids: list[int] = []
+    mask: list[int] = []
+    last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
+    for index, message in enumerate(messages):
+        piece = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+        trained = message["role"] == "assistant"
+        if index == last and tokenizer.eos_token_id is not None:
+            piece = [*piece, int(tokenizer.eos_token_id)]
+        ids += piece
+        mask += [int(trained)] * len(piece)
+    return Rendered(ids, mask)
+
+
+@dataclass
+class Counts:
+    """What building a dataset kept and why it left rows out."""
+
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0
+    """Kept, cut to max_length (the loss on what is left)."""
+    too_long: int = 0
+    """Left out: longer than max_length with truncation off."""
+    nothing_to_train: int = 0
+    """Left out: no trained token within max_length."""
+    errors: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"{self.kept} of {self.rows} rows kept ({self.truncated} truncated), "
+            f"{self.too_long} longer than max_length left out, "
+            f"{self.nothing_to_train} without a trained token left out"
+        )
+
+
+def supervised_examples(
+    rows: Iterable[dict[str, Any]],
+    tokenizer: Any,
+    max_length: int,
+    truncate: bool = True,
+    chat_template: bool | None = None,
+) -> tuple[list[Rendered], Counts]:
+    """Renders every row (`conversation_of`, `render`); longer ones are cut to
+    `max_length` tokens when `truncate`, else left out; returns them and the counts."""
+    counts, examples = Counts(), []
+    for number, row in enumerate(rows):
+        counts.rows += 1
+        where = f"row {number}"
+        rendered = render(tokenizer, conversation_of(row, where), chat_template, where)
+        cut = len(rendered.ids) > max_length
+        if cut and not truncate:
+            counts.too_long += 1
+            continue
+        if cut:
+            rendered = Rendered(rendered.ids[:max_length], rendered.mask[:max_length])
+        if not rendered.trained:
+            counts.nothing_to_train += 1
+            continue
+        examples.append(rendered)
+        counts.kept += 1
+        counts.truncated += int(cut)
+    return examples, counts
+
+
+def held_out_split(items: Sequence[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """(train, held out): a seeded shuffle, then the last `fraction` (at least one item
+    when fraction > 0 and there are two or more) held out."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"held-out fraction {fraction} must be in [0, 1)")
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    count = round(fraction * len(items))
+    if fraction > 0 and len(items) > 1:
+        count = max(count, 1)
+    cut = len(order) - count
+    return [items[i] for i in order[:cut]], [items[i] for i in order[cut:]]
+
+
+def pack(examples: Sequence[Rendered], max_tokens: int) -> list[list[int]]:
+    """Indices of `examples` in groups of at most `max_tokens` tokens in all (first fit,
+    in order): the sequences one packed row holds; one longer than the budget goes alone."""
+    groups: list[list[int]] = []
+    sizes: list[int] = []
+    for index, example in enumerate(examples):
+        length = len(example.ids)
+        for group, size in enumerate(sizes):
+            if size + length <= max_tokens:
+                groups[group].append(index)
+                sizes[group] += length
+                break
+        else:
+            groups.append([index])
+            sizes.append(length)
+    return groups
