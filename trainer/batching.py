@@ -84,6 +84,28 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TokenBatch:
     )
 
 
+def supervised_batch(sequences: list[tuple[list[int], list[int]]], pad_token_id: int) -> TokenBatch:
+    """(token ids, loss mask) sequences as a right-padded batch: the mask moves to the
+    targets (target t is token t + 1), behaviour logprobs and versions are 0."""
+    length = max(len(ids) for ids, _ in sequences)
+    size = len(sequences)
+    ids = np.full((size, length), pad_token_id, np.int64)
+    attention = np.zeros((size, length), np.int64)
+    mask = np.zeros((size, length), np.float32)
+    for row, (tokens, trained) in enumerate(sequences):
+        ids[row, : len(tokens)], attention[row, : len(tokens)] = tokens, 1
+        mask[row, : len(tokens)] = trained
+    as_tensor = torch.from_numpy
+    return TokenBatch(
+        input_ids=as_tensor(ids),
+        attention=as_tensor(attention),
+        targets=as_tensor(ids[:, 1:].copy()),
+        mask=as_tensor(mask[:, 1:].copy()),
+        behaviour_logprobs=torch.zeros(size, length - 1),
+        policy_versions=torch.zeros(size, length - 1, dtype=torch.long),
+    )
+
+
 def per_token_advantages(
     trajectories: list[Trajectory],
     episode: torch.Tensor,

@@ -351,8 +351,8 @@ def follow(config: RunConfig, model_path: Path) -> int:
     return 0
 
 
-def torchrun_argv(config: RunConfig, argv: list[str]) -> list[str]:
-    """The command that runs `rollwire trainer ARGV` as trainer.world_size ranks on this
+def torchrun_argv(config: RunConfig, argv: list[str], command: str = "trainer") -> list[str]:
+    """The command that runs `rollwire COMMAND ARGV` as trainer.world_size ranks on this
     machine: torchrun with a rendezvous of its own (a free port), and no restarts of
     single ranks: one that dies takes the group down, and whoever runs the trainer (the
     `rollwire train` launcher) starts it again from its last checkpoint."""
@@ -367,7 +367,7 @@ def torchrun_argv(config: RunConfig, argv: list[str]) -> list[str]:
         "0",
         "-m",
         "rollwire.services.app.cli",
-        "trainer",
+        command,
         *argv,
     ]
 

@@ -7,6 +7,7 @@ passes of a step are `rollwire.trainer.update`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -41,7 +42,13 @@ from rollwire.trainer.backends import (
     shutdown_process_group,
     split_by_tokens,
 )
-from rollwire.trainer.batching import TokenBatch, collate, per_token_advantages, split_rows
+from rollwire.trainer.batching import (
+    TokenBatch,
+    collate,
+    per_token_advantages,
+    split_rows,
+    supervised_batch,
+)
 from rollwire.trainer.critic import Critic, return_advantages
 from rollwire.trainer.losses import kl_estimate
 from rollwire.trainer.update import Observed, Updater, average
@@ -172,6 +179,7 @@ class Policy:
             "step": self._train_step,
             "save": self._save_checkpoint,
             "restore": self._restore,
+            "supervised": self._supervised,
             "beat": lambda: None,
         }
         while True:
@@ -451,6 +459,49 @@ class Policy:
             metrics.update(self.critic.prepare(parts))
         else:
             return_advantages(parts, self.backend)
+        return metrics
+
+    def supervised_step(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+        """One optimizer update of supervised fine-tuning on (token ids, loss mask)
+        sequences: the mean negative log-likelihood of their masked tokens, split over
+        the ranks by tokens as a trainer step is. Returns loss, tokens, grad norm, rate.
+        Nothing is published: on a sharded backend `named_weights` keeps the last RL
+        step's copy (a checkpoint consolidates the shards itself)."""
+        self._lead("supervised", sequences, True)
+        return self._supervised(sequences, True)
+
+    def supervised_loss(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+        """The same loss without an update (an evaluation; collective like a step)."""
+        self._lead("supervised", sequences, False)
+        return self._supervised(sequences, False)
+
+    def _supervised(
+        self, sequences: list[tuple[list[int], list[int]]], update: bool
+    ) -> dict[str, float]:
+        started = time.perf_counter()
+        batch = supervised_batch(sequences, self.pad_token_id)
+        total = max(batch.tokens, 1.0)
+        backend, ranks = self.backend, self.backend.world_size
+        if update:
+            backend.zero_grad()
+        loss_sum = 0.0
+        with contextlib.nullcontext() if update else torch.no_grad():
+            for part in self._plan([batch])[0]:
+                logprobs = self.updater.logprobs(self.model, part)
+                numerator = -(logprobs * part.mask.to(self.device)).sum()
+                if update:
+                    # As a trainer step: the gradient average over ranks is the token mean.
+                    backend.backward(numerator * (ranks / total))
+                loss_sum += float(numerator.detach())
+        metrics = {"loss": backend.reduce_metrics({"loss": loss_sum}, "sum")["loss"] / total}
+        metrics["tokens"] = batch.tokens
+        if update:
+            learning_rate = self.learning_rate()
+            backend.set_lr(learning_rate)
+            metrics["grad_norm"] = float(backend.clip_and_step(self.config.max_grad_norm))
+            metrics["learning_rate"] = learning_rate
+            self.optimizer_steps += 1
+        metrics["step_seconds"] = time.perf_counter() - started
         return metrics
 
     def advantages(

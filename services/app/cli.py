@@ -129,6 +129,11 @@ PROCESSES: dict[str, tuple[str, str]] = {
         "rollwire.rollout.orchestrator.loop:run_orchestrator",
         "drive episodes and send scored trajectories to the buffer",
     ),
+    "sft": (
+        "rollwire.services.app.run:run_sft",
+        "supervised fine-tuning of trainer.model_path on sft.data (messages or "
+        "prompt/completion rows), the loss on the assistant's tokens",
+    ),
 }
 
 

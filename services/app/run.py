@@ -241,6 +241,29 @@ def _checkpoint_folder(path: Path) -> Path:
     raise LaunchError(f"{path} is neither a model folder (config.json) nor a run with checkpoints")
 
 
+def run_sft(config: RunConfig) -> int:
+    """`rollwire sft`: supervised fine-tuning (`rollwire.trainer.supervised`) of
+    trainer.model_path, or of the built-in tiny model as it is built (no warm-up: the
+    fine-tuning is the supervised stage)."""
+    import importlib
+
+    if config.trainer.model_path is None and config.rollout_server.model_path is None:
+        bare = config.model_copy(update={"warmup": config.warmup.model_copy(update={"steps": 0})})
+        model = prepare_model(bare, progress=False)
+        config = config.model_copy(
+            update={"trainer": config.trainer.model_copy(update={"model_path": model})}
+        )
+    elif config.trainer.model_path is None:
+        config = config.model_copy(
+            update={
+                "trainer": config.trainer.model_copy(
+                    update={"model_path": config.rollout_server.model_path}
+                )
+            }
+        )
+    return importlib.import_module("rollwire.trainer.supervised").run_sft(config)
+
+
 def run_eval(
     config: RunConfig, checkpoint: Path | None = None, samples: int = 0, correct_at: float = 1.0
 ) -> int:

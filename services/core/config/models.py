@@ -33,6 +33,7 @@ from rollwire.services.core.config.orchestrator import (
     SingleDataset,
     share_key,
 )
+from rollwire.services.core.config.pipelines import SFTConfig
 from rollwire.services.core.config.runtime import (
     Z85_ALPHABET,
     AuthConfig,
@@ -83,6 +84,7 @@ __all__ = [
     "RolloutServerConfig",
     "RunConfig",
     "RunSection",
+    "SFTConfig",
     "ServerConfig",
     "SingleDataset",
     "StrictModel",
@@ -200,6 +202,9 @@ class RunConfig(StrictModel):
     """The replay buffer."""
     trainer: TrainerConfig = TrainerConfig()
     """The trainer."""
+    sft: SFTConfig = SFTConfig()
+    """`rollwire sft`: supervised fine-tuning with the trainer section's model, backend
+    and optimizer."""
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     """The orchestrator."""
     endpoints: EndpointsConfig = EndpointsConfig()

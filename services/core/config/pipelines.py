@@ -1,0 +1,57 @@
+"""Settings of the pipelines around RL: supervised fine-tuning (`rollwire sft`).
+
+The model, backend, ranks, precision, LoRA and optimizer are the `trainer` section's:
+every pipeline trains with the same machinery. Imports neither torch nor grpc.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from rollwire.services.core.config.runtime import StrictModel
+
+
+class SFTConfig(StrictModel):
+    """`rollwire sft`: supervised fine-tuning of trainer.model_path on a dataset file of
+    chat `messages` or `prompt`/`completion` rows, the loss on the assistant's tokens."""
+
+    data: Path | None = None
+    """The training rows: a .jsonl or .parquet file, or a `save_to_disk` folder."""
+    eval_data: Path | None = None
+    """Held-out rows; unset holds out `held_out_fraction` of `data` instead."""
+    held_out_fraction: float = Field(0.05, ge=0, lt=1)
+    """Share of `data` held out for the evaluation loss when `eval_data` is unset."""
+    max_length: int = Field(1024, ge=2)
+    """Tokens per example; longer ones are cut (or left out when `truncate` is off)."""
+    truncate: bool = True
+    """Cut examples longer than max_length (the loss on what is left) instead of
+    leaving them out; either way the counts are reported."""
+    chat_template: bool | None = None
+    """Render with the tokenizer's chat template; unset: when it has one. Without, the
+    contents are concatenated with the end-of-sequence token after the last answer."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the training rows (each in a new seeded order)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps, before the epochs are done."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per optimizer step (trainer.micro_batch_size or
+    trainer.max_tokens_per_micro_batch cut it into passes)."""
+    eval_every: int = Field(50, ge=0)
+    """Steps between evaluation losses on the held-out rows (and one at the end); 0:
+    only at the end."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Steps between checkpoints (model, optimizer, schedule; a restarted run resumes
+    from the newest); 0 writes only the final model."""
+    seed: int = 0
+    """Seed of the held-out split and of every epoch's order."""
+
+    @model_validator(mode="after")
+    def _eval_source(self) -> SFTConfig:
+        if self.eval_data is not None and "held_out_fraction" in self.model_fields_set:
+            raise ValueError(
+                "sft.eval_data and sft.held_out_fraction both say where the held-out rows "
+                "come from; set one"
+            )
+        return self
