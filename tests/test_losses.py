@@ -12,6 +12,7 @@ import torch
 from rollwire.trainer.losses import (
     CORRECTIONS,
     POLICY_LOSSES,
+    PREFERENCE_LOSSES,
     aggregate,
     kl_estimate,
     masked_mean,
@@ -316,3 +317,42 @@ def test_value_loss_clips_by_hand() -> None:
         clip=None,
     )
     assert plain.tolist()[0] == pytest.approx([0.5, 0.08, 0.0]) and not clipped.any()
+
+
+def test_preference_losses_by_hand() -> None:
+    # h = (-2 - -3) - (-5 - -4) = 2.
+    def run(name: str, **settings):
+        chosen = torch.tensor([-2.0], requires_grad=True)
+        rejected = torch.tensor([-5.0], requires_grad=True)
+        out = PREFERENCE_LOSSES[name](
+            chosen=chosen,
+            rejected=rejected,
+            reference_chosen=torch.tensor([-3.0]),
+            reference_rejected=torch.tensor([-4.0]),
+            chosen_tokens=torch.tensor([4.0]),
+            rejected_tokens=torch.tensor([5.0]),
+            **settings,
+        )
+        out.values.sum().backward()
+        return (
+            float(out.values.detach()),
+            float(out.margin),
+            float(chosen.grad),
+            float(rejected.grad),
+        )
+
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    # DPO: -log sigmoid(0.1 * 2), margin 0.2; d/dchosen = -beta sigmoid(-beta h).
+    loss, margin, d_chosen, d_rejected = run("dpo", beta=0.1)
+    assert loss == pytest.approx(math.log(1 + math.exp(-0.2)))
+    assert margin == pytest.approx(0.2)
+    assert d_chosen == pytest.approx(-0.1 * sigmoid(-0.2)) and d_rejected == pytest.approx(
+        -d_chosen
+    )
+    # IPO: (2 - 1 / 0.2)^2 = 9, gradient 2 (h - 5) = -6.
+    loss, margin, d_chosen, _ = run("ipo", beta=0.1)
+    assert (loss, margin, d_chosen) == pytest.approx((9.0, 2.0, -6.0))
+    # SimPO: 2 * (-2 / 4 - -5 / 5) = 1, minus gamma 0.5: -log sigmoid(0.5); no reference.
+    loss, margin, d_chosen, _ = run("simpo", beta=2.0, gamma=0.5)
+    assert loss == pytest.approx(math.log(1 + math.exp(-0.5))) and margin == pytest.approx(1.0)
+    assert d_chosen == pytest.approx(-sigmoid(-0.5) * 2 / 4)

@@ -13,7 +13,7 @@ import pytest
 
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.datasets import training_tasks
-from rollwire.trainer.supervised import batches
+from rollwire.trainer.pipeline import batches
 
 
 def write_chain_sum_rows(path: Path, size: int, seed: int = 7) -> int:

@@ -15,6 +15,7 @@ from rollwire.trainer.supervised_data import (
     conversation_of,
     held_out_split,
     pack,
+    preference_examples,
     preference_of,
     render,
     supervised_examples,
@@ -188,3 +189,25 @@ def test_held_out_split_and_packing_are_deterministic() -> None:
     examples = [Rendered([0] * n, [1] * n) for n in (5, 4, 3, 9, 2)]
     # First fit in order within 9 tokens: 5 + 4, 3 (+ 2), 9 alone.
     assert pack(examples, 9) == [[0, 1], [2, 4], [3]]
+
+
+def test_a_preference_pair_trains_its_responses_not_the_prompts_answers(
+    smollm2_tokenizer,
+) -> None:
+    tokenizer = smollm2_tokenizer
+    row = {
+        "prompt": [
+            {"role": "user", "content": "2 + 3?"},
+            {"role": "assistant", "content": "5."},
+            {"role": "user", "content": "And 5 + 7?"},
+        ],
+        "chosen": "12.",
+        "rejected": "13.",
+    }
+    (pair,), counts = preference_examples([row], tokenizer, max_length=512)
+    chosen, rejected = pair
+    assert spans(tokenizer, chosen) == ["12.<|im_end|>\n"]
+    assert spans(tokenizer, rejected) == ["13.<|im_end|>\n"]
+    # The same prompt tokens before each response.
+    prompt = chosen.mask.index(1)
+    assert chosen.ids[:prompt] == rejected.ids[:prompt] and counts.kept == 1

@@ -451,3 +451,87 @@ def _statistics(
         "advantage_abs_mean": float(advantages[selected].abs().mean()),
     }
     return stats
+
+
+# ---------------------------------------------------------------- preference losses
+
+
+@dataclass
+class PreferenceLoss:
+    """Per-pair losses of a preference objective, [P], with what it compares."""
+
+    values: torch.Tensor
+    """[P] the loss of each pair (with grad)."""
+    margin: torch.Tensor
+    """[P] the implicit reward of the chosen minus that of the rejected (detached)."""
+
+
+def _log_ratio_margin(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+) -> torch.Tensor:
+    return (chosen - reference_chosen) - (rejected - reference_rejected)
+
+
+def dpo(
+    *,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    beta: float = 0.1,
+    gamma: float = 0.0,
+) -> PreferenceLoss:
+    """DPO (Rafailov et al. 2023): -log sigmoid(beta h), h the chosen's log-ratio to the
+    reference minus the rejected's; the implicit reward margin is beta h. All [P]:
+    sequence logprob sums of the policy and the (frozen) reference."""
+    h = _log_ratio_margin(chosen, rejected, reference_chosen, reference_rejected)
+    return PreferenceLoss(-torch.nn.functional.logsigmoid(beta * h), (beta * h).detach())
+
+
+def ipo(
+    *,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    beta: float = 0.1,
+    gamma: float = 0.0,
+) -> PreferenceLoss:
+    """IPO (Azar et al. 2023): (h - 1 / (2 beta))^2, the same h as DPO: a bounded target
+    margin instead of an ever-growing one."""
+    h = _log_ratio_margin(chosen, rejected, reference_chosen, reference_rejected)
+    return PreferenceLoss((h - 1 / (2 * beta)) ** 2, h.detach())
+
+
+def simpo(
+    *,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+) -> PreferenceLoss:
+    """SimPO (Meng et al. 2024): -log sigmoid(beta (chosen / |chosen| - rejected /
+    |rejected|) - gamma): length-normalised logprobs, a target margin gamma, and no
+    reference (its logprobs are ignored)."""
+    margin = beta * (chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1))
+    return PreferenceLoss(-torch.nn.functional.logsigmoid(margin - gamma), margin.detach())
+
+
+PREFERENCE_LOSSES: dict[str, Callable[..., PreferenceLoss]] = {
+    "dpo": dpo,
+    "ipo": ipo,
+    "simpo": simpo,
+}
+"""`dpo.loss` -> the per-pair loss, from [P] sequence logprob sums of the chosen and
+rejected responses under the policy and the reference, and their token counts."""

@@ -12,21 +12,22 @@ and `rollwire train` starts from (trainer.model_path).
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-import os
-import random
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from rollwire.services.core.config import RLSection, RunConfig
-from rollwire.services.core.config.algorithms import GRPOAdvantage, KLConfig
-
-log = logging.getLogger(__name__)
+from rollwire.services.core.config import RunConfig
+from rollwire.trainer.pipeline import (
+    batches,
+    become_ranks,
+    last_value,
+    metrics_log,
+    pipeline_policy,
+    resume_step,
+    save_final,
+    write_row,
+)
 
 Sequences = list[tuple[list[int], list[int]]]
 
@@ -63,17 +64,6 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
     return train, held, report
 
 
-def batches(count: int, batch_size: int, epochs: int, seed: int) -> list[list[int]]:
-    """Every step's row indices: each epoch a new seeded order, cut into `batch_size`
-    (the last batch of an epoch may be smaller)."""
-    out = []
-    for epoch in range(epochs):
-        order = list(range(count))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out += [order[i : i + batch_size] for i in range(0, count, batch_size)]
-    return out
-
-
 def _evaluate(policy: Any, held: Sequences, batch_size: int) -> float:
     """The token-mean loss over every held-out sequence."""
     loss_sum, tokens = 0.0, 0.0
@@ -87,21 +77,9 @@ def _evaluate(policy: Any, held: Sequences, batch_size: int) -> float:
 def run_sft(config: RunConfig, argv: list[str] | None = None) -> int:
     """`rollwire sft`: fine-tune, evaluate, checkpoint; the final model in
     `<run.output_dir>/final`. Above trainer.world_size 1 it runs itself under torchrun."""
-    from rollwire.services.core.telemetry import configure_logging
     from rollwire.services.core.tiny import default_model_path
-    from rollwire.trainer.loop import torchrun_argv
 
-    if config.trainer.world_size > 1 and "WORLD_SIZE" not in os.environ:
-        command = torchrun_argv(config, list(sys.argv[2:] if argv is None else argv), "sft")
-        os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-        sys.stdout.flush()
-        os.execv(command[0], command)
-    rank = int(os.environ.get("RANK", "0"))
-    configure_logging(
-        "sft" if rank == 0 else f"sft-rank{rank}",
-        config.telemetry.log_level,
-        config.telemetry.log_format,
-    )
+    rank = become_ranks(config, "sft", argv)
     model_path = Path(config.trainer.model_path or default_model_path())
     try:
         return _run(config, model_path, rank)
@@ -111,28 +89,20 @@ def run_sft(config: RunConfig, argv: list[str] | None = None) -> int:
 
 
 def _run(config: RunConfig, model_path: Path, rank: int) -> int:
-    from rollwire.services.core.files import latest_checkpoint
-    from rollwire.trainer.model import Policy
-
-    sft, run_dir = config.sft, Path(config.run.output_dir)
+    sft = config.sft
+    train: Sequences = []
+    held: Sequences = []
+    report: dict[str, Any] = {}
+    steps = 0
     if rank == 0:
         train, held, report = prepare(config, model_path)
         steps = len(batches(len(train), sft.batch_size, sft.epochs, sft.seed))
         steps = min(steps, sft.max_steps or steps)
-    else:
-        train, held, report, steps = [], [], {}, 0
-    rl = RLSection(group_size=1, max_steps=1, temperature=1.0)
-    # The RL-only parts of the trainer section (a critic, a KL reference) stay off.
-    trainer = config.trainer.model_copy(update={"advantage": GRPOAdvantage(), "kl": KLConfig()})
-    # Every rank builds the same Policy; the schedule's length is known on rank 0 only
-    # until it is sent, so the follower ranks take it from the first broadcast below.
-    policy = Policy(model_path, trainer, rl)
-    steps = int(policy.backend.broadcast_object(steps))
-    policy.rl = rl.model_copy(update={"max_steps": steps})
+    policy = pipeline_policy(config, model_path, steps)
     if policy.followed():
         return 0
     try:
-        return _lead(config, policy, train, held, report, steps, run_dir, latest_checkpoint)
+        return _lead(config, policy, train, held, report, policy.rl.max_steps)
     finally:
         policy.close()
 
@@ -144,62 +114,38 @@ def _lead(
     held: Sequences,
     report: dict[str, Any],
     steps: int,
-    run_dir: Path,
-    latest_checkpoint: Any,
 ) -> int:
     from tqdm import tqdm
 
-    sft = config.sft
-    (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+    sft, run_dir = config.sft, Path(config.run.output_dir)
     for key, value in report.items():
         print(f"{key}: {value}")
     order = batches(len(train), sft.batch_size, sft.epochs, sft.seed)[:steps]
-    done = 0
-    found = latest_checkpoint(run_dir) if config.trainer.resume else None
-    if found is not None:
-        done = int(policy.restore(found)["step"])
-        print(f"resumed from {found} (step {done} of {steps})")
-    metrics_path = run_dir / "metrics" / "sft.jsonl"
+    done = resume_step(policy, config, run_dir, steps)
     started = time.perf_counter()
     with (
-        metrics_path.open("a") as out,
+        metrics_log(run_dir, "sft") as (path, out),
         tqdm(
             total=steps, initial=done, desc="sft", unit="step", disable=not sys.stderr.isatty()
         ) as bar,
     ):
-
-        def write(row: dict[str, Any]) -> None:
-            out.write(json.dumps({"time": time.time(), **row}) + "\n")
-            out.flush()
-
         if done == 0 and held:
-            write({"step": 0, "eval_loss": _evaluate(policy, held, sft.batch_size)})
+            write_row(out, {"step": 0, "eval_loss": _evaluate(policy, held, sft.batch_size)})
         for step in range(done + 1, steps + 1):
             metrics = policy.supervised_step([train[i] for i in order[step - 1]])
             row: dict[str, Any] = {"step": step, **metrics}
             if held and ((sft.eval_every and step % sft.eval_every == 0) or step == steps):
                 row["eval_loss"] = _evaluate(policy, held, sft.batch_size)
-            write(row)
+            write_row(out, row)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")
             if sft.checkpoint_every and step % sft.checkpoint_every == 0 and step < steps:
                 policy.save_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}", step, step)
-    final = run_dir / "final"
-    policy.save_checkpoint(final, steps, steps)
-    # The final folder is a model to start from: no resume state in it.
-    (final / "trainer_state.pt").unlink(missing_ok=True)
-    shutil.rmtree(final / "backend", ignore_errors=True)
-    seconds = time.perf_counter() - started
-    last = _last_eval(metrics_path)
+    final = save_final(policy, run_dir, steps)
+    last = last_value(path, "eval_loss")
     print(
-        f"{steps} steps in {seconds:.0f} s"
-        + (f", held-out loss {last:.4f}" if not math.isnan(last) else "")
-        + f"\nmodel: {final}\nmetrics: {metrics_path}"
+        f"{steps} steps in {time.perf_counter() - started:.0f} s"
+        + (f", held-out loss {last:.4f}" if last is not None else "")
+        + f"\nmodel: {final}\nmetrics: {path}"
     )
     return 0
-
-
-def _last_eval(path: Path) -> float:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    values = [row["eval_loss"] for row in rows if "eval_loss" in row]
-    return values[-1] if values else math.nan

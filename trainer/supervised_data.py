@@ -114,19 +114,24 @@ def _template_text(tokenizer: Any, messages: list[Message], generation_prompt: b
 
 
 def render(
-    tokenizer: Any, messages: list[Message], chat_template: bool | None = None, where: str = ""
+    tokenizer: Any,
+    messages: list[Message],
+    chat_template: bool | None = None,
+    where: str = "",
+    train_from: int = 0,
 ) -> Rendered:
-    """`messages` as token ids with the loss on every assistant turn. `chat_template`:
-    use the tokenizer's (default: when it has one)."""
+    """`messages` as token ids with the loss on every assistant turn from message
+    `train_from` on (a preference pair trains its response, not the prompt's earlier
+    answers). `chat_template`: use the tokenizer's (default: when it has one)."""
     use_template = tokenizer.chat_template is not None if chat_template is None else chat_template
     if not use_template:
-        return _render_plain(tokenizer, messages)
+        return _render_plain(tokenizer, messages, train_from)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("rendering with a chat template needs a fast tokenizer (offsets)")
     text = _template_text(tokenizer, messages, generation_prompt=False)
     spans = []
     for index, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or index < train_from:
             continue
         before = _template_text(tokenizer, messages[:index], generation_prompt=True)
         through = _template_text(tokenizer, messages[: index + 1], generation_prompt=False)
@@ -145,13 +150,13 @@ def render(
     return Rendered(list(encoded["input_ids"]), mask)
 
 
-def _render_plain(tokenizer: Any, messages: list[Message]) -> Rendered:
+def _render_plain(tokenizer: Any, messages: list[Message], train_from: int = 0) -> Rendered:
     ids: list[int] = []
     mask: list[int] = []
     last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
     for index, message in enumerate(messages):
         piece = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
-        trained = message["role"] == "assistant"
+        trained = message["role"] == "assistant" and index >= train_from
         if index == last and tokenizer.eos_token_id is not None:
             piece = [*piece, int(tokenizer.eos_token_id)]
         ids += piece
@@ -208,6 +213,40 @@ def supervised_examples(
         counts.kept += 1
         counts.truncated += int(cut)
     return examples, counts
+
+
+def preference_examples(
+    rows: Iterable[dict[str, Any]],
+    tokenizer: Any,
+    max_length: int,
+    truncate: bool = True,
+    chat_template: bool | None = None,
+) -> tuple[list[tuple[Rendered, Rendered]], Counts]:
+    """Every preference row (`preference_of`) as (chosen, rejected) sequences, each the
+    prompt and its response with the loss on the response only; cut or left out at
+    `max_length` as `supervised_examples` does (a pair goes whole or not at all)."""
+    counts, pairs = Counts(), []
+    for number, row in enumerate(rows):
+        counts.rows += 1
+        where = f"row {number}"
+        pair = preference_of(row, where)
+        sides = []
+        for response in (pair.chosen, pair.rejected):
+            sides.append(
+                render(tokenizer, pair.prompt + response, chat_template, where, len(pair.prompt))
+            )
+        cut = any(len(side.ids) > max_length for side in sides)
+        if cut and not truncate:
+            counts.too_long += 1
+            continue
+        sides = [Rendered(side.ids[:max_length], side.mask[:max_length]) for side in sides]
+        if not all(side.trained for side in sides):
+            counts.nothing_to_train += 1
+            continue
+        pairs.append((sides[0], sides[1]))
+        counts.kept += 1
+        counts.truncated += int(cut)
+    return pairs, counts
 
 
 def held_out_split(items: Sequence[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:

@@ -134,6 +134,11 @@ PROCESSES: dict[str, tuple[str, str]] = {
         "supervised fine-tuning of trainer.model_path on sft.data (messages or "
         "prompt/completion rows), the loss on the assistant's tokens",
     ),
+    "dpo": (
+        "rollwire.services.app.run:run_dpo",
+        "preference tuning (DPO, IPO, SimPO) of trainer.model_path on dpo.data "
+        "(prompt/chosen/rejected rows)",
+    ),
 }
 
 

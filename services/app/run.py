@@ -241,27 +241,30 @@ def _checkpoint_folder(path: Path) -> Path:
     raise LaunchError(f"{path} is neither a model folder (config.json) nor a run with checkpoints")
 
 
-def run_sft(config: RunConfig) -> int:
-    """`rollwire sft`: supervised fine-tuning (`rollwire.trainer.supervised`) of
-    trainer.model_path, or of the built-in tiny model as it is built (no warm-up: the
-    fine-tuning is the supervised stage)."""
+def _pipeline(config: RunConfig, runner: str) -> int:
+    """A pipeline around RL (`runner`, "module:function") on trainer.model_path, or on
+    the built-in tiny model as it is built (no warm-up: the pipeline is the training)."""
     import importlib
 
-    if config.trainer.model_path is None and config.rollout_server.model_path is None:
+    model = config.trainer.model_path or config.rollout_server.model_path
+    if model is None:
         bare = config.model_copy(update={"warmup": config.warmup.model_copy(update={"steps": 0})})
         model = prepare_model(bare, progress=False)
-        config = config.model_copy(
-            update={"trainer": config.trainer.model_copy(update={"model_path": model})}
-        )
-    elif config.trainer.model_path is None:
-        config = config.model_copy(
-            update={
-                "trainer": config.trainer.model_copy(
-                    update={"model_path": config.rollout_server.model_path}
-                )
-            }
-        )
-    return importlib.import_module("rollwire.trainer.supervised").run_sft(config)
+    config = config.model_copy(
+        update={"trainer": config.trainer.model_copy(update={"model_path": model})}
+    )
+    module, _, function = runner.partition(":")
+    return getattr(importlib.import_module(module), function)(config)
+
+
+def run_sft(config: RunConfig) -> int:
+    """`rollwire sft`: supervised fine-tuning (`rollwire.trainer.supervised`)."""
+    return _pipeline(config, "rollwire.trainer.supervised:run_sft")
+
+
+def run_dpo(config: RunConfig) -> int:
+    """`rollwire dpo`: preference tuning (`rollwire.trainer.preference`)."""
+    return _pipeline(config, "rollwire.trainer.preference:run_dpo")
 
 
 def run_eval(

@@ -33,7 +33,7 @@ from rollwire.services.core.config.orchestrator import (
     SingleDataset,
     share_key,
 )
-from rollwire.services.core.config.pipelines import SFTConfig
+from rollwire.services.core.config.pipelines import DPOConfig, SFTConfig
 from rollwire.services.core.config.runtime import (
     Z85_ALPHABET,
     AuthConfig,
@@ -205,6 +205,9 @@ class RunConfig(StrictModel):
     sft: SFTConfig = SFTConfig()
     """`rollwire sft`: supervised fine-tuning with the trainer section's model, backend
     and optimizer."""
+    dpo: DPOConfig = DPOConfig()
+    """`rollwire dpo`: preference tuning with the trainer section's model, backend and
+    optimizer."""
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     """The orchestrator."""
     endpoints: EndpointsConfig = EndpointsConfig()

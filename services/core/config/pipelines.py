@@ -1,4 +1,5 @@
-"""Settings of the pipelines around RL: supervised fine-tuning (`rollwire sft`).
+"""Settings of the pipelines around RL: supervised fine-tuning (`rollwire sft`) and
+preference tuning (`rollwire dpo`).
 
 The model, backend, ranks, precision, LoRA and optimizer are the `trainer` section's:
 every pipeline trains with the same machinery. Imports neither torch nor grpc.
@@ -7,6 +8,7 @@ every pipeline trains with the same machinery. Imports neither torch nor grpc.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -52,6 +54,58 @@ class SFTConfig(StrictModel):
         if self.eval_data is not None and "held_out_fraction" in self.model_fields_set:
             raise ValueError(
                 "sft.eval_data and sft.held_out_fraction both say where the held-out rows "
+                "come from; set one"
+            )
+        return self
+
+
+class DPOConfig(StrictModel):
+    """`rollwire dpo`: preference tuning of trainer.model_path on `prompt`/`chosen`/
+    `rejected` rows (strings or message lists) against itself as it starts (the frozen
+    reference, whose logprobs are computed once per pair, before the first update)."""
+
+    data: Path | None = None
+    """The preference rows: a .jsonl or .parquet file, or a `save_to_disk` folder."""
+    eval_data: Path | None = None
+    """Held-out pairs; unset holds out `held_out_fraction` of `data` instead."""
+    held_out_fraction: float = Field(0.05, ge=0, lt=1)
+    """Share of `data` held out when `eval_data` is unset."""
+    loss: Literal["dpo", "ipo", "simpo"] = "dpo"
+    """`dpo`: -log sigmoid(beta h); `ipo`: (h - 1 / 2 beta)^2; `simpo`: length-normalised,
+    with margin `gamma` and no reference (h: the chosen's log-ratio to the reference
+    minus the rejected's)."""
+    beta: float = Field(0.1, gt=0)
+    """The loss's temperature (SimPO's paper uses 2 to 2.5)."""
+    gamma: float = Field(0.5, ge=0)
+    """SimPO's target margin (ignored by dpo and ipo)."""
+    sft_weight: float = Field(0.0, ge=0)
+    """Add this times the chosen response's token-mean negative log-likelihood to each
+    pair's loss (RPO): keeps the chosen answers likely while the pair's margin grows;
+    without it DPO may push both down until greedy decoding breaks."""
+    max_length: int = Field(1024, ge=2)
+    """Tokens of prompt plus response; a longer pair is cut (or left out)."""
+    truncate: bool = True
+    """Cut pairs longer than max_length instead of leaving them out."""
+    chat_template: bool | None = None
+    """Render with the tokenizer's chat template; unset: when it has one."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the pairs."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps."""
+    batch_size: int = Field(16, ge=1)
+    """Pairs per optimizer step."""
+    eval_every: int = Field(25, ge=0)
+    """Steps between held-out evaluations (and one at the end); 0: only at the end."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Steps between checkpoints a restarted run resumes from; 0: only the final model."""
+    seed: int = 0
+    """Seed of the held-out split and of every epoch's order."""
+
+    @model_validator(mode="after")
+    def _eval_source(self) -> DPOConfig:
+        if self.eval_data is not None and "held_out_fraction" in self.model_fields_set:
+            raise ValueError(
+                "dpo.eval_data and dpo.held_out_fraction both say where the held-out pairs "
                 "come from; set one"
             )
         return self

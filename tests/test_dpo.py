@@ -1,0 +1,136 @@
+"""`rollwire dpo`: preference tuning against the model as it starts, on pairs of a right
+and a wrong answer; its model then scores higher on held-out prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from test_sft import rollwire, rows
+
+from rollwire.services.core.config import RunConfig
+from rollwire.services.core.datasets import training_tasks
+
+
+def write_rows(path: Path, size: int, seed: int, off_by_one: float | None) -> int:
+    """chain_sum rows of the default task, none of the evaluation set: prompt/completion
+    rows whose answer is off by one at rate `off_by_one`, or (None) preference rows
+    preferring the right answer to one off by one."""
+    config = RunConfig()
+    dataset = config.orchestrator.dataset.model_copy(update={"seed": seed, "size": size})
+    tasks = training_tasks(dataset, config.orchestrator.eval_dataset)
+    rng = random.Random(seed)
+    with path.open("w") as out:
+        for task in tasks:
+            prompt = task.prompt(config.orchestrator.prompt_template)
+            right = f"<answer>{task.reference}</answer>"
+            wrong = f"<answer>{int(task.reference) + 1}</answer>"
+            if off_by_one is None:
+                row = {"prompt": prompt, "chosen": right, "rejected": wrong}
+            else:
+                row = {
+                    "prompt": prompt,
+                    "completion": wrong if rng.random() < off_by_one else right,
+                }
+            out.write(json.dumps(row) + "\n")
+    return len(tasks)
+
+
+def greedy_reward(tmp_path: Path, run: Path, model: Path) -> float:
+    rollwire(tmp_path, "eval", f"run.output_dir={run}", extra=["--checkpoint", str(model)])
+    return json.loads((run / "evals" / model.name / "eval.json").read_text())["greedy_reward"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_dpo_on_right_over_wrong_answers_raises_accuracy_and_reward(tmp_path) -> None:
+    """A model fine-tuned on answers that are off by one 60% of the time, then tuned on
+    pairs preferring the right answer: held-out preference accuracy and held-out greedy
+    reward both rise."""
+    sft_data, pairs = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
+    write_rows(sft_data, 4000, seed=7, off_by_one=0.6)
+    write_rows(pairs, 3000, seed=11, off_by_one=None)
+    sft = tmp_path / "sft"
+    rollwire(
+        tmp_path,
+        "sft",
+        f"run.output_dir={sft}",
+        f"sft.data={sft_data}",
+        "sft.epochs=8",
+        "trainer.learning_rate=0.003",
+    )
+    before = greedy_reward(tmp_path, sft, sft / "final")
+    dpo = tmp_path / "dpo"
+    out = rollwire(
+        tmp_path,
+        "dpo",
+        f"run.output_dir={dpo}",
+        f"trainer.model_path={sft / 'final'}",
+        f"dpo.data={pairs}",
+        "dpo.batch_size=32",
+        "dpo.eval_every=25",
+        "dpo.sft_weight=1.0",
+        "trainer.learning_rate=0.0005",
+    )
+    assert "reference logprobs of" in out
+    evals = [row for row in rows(dpo / "metrics" / "dpo.jsonl") if "eval_loss" in row]
+    prefers = [row["eval_prefers_chosen"] for row in evals]
+    print(f"held-out: prefers the right answer {prefers}")
+    assert evals[0]["eval_reward_margin"] == pytest.approx(0.0, abs=1e-5)  # its own reference
+    # Measured 0.434 -> 0.672 (73 steps), the chosen answers' logprob -2.49 -> -2.04.
+    assert prefers[-1] >= prefers[0] + 0.12, prefers
+    assert evals[-1]["eval_chosen_logprob"] > evals[0]["eval_chosen_logprob"]
+    after = greedy_reward(tmp_path, dpo, dpo / "final")
+    print(f"held-out greedy reward {before:.3f} -> {after:.3f}")
+    # Measured 0.225 -> 0.375. (Without sft_weight, at rates 2e-4 and 1e-3, both logprobs
+    # fell to -6 and -15 and greedy decoding broke: 0.015 and 0.003.)
+    assert after >= before + 0.07, (before, after)
+
+
+def _dpo_run(tmp_path: Path, name: str, model: Path, data: Path, *sets: str) -> list[dict]:
+    run = tmp_path / name
+    rollwire(
+        tmp_path,
+        "dpo",
+        f"run.output_dir={run}",
+        f"trainer.model_path={model}",
+        f"dpo.data={data}",
+        "dpo.max_steps=4",
+        "dpo.batch_size=6",
+        "dpo.eval_every=2",
+        "trainer.micro_batch_size=4",
+        "trainer.learning_rate=0.003",
+        *sets,
+    )
+    return rows(run / "metrics" / "dpo.jsonl")
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_dpo_on_two_fsdp2_ranks_equals_one_process_and_ipo_simpo_lora_run(
+    tmp_path, tiny_model_path
+) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    write_rows(pairs, 200, seed=11, off_by_one=None)
+    local = _dpo_run(tmp_path, "local", tiny_model_path, pairs)
+    sharded = _dpo_run(
+        tmp_path, "fsdp2", tiny_model_path, pairs, "trainer.backend=fsdp2", "trainer.world_size=2"
+    )
+    assert [row["step"] for row in sharded] == [0, 1, 2, 3, 4]
+    for ours, theirs in zip(sharded, local, strict=True):
+        for key, value in theirs.items():
+            if key not in ("time", "step_seconds"):
+                assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (ours["step"], key)
+    for name, extra in (
+        ("ipo", ["dpo.loss=ipo"]),
+        ("simpo", ["dpo.loss=simpo", "dpo.beta=2.0"]),
+        ("lora", ["trainer.lora={rank: 4, alpha: 8}"]),
+    ):
+        metrics = _dpo_run(tmp_path, name, tiny_model_path, pairs, *extra)
+        trained = [row for row in metrics if "loss" in row]
+        assert len(trained) == 4 and all(row["grad_norm"] > 0 for row in trained), name
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "final")

@@ -1,0 +1,111 @@
+"""What the pipelines around RL (`rollwire sft`, `rollwire dpo`) share: running as
+trainer.world_size ranks, a `Policy` without the RL-only parts, the order of the rows,
+resuming from the newest checkpoint, the metrics file, and the final model folder.
+
+Rank 0 leads (reads the data, sends each step's rows, writes files); the other ranks
+follow its `Policy` calls, as trainer ranks do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TextIO
+
+from rollwire.services.core.config import RLSection, RunConfig
+from rollwire.services.core.config.algorithms import GRPOAdvantage, KLConfig
+
+
+def become_ranks(config: RunConfig, command: str, argv: list[str] | None = None) -> int:
+    """Above trainer.world_size 1 and outside torchrun, turns this process into torchrun
+    running `rollwire COMMAND ARGV` once per rank (it does not return); else returns
+    this process's rank, with logging set up as `COMMAND` or `COMMAND-rankN`."""
+    from rollwire.services.core.telemetry import configure_logging
+    from rollwire.trainer.loop import torchrun_argv
+
+    if config.trainer.world_size > 1 and "WORLD_SIZE" not in os.environ:
+        line = torchrun_argv(config, list(sys.argv[2:] if argv is None else argv), command)
+        os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+        sys.stdout.flush()
+        os.execv(line[0], line)
+    rank = int(os.environ.get("RANK", "0"))
+    name = command if rank == 0 else f"{command}-rank{rank}"
+    configure_logging(name, config.telemetry.log_level, config.telemetry.log_format)
+    return rank
+
+
+def pipeline_policy(config: RunConfig, model_path: Path, steps: int) -> Any:
+    """The `Policy` every rank trains: the trainer section's model, backend, precision,
+    LoRA and optimizer, without a critic or a KL reference, its LR schedule over
+    `steps` updates (rank 0's number: the other ranks get it from rank 0)."""
+    from rollwire.trainer.model import Policy
+
+    trainer = config.trainer.model_copy(update={"advantage": GRPOAdvantage(), "kl": KLConfig()})
+    rl = RLSection(group_size=1, max_steps=1, temperature=1.0)
+    policy = Policy(model_path, trainer, rl)
+    steps = int(policy.backend.broadcast_object(steps))
+    policy.rl = rl.model_copy(update={"max_steps": steps})
+    return policy
+
+
+def batches(count: int, batch_size: int, epochs: int, seed: int) -> list[list[int]]:
+    """Every step's row indices: each epoch a new seeded order, cut into `batch_size`
+    (the last batch of an epoch may be smaller)."""
+    out = []
+    for epoch in range(epochs):
+        order = list(range(count))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out += [order[i : i + batch_size] for i in range(0, count, batch_size)]
+    return out
+
+
+def resume_step(policy: Any, config: RunConfig, run_dir: Path, steps: int) -> int:
+    """The step to carry on after: the newest checkpoint's (restored) when
+    trainer.resume, else 0."""
+    from rollwire.services.core.files import latest_checkpoint
+
+    found = latest_checkpoint(run_dir) if config.trainer.resume else None
+    if found is None:
+        return 0
+    done = int(policy.restore(found)["step"])
+    print(f"resumed from {found} (step {done} of {steps})")
+    return done
+
+
+@contextmanager
+def metrics_log(run_dir: Path, name: str) -> Iterator[tuple[Path, TextIO]]:
+    """`<run_dir>/metrics/<name>.jsonl`, open for appending (a resumed run adds to it)."""
+    path = run_dir / "metrics" / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as out:
+        yield path, out
+
+
+def write_row(out: TextIO, row: dict[str, Any]) -> None:
+    """One metrics row, flushed at once."""
+    out.write(json.dumps({"time": time.time(), **row}) + "\n")
+    out.flush()
+
+
+def save_final(policy: Any, run_dir: Path, steps: int) -> Path:
+    """The trained model as `<run_dir>/final`: a Hugging Face folder (LoRA adapters in
+    its `adapter/`), without resume state: a model to start from."""
+    final = run_dir / "final"
+    policy.save_checkpoint(final, steps, steps)
+    (final / "trainer_state.pt").unlink(missing_ok=True)
+    shutil.rmtree(final / "backend", ignore_errors=True)
+    return final
+
+
+def last_value(path: Path, key: str) -> float | None:
+    """The last `key` a metrics file holds, if any."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    values = [row[key] for row in rows if key in row]
+    return values[-1] if values else None

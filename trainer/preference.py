@@ -1,0 +1,196 @@
+"""`rollwire dpo`: preference tuning (DPO, IPO, SimPO) of any Hugging Face causal LM on
+`prompt`/`chosen`/`rejected` rows.
+
+The reference is the model as it starts: before the first update its logprob sums of
+every pair's responses are computed once (and kept in `<run.output_dir>/reference.pt`,
+so a resumed run does not recompute them from moved weights), with no second copy of
+the model. The steps are `Policy.preference_step` on the trainer section's backend,
+ranks, precision, LoRA and optimizer. Metrics (`metrics/dpo.jsonl`): loss, implicit
+reward margin, preference accuracy and the chosen/rejected logprobs, on the training
+batch and on the held-out pairs; the final model is `<run.output_dir>/final`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rollwire.services.core.config import RunConfig
+from rollwire.trainer.pipeline import (
+    batches,
+    become_ranks,
+    last_value,
+    metrics_log,
+    pipeline_policy,
+    resume_step,
+    save_final,
+    write_row,
+)
+
+Pair = tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]
+
+
+def prepare(config: RunConfig, model_path: Path) -> tuple[list[Pair], list[Pair], dict[str, Any]]:
+    """(training pairs, held-out pairs, what preparing them counted)."""
+    from transformers import AutoTokenizer
+
+    from rollwire.services.core.datasets import read_rows
+    from rollwire.trainer.supervised_data import held_out_split, preference_examples
+
+    dpo = config.dpo
+    if dpo.data is None:
+        raise ValueError("rollwire dpo needs dpo.data: a .jsonl or .parquet file, or a folder")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def build(path: Path) -> tuple[list[Pair], Any]:
+        pairs, counts = preference_examples(
+            read_rows(path), tokenizer, dpo.max_length, dpo.truncate, dpo.chat_template
+        )
+        return [((c.ids, c.mask), (r.ids, r.mask)) for c, r in pairs], counts
+
+    train, counts = build(dpo.data)
+    report: dict[str, Any] = {"data": counts.summary()}
+    if dpo.eval_data is not None:
+        held, held_counts = build(dpo.eval_data)
+        report["eval_data"] = held_counts.summary()
+    else:
+        train, held = held_out_split(train, dpo.held_out_fraction, dpo.seed)
+        report["held_out"] = f"{len(held)} of the kept pairs held out"
+    if not train:
+        raise ValueError(f"{dpo.data}: no pair left to train on ({counts.summary()})")
+    report.update(train_pairs=len(train), held_out_pairs=len(held))
+    return train, held, report
+
+
+def run_dpo(config: RunConfig, argv: list[str] | None = None) -> int:
+    """`rollwire dpo`: tune, evaluate, checkpoint; the final model in
+    `<run.output_dir>/final`. Above trainer.world_size 1 it runs itself under torchrun."""
+    from rollwire.services.core.tiny import default_model_path
+
+    rank = become_ranks(config, "dpo", argv)
+    model_path = Path(config.trainer.model_path or default_model_path())
+    try:
+        return _run(config, model_path, rank)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"rollwire dpo: {error}", file=sys.stderr)
+        return 1
+
+
+def _run(config: RunConfig, model_path: Path, rank: int) -> int:
+    dpo = config.dpo
+    train: list[Pair] = []
+    held: list[Pair] = []
+    report: dict[str, Any] = {}
+    steps = 0
+    if rank == 0:
+        train, held, report = prepare(config, model_path)
+        steps = len(batches(len(train), dpo.batch_size, dpo.epochs, dpo.seed))
+        steps = min(steps, dpo.max_steps or steps)
+    policy = pipeline_policy(config, model_path, steps)
+    if policy.followed():
+        return 0
+    try:
+        return _lead(config, policy, train, held, report, policy.rl.max_steps)
+    finally:
+        policy.close()
+
+
+def _reference(policy: Any, pairs: list[Pair], batch_size: int) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start in range(0, len(pairs), batch_size):
+        out += policy.sequence_logprobs(pairs[start : start + batch_size])
+    return out
+
+
+def _evaluate(
+    policy: Any, pairs: list[Pair], reference: list[tuple[float, float]], settings: dict, size: int
+) -> dict[str, float]:
+    """The held-out metrics, means over every pair."""
+    totals: dict[str, float] = {}
+    for start in range(0, len(pairs), size):
+        part = policy.preference_step(
+            pairs[start : start + size], reference[start : start + size], settings, update=False
+        )
+        for key in (
+            "loss",
+            "reward_margin",
+            "accuracy",
+            "prefers_chosen",
+            "chosen_logprob",
+            "rejected_logprob",
+        ):
+            totals[key] = totals.get(key, 0.0) + part[key] * part["pairs"]
+    return {f"eval_{key}": value / max(len(pairs), 1) for key, value in totals.items()}
+
+
+def _lead(
+    config: RunConfig,
+    policy: Any,
+    train: list[Pair],
+    held: list[Pair],
+    report: dict[str, Any],
+    steps: int,
+) -> int:
+    import torch
+    from tqdm import tqdm
+
+    dpo, run_dir = config.dpo, Path(config.run.output_dir)
+    settings = {
+        "loss": dpo.loss,
+        "beta": dpo.beta,
+        "gamma": dpo.gamma,
+        "sft_weight": dpo.sft_weight,
+    }
+    for key, value in report.items():
+        print(f"{key}: {value}")
+    saved = run_dir / "reference.pt"
+    if saved.exists():
+        reference = torch.load(saved, weights_only=True)
+    else:
+        started = time.perf_counter()
+        reference = {
+            "train": _reference(policy, train, dpo.batch_size),
+            "held": _reference(policy, held, dpo.batch_size),
+        }
+        run_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(reference, saved)
+        print(
+            f"reference logprobs of {len(train) + len(held)} pairs: {time.perf_counter() - started:.1f} s"
+        )
+    if len(reference["train"]) != len(train) or len(reference["held"]) != len(held):
+        raise ValueError(f"{saved} belongs to other data; remove it to compute it again")
+    order = batches(len(train), dpo.batch_size, dpo.epochs, dpo.seed)[:steps]
+    done = resume_step(policy, config, run_dir, steps)
+    started = time.perf_counter()
+    with (
+        metrics_log(run_dir, "dpo") as (path, out),
+        tqdm(
+            total=steps, initial=done, desc="dpo", unit="step", disable=not sys.stderr.isatty()
+        ) as bar,
+    ):
+        if done == 0 and held:
+            evaluated = _evaluate(policy, held, reference["held"], settings, dpo.batch_size)
+            write_row(out, {"step": 0, **evaluated})
+        for step in range(done + 1, steps + 1):
+            rows = order[step - 1]
+            metrics = policy.preference_step(
+                [train[i] for i in rows], [reference["train"][i] for i in rows], settings
+            )
+            row: dict[str, Any] = {"step": step, **metrics}
+            if held and ((dpo.eval_every and step % dpo.eval_every == 0) or step == steps):
+                row.update(_evaluate(policy, held, reference["held"], settings, dpo.batch_size))
+            write_row(out, row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.2f}")
+            if dpo.checkpoint_every and step % dpo.checkpoint_every == 0 and step < steps:
+                policy.save_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}", step, step)
+    final = save_final(policy, run_dir, steps)
+    accuracy = last_value(path, "eval_accuracy")
+    print(
+        f"{steps} steps in {time.perf_counter() - started:.0f} s"
+        + (f", held-out preference accuracy {accuracy:.3f}" if accuracy is not None else "")
+        + f"\nmodel: {final}\nmetrics: {path}"
+    )
+    return 0
