@@ -4,38 +4,10 @@ and a wrong answer; its model then scores higher on held-out prompts."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
-from test_sft import rollwire, rows
-
-from rollwire.services.core.config import RunConfig
-from rollwire.services.core.datasets import training_tasks
-
-
-def write_rows(path: Path, size: int, seed: int, off_by_one: float | None) -> int:
-    """chain_sum rows of the default task, none of the evaluation set: prompt/completion
-    rows whose answer is off by one at rate `off_by_one`, or (None) preference rows
-    preferring the right answer to one off by one."""
-    config = RunConfig()
-    dataset = config.orchestrator.dataset.model_copy(update={"seed": seed, "size": size})
-    tasks = training_tasks(dataset, config.orchestrator.eval_dataset)
-    rng = random.Random(seed)
-    with path.open("w") as out:
-        for task in tasks:
-            prompt = task.prompt(config.orchestrator.prompt_template)
-            right = f"<answer>{task.reference}</answer>"
-            wrong = f"<answer>{int(task.reference) + 1}</answer>"
-            if off_by_one is None:
-                row = {"prompt": prompt, "chosen": right, "rejected": wrong}
-            else:
-                row = {
-                    "prompt": prompt,
-                    "completion": wrong if rng.random() < off_by_one else right,
-                }
-            out.write(json.dumps(row) + "\n")
-    return len(tasks)
+from test_sft import EXAMPLES, chain_sum_files, rollwire, rows
 
 
 def greedy_reward(tmp_path: Path, run: Path, model: Path) -> float:
@@ -45,21 +17,18 @@ def greedy_reward(tmp_path: Path, run: Path, model: Path) -> float:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-def test_dpo_on_right_over_wrong_answers_raises_accuracy_and_reward(tmp_path) -> None:
-    """A model fine-tuned on answers that are off by one 60% of the time, then tuned on
-    pairs preferring the right answer: held-out preference accuracy and held-out greedy
-    reward both rise."""
-    sft_data, pairs = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
-    write_rows(sft_data, 4000, seed=7, off_by_one=0.6)
-    write_rows(pairs, 3000, seed=11, off_by_one=None)
+def test_the_sft_then_dpo_examples_raise_preference_and_reward(tmp_path) -> None:
+    """examples/sft.yaml on examples/chain_sum_data.py's chat file (answers off by one
+    60% of the time), then examples/dpo.yaml on its pairs preferring the right answer:
+    held-out preference for the right answer and held-out greedy reward both rise."""
+    data = chain_sum_files(tmp_path / "data", off_by_one=0.6)
     sft = tmp_path / "sft"
     rollwire(
         tmp_path,
         "sft",
         f"run.output_dir={sft}",
-        f"sft.data={sft_data}",
-        "sft.epochs=8",
-        "trainer.learning_rate=0.003",
+        f"sft.data={data / 'sft.jsonl'}",
+        extra=["-c", str(EXAMPLES / "sft.yaml")],
     )
     before = greedy_reward(tmp_path, sft, sft / "final")
     dpo = tmp_path / "dpo"
@@ -68,24 +37,18 @@ def test_dpo_on_right_over_wrong_answers_raises_accuracy_and_reward(tmp_path) ->
         "dpo",
         f"run.output_dir={dpo}",
         f"trainer.model_path={sft / 'final'}",
-        f"dpo.data={pairs}",
-        "dpo.batch_size=32",
-        "dpo.eval_every=25",
-        "dpo.sft_weight=1.0",
-        "trainer.learning_rate=0.0005",
+        f"dpo.data={data / 'pairs.jsonl'}",
+        extra=["-c", str(EXAMPLES / "dpo.yaml")],
     )
     assert "reference logprobs of" in out
     evals = [row for row in rows(dpo / "metrics" / "dpo.jsonl") if "eval_loss" in row]
     prefers = [row["eval_prefers_chosen"] for row in evals]
     print(f"held-out: prefers the right answer {prefers}")
     assert evals[0]["eval_reward_margin"] == pytest.approx(0.0, abs=1e-5)  # its own reference
-    # Measured 0.434 -> 0.672 (73 steps), the chosen answers' logprob -2.49 -> -2.04.
     assert prefers[-1] >= prefers[0] + 0.12, prefers
     assert evals[-1]["eval_chosen_logprob"] > evals[0]["eval_chosen_logprob"]
     after = greedy_reward(tmp_path, dpo, dpo / "final")
     print(f"held-out greedy reward {before:.3f} -> {after:.3f}")
-    # Measured 0.225 -> 0.375. (Without sft_weight, at rates 2e-4 and 1e-3, both logprobs
-    # fell to -6 and -15 and greedy decoding broke: 0.015 and 0.003.)
     assert after >= before + 0.07, (before, after)
 
 
@@ -112,8 +75,7 @@ def _dpo_run(tmp_path: Path, name: str, model: Path, data: Path, *sets: str) -> 
 def test_dpo_on_two_fsdp2_ranks_equals_one_process_and_ipo_simpo_lora_run(
     tmp_path, tiny_model_path
 ) -> None:
-    pairs = tmp_path / "pairs.jsonl"
-    write_rows(pairs, 200, seed=11, off_by_one=None)
+    pairs = chain_sum_files(tmp_path / "data", rows=200) / "pairs.jsonl"
     local = _dpo_run(tmp_path, "local", tiny_model_path, pairs)
     sharded = _dpo_run(
         tmp_path, "fsdp2", tiny_model_path, pairs, "trainer.backend=fsdp2", "trainer.world_size=2"

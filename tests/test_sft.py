@@ -11,25 +11,31 @@ from pathlib import Path
 
 import pytest
 
-from rollwire.services.core.config import RunConfig
-from rollwire.services.core.datasets import training_tasks
 from rollwire.trainer.pipeline import batches
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-def write_chain_sum_rows(path: Path, size: int, seed: int = 7) -> int:
-    """The default task as prompt/completion rows in the answer format the reward
-    checks, none of them a question of the default evaluation set."""
-    config = RunConfig()
-    dataset = config.orchestrator.dataset.model_copy(update={"seed": seed, "size": size})
-    tasks = training_tasks(dataset, config.orchestrator.eval_dataset)
-    with path.open("w") as out:
-        for task in tasks:
-            row = {
-                "prompt": task.prompt(config.orchestrator.prompt_template),
-                "completion": f"<answer>{task.reference}</answer>",
-            }
-            out.write(json.dumps(row) + "\n")
-    return len(tasks)
+
+def chain_sum_files(folder: Path, off_by_one: float = 0.0, rows: int | None = None) -> Path:
+    """examples/chain_sum_data.py's files in `folder` (sft.jsonl, pairs.jsonl): the default
+    task, none of the evaluation set; `rows` keeps only the first of each."""
+    subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "chain_sum_data.py"),
+            str(folder),
+            "--off-by-one",
+            str(off_by_one),
+        ],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    if rows is not None:
+        for name in ("sft.jsonl", "pairs.jsonl"):
+            path = folder / name
+            path.write_text("".join(path.read_text().splitlines(keepends=True)[:rows]))
+    return folder
 
 
 def rollwire(tmp_path: Path, command: str, *sets: str, timeout: float = 300, extra=()) -> str:
@@ -81,8 +87,7 @@ def test_sft_from_scratch_then_rl_on_its_model(tmp_path) -> None:
     """The built-in tiny model, untrained, fine-tuned on a chain_sum file: the held-out
     loss falls and the held-out greedy reward rises from 0; `rollwire train` then starts
     from the folder it wrote and improves it further."""
-    data = tmp_path / "chain_sum.jsonl"
-    assert write_chain_sum_rows(data, 4000) > 3000
+    data = chain_sum_files(tmp_path / "data") / "sft.jsonl"
     run = tmp_path / "sft"
     out = rollwire(
         tmp_path,
@@ -146,8 +151,7 @@ COMPARED = ("loss", "tokens", "grad_norm", "learning_rate", "eval_loss")
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_sft_on_two_fsdp2_ranks_equals_one_process_and_lora_trains(tmp_path) -> None:
-    data = tmp_path / "rows.jsonl"
-    write_chain_sum_rows(data, 300)
+    data = chain_sum_files(tmp_path / "data", rows=300) / "sft.jsonl"
     local = _sft_run(tmp_path, "local", data)
     sharded = _sft_run(tmp_path, "fsdp2", data, "trainer.backend=fsdp2", "trainer.world_size=2")
     assert [row["step"] for row in sharded] == list(range(7))
@@ -167,8 +171,7 @@ def test_sft_on_two_fsdp2_ranks_equals_one_process_and_lora_trains(tmp_path) -> 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_stopped_sft_resumes_from_its_checkpoint_exactly(tmp_path) -> None:
-    data = tmp_path / "rows.jsonl"
-    write_chain_sum_rows(data, 300)
+    data = chain_sum_files(tmp_path / "data", rows=300) / "sft.jsonl"
     straight = _sft_run(tmp_path, "straight", data, "sft.checkpoint_every=2")
     # A run that stops after step 4 (its newest checkpoint is step 2's: the last step
     # writes only the final model), then is started again for all 6.
