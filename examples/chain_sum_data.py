@@ -46,7 +46,9 @@ def write(folder: Path, sft_rows: int = 4000, pairs: int = 3000, off_by_one: flo
                         ]
                     }
                 out.write(json.dumps(row) + "\n")
-        print(f"{folder / name}: {len(tasks)} rows ({tasks.excluded} evaluation questions left out)")
+        print(
+            f"{folder / name}: {len(tasks)} rows ({tasks.excluded} evaluation questions left out)"
+        )
 
 
 def main() -> None:
