@@ -152,9 +152,19 @@ COMPARED = ("loss", "tokens", "grad_norm", "learning_rate", "eval_loss")
 @pytest.mark.timeout(600)
 def test_sft_on_two_fsdp2_ranks_equals_one_process_and_lora_trains(tmp_path) -> None:
     data = chain_sum_files(tmp_path / "data", rows=300) / "sft.jsonl"
-    local = _sft_run(tmp_path, "local", data)
-    sharded = _sft_run(tmp_path, "fsdp2", data, "trainer.backend=fsdp2", "trainer.world_size=2")
+    # Packed rows (sft.packing) on both: the split over ranks is by packed rows.
+    local = _sft_run(tmp_path, "local", data, "sft.packing=true", "sft.max_length=64")
+    sharded = _sft_run(
+        tmp_path,
+        "fsdp2",
+        data,
+        "trainer.backend=fsdp2",
+        "trainer.world_size=2",
+        "sft.packing=true",
+        "sft.max_length=64",
+    )
     assert [row["step"] for row in sharded] == list(range(7))
+    assert all(row["rows"] < 8 for row in local if "rows" in row)  # 8 examples a step, packed
     for ours, theirs in zip(sharded, local, strict=True):
         for key in COMPARED:
             if key in theirs:

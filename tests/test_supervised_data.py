@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from rollwire.services.core.datasets import read_rows
+from rollwire.trainer.batching import pack
 from rollwire.trainer.supervised_data import (
     Rendered,
     conversation_of,
     held_out_split,
-    pack,
     preference_examples,
     preference_of,
     render,
@@ -186,9 +186,8 @@ def test_held_out_split_and_packing_are_deterministic() -> None:
     assert held_out_split(items, 0.2, seed=3) == (train, held)
     assert held_out_split(items, 0.2, seed=4) != (train, held)
     assert len(held_out_split(items, 0.01, seed=0)[1]) == 1  # never zero when asked for some
-    examples = [Rendered([0] * n, [1] * n) for n in (5, 4, 3, 9, 2)]
     # First fit in order within 9 tokens: 5 + 4, 3 (+ 2), 9 alone.
-    assert pack(examples, 9) == [[0, 1], [2, 4], [3]]
+    assert pack([5, 4, 3, 9, 2], 9) == [[0, 1], [2, 4], [3]]
 
 
 def test_a_preference_pair_trains_its_responses_not_the_prompts_answers(

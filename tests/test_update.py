@@ -18,8 +18,10 @@ from rollwire.trainer.batching import (
     collate,
     micro_batches,
     pack_by_tokens,
+    packed_attention,
     per_token_advantages,
     split_rows,
+    supervised_batch,
 )
 from rollwire.trainer.model import Policy
 from rollwire.trainer.update import average
@@ -421,3 +423,33 @@ def test_reward_normalization_by_batch_and_running_resumes(tiny_model_path, tmp_
     resumed = make_policy(tiny_model_path, reward_normalization="running")
     resumed.restore(folder)
     assert resumed.reward_moments.state_dict() == running.reward_moments.state_dict()
+
+
+def test_packed_rows_hold_each_sequence_apart() -> None:
+    batch = supervised_batch([([5, 6, 7], [0, 1, 1]), ([8, 9], [1, 1]), ([4] * 6, [1] * 6)], 0, 6)
+    # First fit within 6 tokens: 3 + 2 in one row, the 6 alone.
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [4] * 6]
+    assert batch.documents.tolist() == [[0, 0, 0, 1, 1, -1], [0] * 6]
+    assert batch.positions.tolist() == [[0, 1, 2, 0, 1, 0], list(range(6))]
+    # Targets 6, 7 train; 8 is not predicted from 7 (another sequence); 9 trains.
+    assert batch.mask.tolist() == [[1, 1, 0, 1, 0], [1] * 5]
+    attention = packed_attention(batch.documents)[0, 0]
+    assert attention[4].tolist() == [False, False, False, True, True, False]
+    assert attention[5].tolist() == [False] * 5 + [True]  # padding sees only itself
+
+
+def test_a_packed_supervised_step_equals_the_padded_one(tiny_model_path) -> None:
+    sequences = [
+        (PROMPT + response, [0] * len(PROMPT) + [1] * len(response)) for response in RESPONSES
+    ]
+    padded, packed = make_policy(tiny_model_path), make_policy(tiny_model_path)
+    one = padded.supervised_step(sequences)
+    other = packed.supervised_step(sequences, pack_tokens=24)
+    # 11, 10, 13 and 9 tokens in rows of 24: 11 + 10 and 13 + 9.
+    assert (one["rows"], other["rows"]) == (4.0, 2.0)
+    assert other["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert other["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    for (name, ours), theirs in zip(
+        packed.model.named_parameters(), padded.model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=name)

@@ -30,6 +30,8 @@ class TokenBatch:
     token_rewards: torch.Tensor | None = None  # [B, T-1], `advantage: gae`
     old_values: torch.Tensor | None = None  # [B, T-1], the critic's before the step
     returns: torch.Tensor | None = None  # [B, T-1], the critic's targets
+    documents: torch.Tensor | None = None  # [B, T], packed rows: each token's example, -1 pad
+    positions: torch.Tensor | None = None  # [B, T], packed rows: positions within an example
 
     @property
     def lengths(self) -> list[int]:
@@ -50,7 +52,8 @@ class TokenBatch:
         for field in fields(self):
             tensor = getattr(self, field.name)
             if tensor is not None:
-                columns = width if field.name in ("input_ids", "attention") else width - 1
+                full = ("input_ids", "attention", "documents", "positions")
+                columns = width if field.name in full else width - 1
                 tensor = tensor[index, :columns]
             cut[field.name] = tensor
         return TokenBatch(**cut)
@@ -84,19 +87,41 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TokenBatch:
     )
 
 
-def supervised_batch(sequences: list[tuple[list[int], list[int]]], pad_token_id: int) -> TokenBatch:
+def supervised_batch(
+    sequences: list[tuple[list[int], list[int]]],
+    pad_token_id: int,
+    pack_tokens: int | None = None,
+) -> TokenBatch:
     """(token ids, loss mask) sequences as a right-padded batch: the mask moves to the
-    targets (target t is token t + 1), behaviour logprobs and versions are 0."""
-    length = max(len(ids) for ids, _ in sequences)
-    size = len(sequences)
+    targets (target t is token t + 1), behaviour logprobs and versions are 0.
+
+    `pack_tokens`: sequences share rows of at most that many tokens (`pack`, first fit),
+    each row's `documents` and `positions` say where each one starts, and the update
+    passes give them block-diagonal attention (no sequence sees another); the first
+    token of each later sequence is not a target of the one before it."""
+    lengths = [len(ids) for ids, _ in sequences]
+    groups = pack(lengths, pack_tokens) if pack_tokens else [[i] for i in range(len(lengths))]
+    length = max(sum(lengths[i] for i in group) for group in groups)
+    size = len(groups)
     ids = np.full((size, length), pad_token_id, np.int64)
     attention = np.zeros((size, length), np.int64)
     mask = np.zeros((size, length), np.float32)
-    for row, (tokens, trained) in enumerate(sequences):
-        ids[row, : len(tokens)], attention[row, : len(tokens)] = tokens, 1
-        mask[row, : len(tokens)] = trained
+    documents = np.full((size, length), -1, np.int64)
+    positions = np.zeros((size, length), np.int64)
+    for row, group in enumerate(groups):
+        start = 0
+        for document, index in enumerate(group):
+            tokens, trained = sequences[index]
+            end = start + len(tokens)
+            ids[row, start:end], attention[row, start:end] = tokens, 1
+            mask[row, start:end] = trained
+            if document:
+                mask[row, start] = 0  # predicted from the sequence before: not a target
+            documents[row, start:end] = document
+            positions[row, start:end] = np.arange(len(tokens))
+            start = end
     as_tensor = torch.from_numpy
-    return TokenBatch(
+    batch = TokenBatch(
         input_ids=as_tensor(ids),
         attention=as_tensor(attention),
         targets=as_tensor(ids[:, 1:].copy()),
@@ -104,6 +129,36 @@ def supervised_batch(sequences: list[tuple[list[int], list[int]]], pad_token_id:
         behaviour_logprobs=torch.zeros(size, length - 1),
         policy_versions=torch.zeros(size, length - 1, dtype=torch.long),
     )
+    if pack_tokens:
+        batch.documents, batch.positions = as_tensor(documents), as_tensor(positions)
+    return batch
+
+
+def pack(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of sequences of `lengths` in groups of at most `max_tokens` tokens in all
+    (first fit, in order): the sequences one packed row holds; a longer one goes alone."""
+    groups: list[list[int]] = []
+    sizes: list[int] = []
+    for index, length in enumerate(lengths):
+        for group, size in enumerate(sizes):
+            if size + length <= max_tokens:
+                groups[group].append(index)
+                sizes[group] += length
+                break
+        else:
+            groups.append([index])
+            sizes.append(length)
+    return groups
+
+
+def packed_attention(documents: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool attention of packed rows: causal within each document; a padding
+    token sees only itself (a row of nothing would make its softmax NaN)."""
+    same = documents[:, :, None] == documents[:, None, :]
+    length = documents.shape[1]
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=documents.device))
+    own = torch.eye(length, dtype=torch.bool, device=documents.device)
+    return ((same & causal & (documents[:, :, None] >= 0)) | own)[:, None]
 
 
 def per_token_advantages(

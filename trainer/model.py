@@ -465,25 +465,34 @@ class Policy:
             return_advantages(parts, self.backend)
         return metrics
 
-    def supervised_step(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+    def supervised_step(
+        self, sequences: list[tuple[list[int], list[int]]], pack_tokens: int | None = None
+    ) -> dict[str, float]:
         """One optimizer update of supervised fine-tuning on (token ids, loss mask)
         sequences: the mean negative log-likelihood of their masked tokens, split over
         the ranks by tokens as a trainer step is. Returns loss, tokens, grad norm, rate.
-        Nothing is published: on a sharded backend `named_weights` keeps the last RL
-        step's copy (a checkpoint consolidates the shards itself)."""
-        self._lead("supervised", sequences, True)
-        return self._supervised(sequences, True)
+        `pack_tokens`: pack the sequences into rows of at most that many tokens
+        (`supervised_batch`); the loss is the same. Nothing is published: on a sharded
+        backend `named_weights` keeps the last RL step's copy (a checkpoint
+        consolidates the shards itself)."""
+        self._lead("supervised", sequences, True, pack_tokens)
+        return self._supervised(sequences, True, pack_tokens)
 
-    def supervised_loss(self, sequences: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+    def supervised_loss(
+        self, sequences: list[tuple[list[int], list[int]]], pack_tokens: int | None = None
+    ) -> dict[str, float]:
         """The same loss without an update (an evaluation; collective like a step)."""
-        self._lead("supervised", sequences, False)
-        return self._supervised(sequences, False)
+        self._lead("supervised", sequences, False, pack_tokens)
+        return self._supervised(sequences, False, pack_tokens)
 
     def _supervised(
-        self, sequences: list[tuple[list[int], list[int]]], update: bool
+        self,
+        sequences: list[tuple[list[int], list[int]]],
+        update: bool,
+        pack_tokens: int | None = None,
     ) -> dict[str, float]:
         started = time.perf_counter()
-        batch = supervised_batch(sequences, self.pad_token_id)
+        batch = supervised_batch(sequences, self.pad_token_id, pack_tokens)
         total = max(batch.tokens, 1.0)
         backend, ranks = self.backend, self.backend.world_size
         if update:
@@ -499,6 +508,7 @@ class Policy:
                 loss_sum += float(numerator.detach())
         metrics = {"loss": backend.reduce_metrics({"loss": loss_sum}, "sum")["loss"] / total}
         metrics["tokens"] = batch.tokens
+        metrics["rows"] = float(batch.input_ids.shape[0])
         if update:
             learning_rate = self.learning_rate()
             backend.set_lr(learning_rate)

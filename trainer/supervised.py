@@ -64,11 +64,11 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
     return train, held, report
 
 
-def _evaluate(policy: Any, held: Sequences, batch_size: int) -> float:
+def _evaluate(policy: Any, held: Sequences, batch_size: int, pack: int | None) -> float:
     """The token-mean loss over every held-out sequence."""
     loss_sum, tokens = 0.0, 0.0
     for start in range(0, len(held), batch_size):
-        out = policy.supervised_loss(held[start : start + batch_size])
+        out = policy.supervised_loss(held[start : start + batch_size], pack)
         loss_sum += out["loss"] * out["tokens"]
         tokens += out["tokens"]
     return loss_sum / max(tokens, 1.0)
@@ -121,6 +121,7 @@ def _lead(
     for key, value in report.items():
         print(f"{key}: {value}")
     order = batches(len(train), sft.batch_size, sft.epochs, sft.seed)[:steps]
+    pack = sft.max_length if sft.packing else None
     done = resume_step(policy, config, run_dir, steps)
     started = time.perf_counter()
     with (
@@ -130,12 +131,12 @@ def _lead(
         ) as bar,
     ):
         if done == 0 and held:
-            write_row(out, {"step": 0, "eval_loss": _evaluate(policy, held, sft.batch_size)})
+            write_row(out, {"step": 0, "eval_loss": _evaluate(policy, held, sft.batch_size, pack)})
         for step in range(done + 1, steps + 1):
-            metrics = policy.supervised_step([train[i] for i in order[step - 1]])
+            metrics = policy.supervised_step([train[i] for i in order[step - 1]], pack)
             row: dict[str, Any] = {"step": step, **metrics}
             if held and ((sft.eval_every and step % sft.eval_every == 0) or step == steps):
-                row["eval_loss"] = _evaluate(policy, held, sft.batch_size)
+                row["eval_loss"] = _evaluate(policy, held, sft.batch_size, pack)
             write_row(out, row)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}")

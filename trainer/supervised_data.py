@@ -261,21 +261,3 @@ def held_out_split(items: Sequence[Any], fraction: float, seed: int) -> tuple[li
         count = max(count, 1)
     cut = len(order) - count
     return [items[i] for i in order[:cut]], [items[i] for i in order[cut:]]
-
-
-def pack(examples: Sequence[Rendered], max_tokens: int) -> list[list[int]]:
-    """Indices of `examples` in groups of at most `max_tokens` tokens in all (first fit,
-    in order): the sequences one packed row holds; one longer than the budget goes alone."""
-    groups: list[list[int]] = []
-    sizes: list[int] = []
-    for index, example in enumerate(examples):
-        length = len(example.ids)
-        for group, size in enumerate(sizes):
-            if size + length <= max_tokens:
-                groups[group].append(index)
-                sizes[group] += length
-                break
-        else:
-            groups.append([index])
-            sizes.append(length)
-    return groups

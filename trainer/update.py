@@ -16,7 +16,7 @@ import torch
 from rollwire.services.core.config import TrainerConfig
 from rollwire.services.core.config.algorithms import settings_of
 from rollwire.trainer.algorithms import token_entropy, token_logprobs
-from rollwire.trainer.batching import TokenBatch, micro_batches
+from rollwire.trainer.batching import TokenBatch, micro_batches, packed_attention
 from rollwire.trainer.losses import aggregate, policy_objective
 
 
@@ -133,11 +133,18 @@ class Updater:
 
     def logits(self, model: Callable[..., Any], batch: TokenBatch) -> torch.Tensor:
         """[B, T-1, V] next-token logits for `batch.targets`, in the model's compute dtype."""
+        inputs: dict[str, torch.Tensor] = {"attention_mask": batch.attention.to(self.device)}
+        if batch.documents is not None:  # packed rows: block-diagonal attention
+            documents = batch.documents.to(self.device)
+            inputs = {
+                "attention_mask": packed_attention(documents),
+                "position_ids": batch.positions.to(self.device),
+            }
         with self._autocast():
             out = model(
                 input_ids=batch.input_ids.to(self.device),
-                attention_mask=batch.attention.to(self.device),
                 use_cache=False,  # a training pass has no use for a KV cache
+                **inputs,
             )
         return out.logits[:, :-1]
 

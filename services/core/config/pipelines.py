@@ -33,6 +33,10 @@ class SFTConfig(StrictModel):
     chat_template: bool | None = None
     """Render with the tokenizer's chat template; unset: when it has one. Without, the
     contents are concatenated with the end-of-sequence token after the last answer."""
+    packing: bool = False
+    """Pack each step's examples into rows of up to max_length tokens, each example
+    attending only to itself (block-diagonal attention, positions from 0 each): far
+    fewer padding tokens when examples are short; the loss is the same."""
     epochs: int = Field(1, ge=1)
     """Passes over the training rows (each in a new seeded order)."""
     max_steps: int | None = Field(None, ge=1)
