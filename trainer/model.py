@@ -510,13 +510,17 @@ class Policy:
         metrics["tokens"] = batch.tokens
         metrics["rows"] = float(batch.input_ids.shape[0])
         if update:
-            learning_rate = self.learning_rate()
-            backend.set_lr(learning_rate)
-            metrics["grad_norm"] = float(backend.clip_and_step(self.config.max_grad_norm))
-            metrics["learning_rate"] = learning_rate
-            self.optimizer_steps += 1
+            metrics.update(self._optimizer_update())
         metrics["step_seconds"] = time.perf_counter() - started
         return metrics
+
+    def _optimizer_update(self) -> dict[str, float]:
+        """Steps the optimizer on the gradients accumulated, at the schedule's rate."""
+        learning_rate = self.learning_rate()
+        self.backend.set_lr(learning_rate)
+        grad_norm = float(self.backend.clip_and_step(self.config.max_grad_norm))
+        self.optimizer_steps += 1
+        return {"grad_norm": grad_norm, "learning_rate": learning_rate}
 
     def sequence_logprobs(
         self, pairs: list[tuple[Sequence, Sequence]]
@@ -625,11 +629,7 @@ class Policy:
             "pairs": total,
         }
         if update:
-            learning_rate = self.learning_rate()
-            backend.set_lr(learning_rate)
-            metrics["grad_norm"] = float(backend.clip_and_step(self.config.max_grad_norm))
-            metrics["learning_rate"] = learning_rate
-            self.optimizer_steps += 1
+            metrics.update(self._optimizer_update())
         metrics["step_seconds"] = time.perf_counter() - started
         return metrics
 

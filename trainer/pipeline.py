@@ -14,7 +14,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -39,6 +39,44 @@ def become_ranks(config: RunConfig, command: str, argv: list[str] | None = None)
     name = command if rank == 0 else f"{command}-rank{rank}"
     configure_logging(name, config.telemetry.log_level, config.telemetry.log_format)
     return rank
+
+
+def run_pipeline(
+    config: RunConfig,
+    command: str,
+    section: Any,
+    prepare: Callable[[RunConfig, Path], tuple[list, list, dict[str, Any]]],
+    lead: Callable[..., int],
+    argv: list[str] | None = None,
+) -> int:
+    """A pipeline's whole run: the ranks (`become_ranks`), rank 0's data (`prepare`:
+    training rows, held-out rows, what it counted), the number of steps from
+    `section`'s batch_size, epochs, seed and max_steps, the `Policy`; rank 0 then runs
+    `lead(config, policy, train, held, report, steps)` while the others follow. A bad
+    setting or file is one line on stderr and exit code 1."""
+    from rollwire.services.core.tiny import default_model_path
+
+    rank = become_ranks(config, command, argv)
+    model_path = Path(config.trainer.model_path or default_model_path())
+    try:
+        train: list = []
+        held: list = []
+        report: dict[str, Any] = {}
+        steps = 0
+        if rank == 0:
+            train, held, report = prepare(config, model_path)
+            steps = len(batches(len(train), section.batch_size, section.epochs, section.seed))
+            steps = min(steps, section.max_steps or steps)
+        policy = pipeline_policy(config, model_path, steps)
+        if policy.followed():
+            return 0
+        try:
+            return lead(config, policy, train, held, report, policy.rl.max_steps)
+        finally:
+            policy.close()
+    except (ValueError, FileNotFoundError) as error:
+        print(f"rollwire {command}: {error}", file=sys.stderr)
+        return 1
 
 
 def pipeline_policy(config: RunConfig, model_path: Path, steps: int) -> Any:

@@ -20,11 +20,10 @@ from typing import Any
 from rollwire.services.core.config import RunConfig
 from rollwire.trainer.pipeline import (
     batches,
-    become_ranks,
     last_value,
     metrics_log,
-    pipeline_policy,
     resume_step,
+    run_pipeline,
     save_final,
     write_row,
 )
@@ -65,36 +64,9 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[list[Pair], list[Pair]
 
 
 def run_dpo(config: RunConfig, argv: list[str] | None = None) -> int:
-    """`rollwire dpo`: tune, evaluate, checkpoint; the final model in
-    `<run.output_dir>/final`. Above trainer.world_size 1 it runs itself under torchrun."""
-    from rollwire.services.core.tiny import default_model_path
-
-    rank = become_ranks(config, "dpo", argv)
-    model_path = Path(config.trainer.model_path or default_model_path())
-    try:
-        return _run(config, model_path, rank)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"rollwire dpo: {error}", file=sys.stderr)
-        return 1
-
-
-def _run(config: RunConfig, model_path: Path, rank: int) -> int:
-    dpo = config.dpo
-    train: list[Pair] = []
-    held: list[Pair] = []
-    report: dict[str, Any] = {}
-    steps = 0
-    if rank == 0:
-        train, held, report = prepare(config, model_path)
-        steps = len(batches(len(train), dpo.batch_size, dpo.epochs, dpo.seed))
-        steps = min(steps, dpo.max_steps or steps)
-    policy = pipeline_policy(config, model_path, steps)
-    if policy.followed():
-        return 0
-    try:
-        return _lead(config, policy, train, held, report, policy.rl.max_steps)
-    finally:
-        policy.close()
+    """`rollwire dpo`: the final model in `<run.output_dir>/final`. Above
+    trainer.world_size 1 it runs itself under torchrun (`run_pipeline`)."""
+    return run_pipeline(config, "dpo", config.dpo, prepare, _lead, argv)
 
 
 def _reference(policy: Any, pairs: list[Pair], batch_size: int) -> list[tuple[float, float]]:
