@@ -79,6 +79,35 @@ def run_pipeline(
         return 1
 
 
+def split_data(
+    command: str,
+    section: Any,
+    build: Callable[[Path], tuple[list, Any]],
+    what: str,
+) -> tuple[list, list, dict[str, Any]]:
+    """(training items, held-out items, what building them counted) from `section`'s
+    `data` and `eval_data` (or its `held_out_fraction` of `data`, by its `seed`);
+    `build(path)` makes the items of one file and their `Counts`."""
+    from rollwire.trainer.supervised_data import held_out_split
+
+    if section.data is None:
+        raise ValueError(
+            f"rollwire {command} needs {command}.data: a .jsonl or .parquet file, or a folder"
+        )
+    train, counts = build(section.data)
+    report: dict[str, Any] = {"data": counts.summary()}
+    if section.eval_data is not None:
+        held, held_counts = build(section.eval_data)
+        report["eval_data"] = held_counts.summary()
+    else:
+        train, held = held_out_split(train, section.held_out_fraction, section.seed)
+        report["held_out"] = f"{len(held)} of the kept {what} held out"
+    if not train:
+        raise ValueError(f"{section.data}: nothing left to train on ({counts.summary()})")
+    report.update({f"train_{what}": len(train), f"held_out_{what}": len(held)})
+    return train, held, report
+
+
 def pipeline_policy(config: RunConfig, model_path: Path, steps: int) -> Any:
     """The `Policy` every rank trains: the trainer section's model, backend, precision,
     LoRA and optimizer, without a critic or a KL reference, its LR schedule over

@@ -25,6 +25,7 @@ from rollwire.trainer.pipeline import (
     resume_step,
     run_pipeline,
     save_final,
+    split_data,
     write_row,
 )
 
@@ -36,11 +37,9 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[list[Pair], list[Pair]
     from transformers import AutoTokenizer
 
     from rollwire.services.core.datasets import read_rows
-    from rollwire.trainer.supervised_data import held_out_split, preference_examples
+    from rollwire.trainer.supervised_data import preference_examples
 
     dpo = config.dpo
-    if dpo.data is None:
-        raise ValueError("rollwire dpo needs dpo.data: a .jsonl or .parquet file, or a folder")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def build(path: Path) -> tuple[list[Pair], Any]:
@@ -49,18 +48,7 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[list[Pair], list[Pair]
         )
         return [((c.ids, c.mask), (r.ids, r.mask)) for c, r in pairs], counts
 
-    train, counts = build(dpo.data)
-    report: dict[str, Any] = {"data": counts.summary()}
-    if dpo.eval_data is not None:
-        held, held_counts = build(dpo.eval_data)
-        report["eval_data"] = held_counts.summary()
-    else:
-        train, held = held_out_split(train, dpo.held_out_fraction, dpo.seed)
-        report["held_out"] = f"{len(held)} of the kept pairs held out"
-    if not train:
-        raise ValueError(f"{dpo.data}: no pair left to train on ({counts.summary()})")
-    report.update(train_pairs=len(train), held_out_pairs=len(held))
-    return train, held, report
+    return split_data("dpo", dpo, build, "pairs")
 
 
 def run_dpo(config: RunConfig, argv: list[str] | None = None) -> int:
@@ -159,10 +147,10 @@ def _lead(
             if dpo.checkpoint_every and step % dpo.checkpoint_every == 0 and step < steps:
                 policy.save_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}", step, step)
     final = save_final(policy, run_dir, steps)
-    accuracy = last_value(path, "eval_accuracy")
+    prefers = last_value(path, "eval_prefers_chosen")
     print(
         f"{steps} steps in {time.perf_counter() - started:.0f} s"
-        + (f", held-out preference accuracy {accuracy:.3f}" if accuracy is not None else "")
+        + (f", held-out pairs preferring the chosen: {prefers:.3f}" if prefers is not None else "")
         + f"\nmodel: {final}\nmetrics: {path}"
     )
     return 0

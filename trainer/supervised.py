@@ -25,6 +25,7 @@ from rollwire.trainer.pipeline import (
     resume_step,
     run_pipeline,
     save_final,
+    split_data,
     write_row,
 )
 
@@ -36,11 +37,9 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
     from transformers import AutoTokenizer
 
     from rollwire.services.core.datasets import read_rows
-    from rollwire.trainer.supervised_data import held_out_split, supervised_examples
+    from rollwire.trainer.supervised_data import supervised_examples
 
     sft = config.sft
-    if sft.data is None:
-        raise ValueError("rollwire sft needs sft.data: a .jsonl or .parquet file, or a folder")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def build(path: Path) -> tuple[Sequences, Any]:
@@ -49,18 +48,7 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
         )
         return [(e.ids, e.mask) for e in examples], counts
 
-    train, counts = build(sft.data)
-    report: dict[str, Any] = {"data": counts.summary()}
-    if sft.eval_data is not None:
-        held, held_counts = build(sft.eval_data)
-        report["eval_data"] = held_counts.summary()
-    else:
-        train, held = held_out_split(train, sft.held_out_fraction, sft.seed)
-        report["held_out"] = f"{len(held)} of the kept rows held out"
-    if not train:
-        raise ValueError(f"{sft.data}: no row left to train on ({counts.summary()})")
-    report.update(train_sequences=len(train), held_out_sequences=len(held))
-    return train, held, report
+    return split_data("sft", sft, build, "sequences")
 
 
 def _evaluate(policy: Any, held: Sequences, batch_size: int, pack: int | None) -> float:
