@@ -334,6 +334,38 @@ class Orchestrator:
         texts = [self.decode(list(output.token_ids)) for output in outputs]
         return [result.reward for result in await self.servers.score(task, texts)]
 
+    async def teacher_rows(
+        self, tasks: Sequence[Task], samples: int, min_reward: float | None
+    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """The served model's answers to `tasks` (`samples` each, at the training
+        temperature), scored, as `prompt`/`completion` rows (those scored at least
+        `min_reward` when set), and counts: answers, kept, their mean reward."""
+        limit = asyncio.Semaphore(self.settings.max_concurrent_groups)
+
+        async def answer(task: Task) -> list[tuple[str, float]]:
+            async with limit:
+                outputs = await self.servers.generate_group(
+                    self.encode_prompt(task), samples=samples
+                )
+                texts = [self.decode(list(output.token_ids)) for output in outputs]
+                scores = [result.reward for result in await self.servers.score(task, texts)]
+                return list(zip(texts, scores, strict=True))
+
+        answered = await asyncio.gather(*(answer(task) for task in tasks))
+        rows, rewards = [], []
+        for task, pairs in zip(tasks, answered, strict=True):
+            for text, reward in pairs:
+                rewards.append(reward)
+                if min_reward is None or reward >= min_reward:
+                    prompt = task.prompt(self.settings.prompt_template)
+                    rows.append({"prompt": prompt, "completion": text, "reward": reward})
+        counts = {
+            "answers": float(len(rewards)),
+            "kept": float(len(rows)),
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+        }
+        return rows, counts
+
     async def measure(self, samples: int = 0, correct_at: float = 1.0) -> dict[str, float]:
         """The held-out numbers (`evaluation.measure`) of the model the rollout-servers
         serve now, on this run's evaluation set; for `rollwire eval`."""

@@ -392,6 +392,20 @@ def _add_eval(commands: Any) -> None:
     sub.set_defaults(handler=run)
 
 
+def _add_distill(commands: Any) -> None:
+    help_text = "distillation: `generate` writes a teacher's scored answers as rows for sft"
+    sub = commands.add_parser("distill", help=help_text, description=help_text)
+    sub.add_argument("action", choices=["generate"], help="what to do (generate: the data)")
+    _add_config_options(sub)
+
+    def run(args: argparse.Namespace) -> int:
+        # By name, like the other commands: the CLI module itself stays free of torch.
+        module = importlib.import_module("rollwire.services.app.run")
+        return module.run_distill_generate(_load(args))
+
+    sub.set_defaults(handler=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollwire",
@@ -426,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
         sub.set_defaults(handler=_process(command, runner))
     _add_eval(commands)
+    _add_distill(commands)
     _add_env_check(commands)
     _add_mismatch(commands)
     health = commands.add_parser("health", help="ask a service for its gRPC health status")

@@ -267,6 +267,76 @@ def run_dpo(config: RunConfig) -> int:
     return _pipeline(config, "rollwire.trainer.preference:run_dpo")
 
 
+def run_distill_generate(config: RunConfig) -> int:
+    """`rollwire distill generate`: the teacher (a rollout-server started on the run's
+    model) answers distill.prompts training prompts, the reward-server scores the
+    answers, and the kept ones become `prompt`/`completion` rows for `rollwire sft`."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from rollwire.rollout.orchestrator.loop import Orchestrator
+    from rollwire.services.core.datasets import task_at, training_tasks
+    from rollwire.services.core.tiny import quiet_transformers
+
+    _stop_on_sigterm()
+    quiet_transformers()
+    distill, settings = config.distill, config.orchestrator
+    if settings.dataset.type == "env":
+        print("rollwire distill generate: env datasets are not supported (episodes, not prompts)")
+        return 1
+    try:
+        teacher = prepare_model(config)
+    except (LaunchError, OSError) as error:
+        print(f"rollwire distill generate: {error}")
+        return 1
+    work_dir = Path(config.run.output_dir).resolve()
+    output = distill.output or work_dir / "distill.jsonl"
+    print(f"teacher: {teacher}\nlogs: {work_dir / 'distill-logs'}")
+    config = config.model_copy(
+        update={
+            "run": config.run.model_copy(update={"output_dir": work_dir / "distill-logs"}),
+            "rollout_server": config.rollout_server.model_copy(update={"model_path": teacher}),
+        }
+    )
+    stack = Stack(
+        work_dir / "distill-logs",
+        write_resolved_config(config, work_dir / "distill-logs"),
+        thread_budget(config),
+    )
+    try:
+        config = start_servers(config, stack)
+        tokenizer = AutoTokenizer.from_pretrained(teacher)
+        pool = training_tasks(settings.dataset, settings.eval_dataset)
+        tasks = [task_at(pool, ordinal) for ordinal in range(distill.prompts)]
+
+        async def generate() -> tuple[list[dict], dict[str, float]]:
+            orchestrator = Orchestrator(config, tokenizer)
+            return await orchestrator.teacher_rows(tasks, distill.samples, distill.min_reward)
+
+        started = time.perf_counter()
+        rows, counts = asyncio.run(generate())
+    except (LaunchError, ValueError) as error:
+        print(f"rollwire distill generate: {error}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stack.stop()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("w") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    print(
+        f"{int(counts['answers'])} answers to {len(tasks)} prompts in "
+        f"{time.perf_counter() - started:.1f} s, mean reward {counts['reward_mean']:.3f}; "
+        f"{int(counts['kept'])} kept"
+        + (f" (reward >= {distill.min_reward})" if distill.min_reward is not None else "")
+        + f"\nwritten to {output}"
+    )
+    return 0
+
+
 def run_eval(
     config: RunConfig, checkpoint: Path | None = None, samples: int = 0, correct_at: float = 1.0
 ) -> int:

@@ -33,7 +33,7 @@ from rollwire.services.core.config.orchestrator import (
     SingleDataset,
     share_key,
 )
-from rollwire.services.core.config.pipelines import DPOConfig, SFTConfig
+from rollwire.services.core.config.pipelines import DistillConfig, DPOConfig, SFTConfig
 from rollwire.services.core.config.runtime import (
     Z85_ALPHABET,
     AuthConfig,
@@ -208,6 +208,8 @@ class RunConfig(StrictModel):
     dpo: DPOConfig = DPOConfig()
     """`rollwire dpo`: preference tuning with the trainer section's model, backend and
     optimizer."""
+    distill: DistillConfig = DistillConfig()
+    """`rollwire distill generate`: a teacher's answers as rows for `rollwire sft`."""
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     """The orchestrator."""
     endpoints: EndpointsConfig = EndpointsConfig()

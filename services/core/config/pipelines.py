@@ -1,5 +1,5 @@
-"""Settings of the pipelines around RL: supervised fine-tuning (`rollwire sft`) and
-preference tuning (`rollwire dpo`).
+"""Settings of the pipelines around RL: supervised fine-tuning (`rollwire sft`),
+preference tuning (`rollwire dpo`) and distillation data (`rollwire distill generate`).
 
 The model, backend, ranks, precision, LoRA and optimizer are the `trainer` section's:
 every pipeline trains with the same machinery. Imports neither torch nor grpc.
@@ -113,3 +113,20 @@ class DPOConfig(StrictModel):
                 "come from; set one"
             )
         return self
+
+
+class DistillConfig(StrictModel):
+    """`rollwire distill generate`: sequence-level distillation data. The teacher is a
+    rollout-server started on trainer.model_path (any rollout_server.engine); it answers the training prompts of
+    orchestrator.dataset (the evaluation set's left out) at rl.temperature, the
+    reward-server scores each answer, and the kept ones are written as
+    `prompt`/`completion` rows that `rollwire sft` trains a student on."""
+
+    prompts: int = Field(1000, ge=1)
+    """How many training prompts the teacher answers."""
+    samples: int = Field(1, ge=1)
+    """Answers per prompt."""
+    min_reward: float | None = None
+    """Keep only answers scored at least this (rejection sampling); unset keeps all."""
+    output: Path | None = None
+    """The rows' file; `<run.output_dir>/distill.jsonl` when unset."""
