@@ -6,8 +6,9 @@
 #
 # 1. .venv-gpu, rollwire[dev,train,deepspeed]: the `gpu`-marked tests (the weight group
 #    over NCCL; FSDP2 and DeepSpeed ZeRO-3 backends and the trainer step led by rank 0 on
-#    one rank per GPU over NCCL, against one CUDA process, with resume; a short
-#    `rollwire train` with trainer ranks on CUDA in bf16, for fsdp2 and deepspeed).
+#    one rank per GPU over NCCL, against one CUDA process, with resume, the ZeRO-3 one
+#    with a critic; a short `rollwire train` with trainer ranks on CUDA in bf16, for
+#    fsdp2 and deepspeed; `rollwire sft` then `rollwire dpo` on fsdp2 ranks in bf16).
 # 2. .venv-gpu-vllm, rollwire[dev,train,vllm]: the vLLM engine tests on CUDA (marker vllm).
 # 3. .venv-gpu-sglang, rollwire[dev,train,sglang]: the SGLang engine tests (gpu-marked);
 #    SGLang and vLLM pin their own torch, so each has its environment.

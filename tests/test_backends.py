@@ -361,14 +361,18 @@ def test_bf16_fsdp2_steps_close_to_float32(
 @pytest.mark.gpu
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+@pytest.mark.parametrize(
+    ("backend", "advantage"), [("fsdp2", "grpo"), ("deepspeed", "gae")], ids=["fsdp2", "zero3-gae"]
+)
 def test_the_trainer_step_on_cuda_ranks_equals_one_cuda_process(
-    backend: str, tiny_model_path: Path, tmp_path: Path
+    backend: str, advantage: str, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """`Policy.train_step` led by rank 0 on one GPU per rank (up to two, NCCL), against
-    the local step on GPU 0; then a restore on the same ranks carries on within 1e-6."""
+    the local step on GPU 0; then a restore on the same ranks carries on within 1e-6.
+    The ZeRO-3 case trains a critic beside the policy (advantage: gae)."""
     ranks = min(2, torch.cuda.device_count())
     options = ["--backend", backend, "--device", "cuda", "--zero-stage", "3"]
+    options += ["--advantage", advantage]
     local, ours = tmp_path / "local", tmp_path / "ours"
     _worker(
         tiny_model_path,
@@ -377,6 +381,8 @@ def test_the_trainer_step_on_cuda_ranks_equals_one_cuda_process(
         "local",
         "--device",
         "cuda",
+        "--advantage",
+        advantage,
         ranks=0,
         script=POLICY_WORKER,
     )

@@ -192,3 +192,31 @@ def test_a_stopped_sft_resumes_from_its_checkpoint_exactly(tmp_path) -> None:
         theirs = next(row for row in straight if row["step"] == ours["step"])
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6), ours["step"]
     assert (tmp_path / "cut" / "checkpoints" / "step_000002").is_dir()
+
+
+@pytest.mark.gpu
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+def test_sft_and_dpo_on_cuda_ranks(tmp_path) -> None:
+    """`rollwire sft` then `rollwire dpo` with fsdp2 ranks on CUDA (up to two GPUs, NCCL),
+    bf16: both run to their final model, and the fine-tuning loss falls."""
+    import torch
+
+    ranks = min(2, torch.cuda.device_count())
+    data = chain_sum_files(tmp_path / "data", off_by_one=0.6, rows=600)
+    cuda = ["trainer.device=cuda", "trainer.precision=bf16", "trainer.backend=fsdp2"]
+    cuda.append(f"trainer.world_size={ranks}")
+    sft = _sft_run(tmp_path, "sft", data / "sft.jsonl", "sft.max_steps=20", *cuda)
+    losses = [row["eval_loss"] for row in sft if "eval_loss" in row]
+    assert losses[-1] < losses[0], losses
+    rollwire(
+        tmp_path,
+        "dpo",
+        f"run.output_dir={tmp_path / 'dpo'}",
+        f"trainer.model_path={tmp_path / 'sft' / 'final'}",
+        f"dpo.data={data / 'pairs.jsonl'}",
+        "dpo.max_steps=5",
+        "dpo.sft_weight=1.0",
+        *cuda,
+    )
+    assert (tmp_path / "dpo" / "final" / "config.json").exists()
