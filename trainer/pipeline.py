@@ -161,6 +161,53 @@ def write_row(out: TextIO, row: dict[str, Any]) -> None:
     out.flush()
 
 
+def train_steps(
+    config: RunConfig,
+    policy: Any,
+    command: str,
+    section: Any,
+    count: int,
+    steps: int,
+    step: Callable[[list[int]], dict[str, float]],
+    evaluate: Callable[[], dict[str, float]] | None,
+    postfix: Callable[[dict[str, float]], dict[str, str]],
+) -> tuple[Path, Path, float]:
+    """A pipeline's steps on rank 0: the seeded order of `count` rows (`batches` by
+    `section`'s batch_size, epochs and seed), a resume from the newest checkpoint, then
+    `step(rows)` for each remaining step, `evaluate()` (held-out metrics, when there are
+    held-out rows) before the first and every `section.eval_every` steps and at the end,
+    a metrics row a step in `metrics/<command>.jsonl`, checkpoints every
+    `section.checkpoint_every` steps, a progress bar, and the final model. Returns (final
+    model folder, metrics file, seconds)."""
+    from tqdm import tqdm
+
+    run_dir = Path(config.run.output_dir)
+    order = batches(count, section.batch_size, section.epochs, section.seed)[:steps]
+    done = resume_step(policy, config, run_dir, steps)
+    started = time.perf_counter()
+    bar = tqdm(
+        total=steps, initial=done, desc=command, unit="step", disable=not sys.stderr.isatty()
+    )
+    with metrics_log(run_dir, command) as (path, out), bar:
+        if done == 0 and evaluate is not None:
+            write_row(out, {"step": 0, **evaluate()})
+        for number in range(done + 1, steps + 1):
+            metrics = step(order[number - 1])
+            row: dict[str, Any] = {"step": number, **metrics}
+            every = section.eval_every
+            if evaluate is not None and ((every and number % every == 0) or number == steps):
+                row.update(evaluate())
+            write_row(out, row)
+            bar.update(1)
+            bar.set_postfix(**postfix(metrics))
+            every = section.checkpoint_every
+            if every and number % every == 0 and number < steps:
+                folder = run_dir / "checkpoints" / f"step_{number:06d}"
+                policy.save_checkpoint(folder, number, number)
+    final = save_final(policy, run_dir, steps)
+    return final, path, time.perf_counter() - started
+
+
 def save_final(policy: Any, run_dir: Path, steps: int) -> Path:
     """The trained model as `<run_dir>/final`: a Hugging Face folder (LoRA adapters in
     its `adapter/`), without resume state: a model to start from."""

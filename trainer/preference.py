@@ -12,21 +12,16 @@ batch and on the held-out pairs; the final model is `<run.output_dir>/final`.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from rollwire.services.core.config import RunConfig
 from rollwire.trainer.pipeline import (
-    batches,
     last_value,
-    metrics_log,
-    resume_step,
     run_pipeline,
-    save_final,
     split_data,
-    write_row,
+    train_steps,
 )
 
 Pair = tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]
@@ -94,7 +89,6 @@ def _lead(
     steps: int,
 ) -> int:
     import torch
-    from tqdm import tqdm
 
     dpo, run_dir = config.dpo, Path(config.run.output_dir)
     settings = {
@@ -121,35 +115,28 @@ def _lead(
         )
     if len(reference["train"]) != len(train) or len(reference["held"]) != len(held):
         raise ValueError(f"{saved} belongs to other data; remove it to compute it again")
-    order = batches(len(train), dpo.batch_size, dpo.epochs, dpo.seed)[:steps]
-    done = resume_step(policy, config, run_dir, steps)
-    started = time.perf_counter()
-    with (
-        metrics_log(run_dir, "dpo") as (path, out),
-        tqdm(
-            total=steps, initial=done, desc="dpo", unit="step", disable=not sys.stderr.isatty()
-        ) as bar,
-    ):
-        if done == 0 and held:
-            evaluated = _evaluate(policy, held, reference["held"], settings, dpo.batch_size)
-            write_row(out, {"step": 0, **evaluated})
-        for step in range(done + 1, steps + 1):
-            rows = order[step - 1]
-            metrics = policy.preference_step(
-                [train[i] for i in rows], [reference["train"][i] for i in rows], settings
-            )
-            row: dict[str, Any] = {"step": step, **metrics}
-            if held and ((dpo.eval_every and step % dpo.eval_every == 0) or step == steps):
-                row.update(_evaluate(policy, held, reference["held"], settings, dpo.batch_size))
-            write_row(out, row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.2f}")
-            if dpo.checkpoint_every and step % dpo.checkpoint_every == 0 and step < steps:
-                policy.save_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}", step, step)
-    final = save_final(policy, run_dir, steps)
+
+    def step(rows: list[int]) -> dict[str, float]:
+        pairs = [train[i] for i in rows]
+        return policy.preference_step(pairs, [reference["train"][i] for i in rows], settings)
+
+    def evaluate() -> dict[str, float]:
+        return _evaluate(policy, held, reference["held"], settings, dpo.batch_size)
+
+    final, path, seconds = train_steps(
+        config,
+        policy,
+        "dpo",
+        dpo,
+        len(train),
+        steps,
+        step,
+        evaluate if held else None,
+        lambda metrics: {"loss": f"{metrics['loss']:.3f}", "acc": f"{metrics['accuracy']:.2f}"},
+    )
     prefers = last_value(path, "eval_prefers_chosen")
     print(
-        f"{steps} steps in {time.perf_counter() - started:.0f} s"
+        f"{steps} steps in {seconds:.0f} s"
         + (f", held-out pairs preferring the chosen: {prefers:.3f}" if prefers is not None else "")
         + f"\nmodel: {final}\nmetrics: {path}"
     )

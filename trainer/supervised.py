@@ -12,21 +12,15 @@ and `rollwire train` starts from (trainer.model_path).
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from rollwire.services.core.config import RunConfig
 from rollwire.trainer.pipeline import (
-    batches,
     last_value,
-    metrics_log,
-    resume_step,
     run_pipeline,
-    save_final,
     split_data,
-    write_row,
+    train_steps,
 )
 
 Sequences = list[tuple[list[int], list[int]]]
@@ -75,37 +69,24 @@ def _lead(
     report: dict[str, Any],
     steps: int,
 ) -> int:
-    from tqdm import tqdm
-
-    sft, run_dir = config.sft, Path(config.run.output_dir)
+    sft = config.sft
     for key, value in report.items():
         print(f"{key}: {value}")
-    order = batches(len(train), sft.batch_size, sft.epochs, sft.seed)[:steps]
     pack = sft.max_length if sft.packing else None
-    done = resume_step(policy, config, run_dir, steps)
-    started = time.perf_counter()
-    with (
-        metrics_log(run_dir, "sft") as (path, out),
-        tqdm(
-            total=steps, initial=done, desc="sft", unit="step", disable=not sys.stderr.isatty()
-        ) as bar,
-    ):
-        if done == 0 and held:
-            write_row(out, {"step": 0, "eval_loss": _evaluate(policy, held, sft.batch_size, pack)})
-        for step in range(done + 1, steps + 1):
-            metrics = policy.supervised_step([train[i] for i in order[step - 1]], pack)
-            row: dict[str, Any] = {"step": step, **metrics}
-            if held and ((sft.eval_every and step % sft.eval_every == 0) or step == steps):
-                row["eval_loss"] = _evaluate(policy, held, sft.batch_size, pack)
-            write_row(out, row)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-            if sft.checkpoint_every and step % sft.checkpoint_every == 0 and step < steps:
-                policy.save_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}", step, step)
-    final = save_final(policy, run_dir, steps)
+    final, path, seconds = train_steps(
+        config,
+        policy,
+        "sft",
+        sft,
+        len(train),
+        steps,
+        lambda rows: policy.supervised_step([train[i] for i in rows], pack),
+        (lambda: {"eval_loss": _evaluate(policy, held, sft.batch_size, pack)}) if held else None,
+        lambda metrics: {"loss": f"{metrics['loss']:.3f}"},
+    )
     last = last_value(path, "eval_loss")
     print(
-        f"{steps} steps in {time.perf_counter() - started:.0f} s"
+        f"{steps} steps in {seconds:.0f} s"
         + (f", held-out loss {last:.4f}" if last is not None else "")
         + f"\nmodel: {final}\nmetrics: {path}"
     )
