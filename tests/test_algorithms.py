@@ -12,6 +12,7 @@ from rollwire.trainer.algorithms import (
     ADVANTAGE_ESTIMATORS,
     RunningMoments,
     discounted_returns,
+    distill_advantages,
     dr_grpo,
     final_token_rewards,
     gae,
@@ -250,3 +251,21 @@ def test_running_moments_merge_batches_like_one() -> None:
     assert normalized_rewards(torch.tensor([2.0, 4.0]), 3.0, 1.0).tolist() == pytest.approx(
         [-1.0, 1.0], abs=1e-5
     )
+
+
+def test_distill_advantages_by_hand() -> None:
+    # Teacher minus student on sampled tokens, times kl_coef; 0 off the mask. Token 2:
+    # the teacher finds it likelier (-0.5 vs -2.0): +1.5 x 2; token 3 less likely: -1 x 2.
+    advantages = distill_advantages(
+        teacher_logprobs=torch.tensor([[0.0, -0.5, -3.0, -9.0]]),
+        student_logprobs=torch.tensor([[0.0, -2.0, -2.0, -1.0]]),
+        mask=torch.tensor([[0.0, 1.0, 1.0, 0.0]]),
+        kl_coef=2.0,
+    )
+    assert advantages.tolist() == [[0.0, 3.0, -2.0, 0.0]]
+    with pytest.raises(ValueError, match="one \\[B, T\\] shape"):
+        distill_advantages(
+            teacher_logprobs=torch.zeros(1, 3),
+            student_logprobs=torch.zeros(1, 4),
+            mask=torch.zeros(1, 4),
+        )

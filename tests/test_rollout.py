@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 
 import grpc
@@ -13,11 +14,13 @@ import pytest
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
+from rollwire.rollout.server.engine import tokenizer_digest
 from rollwire.rollout.server.hf_engine import ContextTooLong, HFEngine, RequestError
 from rollwire.rollout.server.sampling import SamplingSpec, processed_logprobs
 from rollwire.rollout.server.servicer import RolloutServicer
 from rollwire.rollout.server.weights import WeightAssembler, WeightStreamError, iter_weight_chunks
 from rollwire.services.core.client import open_channel
+from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.server import Registration
 
 torch.set_num_threads(1)
@@ -421,6 +424,71 @@ async def test_rollout_server_rejects_bad_input_and_keeps_serving(rollout_stub) 
         "not newer than the served version 2",
     )
     assert len((await stub.Generate(generate_request("fine"))).token_ids) == 6
+
+
+async def test_score_gives_the_models_logprobs_of_given_tokens(engine) -> None:
+    """Scoring is one forward: each token's logprob after the ones before it, at
+    temperature 1, for sequences of different lengths in one padded batch."""
+    sequences = [([5, 6, 7, 8, 9], 2), ([10, 11, 12], 1), ([13, 14, 15, 16, 17, 18, 19], 6)]
+    scores, version = await engine.score(sequences, top_k=3)
+    assert version == 0
+    for (ids, start), got in zip(sequences, scores, strict=True):
+        assert got.logprobs == pytest.approx(
+            reference_logprobs(engine.model, ids[:start], ids[start:]), abs=1e-5
+        )
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([ids])).logits[0, start - 1 : -1]
+        best = torch.log_softmax(logits.float(), dim=-1).topk(3, dim=-1)
+        assert got.top_token_ids == best.indices.tolist()
+        assert torch.allclose(torch.tensor(got.top_logprobs), best.values, atol=1e-5)
+    # Without top_k only the tokens' own logprobs come back.
+    (plain,), _ = await engine.score([([5, 6, 7], 1)], top_k=0)
+    assert len(plain.logprobs) == 2 and plain.top_token_ids == [] == plain.top_logprobs
+
+
+async def test_score_rejects_what_it_cannot_score(engine) -> None:
+    for sequences, top_k, text in (
+        ([], 0, "no sequences"),
+        ([([5, 6], 0)], 0, "start 0 outside [1, 2)"),
+        ([([5, 6], 2)], 0, "start 2 outside"),
+        ([([5, -1, 6], 1)], 0, "token ids must lie in"),
+        ([([5, 6], 1)], 65, "top_k must lie in [0, 64]"),
+    ):
+        with pytest.raises(RequestError, match=re.escape(text)):
+            await engine.score(sequences, top_k)
+    with pytest.raises(ContextTooLong):
+        await engine.score([(list(range(1, 70)), 1)], 0)
+
+
+@pytest.mark.integration
+async def test_rollout_server_scores_tokens_and_refuses_bad_requests(rollout_stub) -> None:
+    stub, engine = rollout_stub
+    request = rollout_pb2.ScoreTokensRequest(
+        request_id="s",
+        sequences=[rollout_pb2.TokenSequence(token_ids=[5, 6, 7, 8], start=2)],
+        top_k=2,
+    )
+    reply = await stub.ScoreTokens(request)
+    (scores,) = reply.sequences
+    assert list(scores.logprobs) == pytest.approx(
+        reference_logprobs(engine.model, [5, 6], [7, 8]), abs=1e-5
+    )
+    assert len(scores.top_token_ids) == len(scores.top_logprobs) == 2 * 2
+    before = COUNTERS.get("rollout_rejected", reason="bad_request")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.ScoreTokens(
+            rollout_pb2.ScoreTokensRequest(
+                sequences=[rollout_pb2.TokenSequence(token_ids=[5, 6], start=5)]
+            )
+        )
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "start 5 outside [1, 2)" in caught.value.details()
+    assert COUNTERS.get("rollout_rejected", reason="bad_request") == before + 1
+    # Still serving; and its status names its tokenizer, as another server of it would.
+    assert len((await stub.ScoreTokens(request)).sequences) == 1
+    status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest())
+    assert len(status.tokenizer_digest) == 64
+    assert status.tokenizer_digest == tokenizer_digest(engine.model_path)
 
 
 @pytest.mark.multiproc

@@ -453,3 +453,61 @@ def test_a_packed_supervised_step_equals_the_padded_one(tiny_model_path) -> None
         packed.model.named_parameters(), padded.model.parameters(), strict=True
     ):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def distilled_group(policy: Policy, lift: float) -> list[Trajectory]:
+    """group() with teacher logprobs: the policy's own, `lift` higher on each response's
+    second token."""
+    trajectories = group()
+    student = policy._logprobs(
+        policy.model, collate(trajectories, policy.pad_token_id), slice(None)
+    )
+    for row, trajectory in enumerate(trajectories):
+        n = trajectory.num_tokens
+        teacher = np.zeros(n, np.float32)
+        teacher[1:] = student[row, : n - 1].detach().numpy()
+        teacher[len(PROMPT) + 1] += lift
+        trajectory.teacher_logprobs = np.where(trajectory.loss_mask == 1, teacher, 0)
+        trajectory.teacher_logprobs = trajectory.teacher_logprobs.astype(np.float32)
+    return trajectories
+
+
+def test_on_policy_distillation_moves_the_student_toward_the_teacher(tiny_model_path) -> None:
+    """Each sampled token's advantage is teacher minus student logprob: where they agree
+    nothing moves; where the teacher is likelier the student's logprob rises."""
+    policy = make_policy(
+        tiny_model_path, advantage={"type": "on_policy_distill"}, learning_rate=1e-3
+    )
+    agree = policy.train_step(distilled_group(policy, 0.0), 0)
+    # 15 generated tokens, all with zero advantage: no gradient.
+    assert agree["teacher_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert agree["sequences_with_signal"] == 4.0 and agree["grad_norm"] == pytest.approx(
+        0.0, abs=1e-4
+    )
+    trajectories = distilled_group(policy, 2.0)
+    batch = collate(trajectories, policy.pad_token_id)
+    second = [len(PROMPT)] * 4  # target index of each response's second token
+    before = policy._logprobs(policy.model, batch, slice(None))
+    metrics = policy.train_step(trajectories, 1)
+    # KL estimate: student minus teacher, -2 on 4 of the 15 tokens.
+    assert metrics["teacher_kl"] == pytest.approx(-2.0 * 4 / 15, abs=1e-4)
+    after = policy._logprobs(policy.model, batch, slice(None))
+    rows = torch.arange(4)
+    assert bool((after[rows, second] > before[rows, second]).all()), (before, after)
+
+
+def test_on_policy_distillation_adds_the_task_reward_and_needs_the_teacher(
+    tiny_model_path,
+) -> None:
+    policy = make_policy(
+        tiny_model_path, advantage={"type": "on_policy_distill", "reward_weight": 0.5}
+    )
+    rewards = torch.tensor(REWARDS)
+    # GRPO of 1, 0, 1, 0 is +-1; half of it.
+    assert policy._distill_task_advantages(rewards).tolist() == pytest.approx(
+        [0.5, -0.5, 0.5, -0.5], abs=1e-5
+    )
+    with pytest.raises(ValueError, match="needs the teacher's logprobs of every sample"):
+        policy.train_step(group(), 0)
+    plain = make_policy(tiny_model_path, advantage={"type": "on_policy_distill"})
+    assert plain._distill_task_advantages(rewards).tolist() == [0.0] * 4

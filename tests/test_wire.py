@@ -61,6 +61,9 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
         finish_reason=draw(st.sampled_from(["stop", "length", "abort", "terminated"])),
         timings=draw(st.dictionaries(names, st.floats(0, 1e4), max_size=3)),
         trace_context=draw(st.dictionaries(names, names, max_size=2)),
+        teacher_logprobs=np.where(mask == 1, logprobs - 1, 0).astype(np.float32)
+        if draw(st.booleans())
+        else np.zeros(0, np.float32),
     )
 
 
@@ -242,3 +245,21 @@ def test_a_bad_trajectory_inside_a_batch_is_located() -> None:
     envelope["body"]["trajectories"][1]["domain"] = None
     with pytest.raises(WireError, match=r"batch.trajectories\[1\].domain"):
         decode(msgpack.packb(envelope, use_bin_type=True))
+
+
+def test_teacher_logprobs_are_optional_and_checked() -> None:
+    """A frame without teacher logprobs (one written before they existed, or of a run that
+    does not distil) decodes to an empty array; one with them must match the tokens."""
+    plain = sample()
+    body = msgpack.unpackb(encode(plain))
+    assert "teacher_logprobs" not in body["body"]
+    assert decode_trajectory(encode(plain)).teacher_logprobs.size == 0
+    scored = sample()
+    scored.teacher_logprobs = np.where(scored.loss_mask == 1, -0.5, 0).astype(np.float32)
+    assert decode_trajectory(encode(scored)) == scored
+    scored.teacher_logprobs = np.zeros(3, np.float32)
+    with pytest.raises(WireError, match="teacher_logprobs: 3 entries for 6 tokens"):
+        decode_trajectory(encode(scored))
+    scored.teacher_logprobs = np.full(6, np.nan, np.float32)
+    with pytest.raises(WireError, match="teacher_logprobs: not finite"):
+        decode_trajectory(encode(scored))

@@ -210,6 +210,34 @@ def gae(
     return advantages.to(torch.float32), returns.to(torch.float32)
 
 
+def distill_advantages(
+    *,
+    teacher_logprobs: torch.Tensor,
+    student_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float = 1.0,
+) -> torch.Tensor:
+    """On-policy distillation's token advantages (Agarwal et al. 2024; Lu 2025): on each
+    sampled token, kl_coef x (log p_teacher - log p_student), the negative of the
+    single-sample estimate of the reverse KL(student || teacher) there. No discount: a
+    token is credited with its own divergence only.
+
+    Args:
+        teacher_logprobs, student_logprobs: [B, T] each model's logprob of the sampled
+            token (the student's at the weights the step starts from).
+        mask: [B, T] 1 on sampled tokens.
+    Returns:
+        [B, T] float32, 0 off the mask.
+    """
+    if not teacher_logprobs.shape == student_logprobs.shape == mask.shape or mask.ndim != 2:
+        raise ValueError(
+            f"teacher_logprobs {tuple(teacher_logprobs.shape)}, student_logprobs "
+            f"{tuple(student_logprobs.shape)} and mask {tuple(mask.shape)} must be one [B, T] shape"
+        )
+    gap = teacher_logprobs.to(torch.float32) - student_logprobs.to(torch.float32)
+    return torch.where(mask > 0, kl_coef * gap, 0.0)
+
+
 ADVANTAGE_ESTIMATORS = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
@@ -219,7 +247,8 @@ ADVANTAGE_ESTIMATORS = {
 }
 """`trainer.advantage.type` -> the estimator of one advantage per sequence, from [B]
 rewards in adjacent groups of `group_size`. `episode` (StarPO) and `step` (GiGPO) start
-from `grpo` (`rollwire.trainer.model.Policy.advantages`)."""
+from `grpo` (`rollwire.trainer.model.Policy.advantages`); `gae` and `on_policy_distill`
+are per token (`gae`, `distill_advantages`)."""
 
 
 def high_variance_groups(rewards: torch.Tensor, group_size: int, fraction: float) -> torch.Tensor:

@@ -30,6 +30,7 @@ class TokenBatch:
     token_rewards: torch.Tensor | None = None  # [B, T-1], `advantage: gae`
     old_values: torch.Tensor | None = None  # [B, T-1], the critic's before the step
     returns: torch.Tensor | None = None  # [B, T-1], the critic's targets
+    teacher_logprobs: torch.Tensor | None = None  # [B, T-1], on-policy distillation
     documents: torch.Tensor | None = None  # [B, T], packed rows: each token's example, -1 pad
     positions: torch.Tensor | None = None  # [B, T], packed rows: positions within an example
 
@@ -77,6 +78,17 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TokenBatch:
             t.policy_versions,
         )
     as_tensor = torch.from_numpy
+    teacher = None
+    if any(t.teacher_logprobs.size for t in trajectories):
+        scored = np.zeros((size, length), np.float32)
+        for row, t in enumerate(trajectories):
+            if t.teacher_logprobs.size != t.num_tokens:
+                raise ValueError(
+                    f"trajectory {t.trajectory_id} has no teacher logprobs, others of its "
+                    "batch have: a batch is scored by the teacher whole or not at all"
+                )
+            scored[row, : t.num_tokens] = t.teacher_logprobs
+        teacher = as_tensor(scored[:, 1:].copy())
     return TokenBatch(
         input_ids=as_tensor(ids),
         attention=as_tensor(attention),
@@ -84,6 +96,7 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TokenBatch:
         mask=as_tensor(mask[:, 1:].copy()),
         behaviour_logprobs=as_tensor(behaviour[:, 1:].copy()),
         policy_versions=as_tensor(versions[:, 1:].copy()),
+        teacher_logprobs=teacher,
     )
 
 

@@ -25,6 +25,7 @@ from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.algorithms import (
     ADVANTAGE_ESTIMATORS,
     RunningMoments,
+    distill_advantages,
     final_token_rewards,
     group_advantages,
     high_variance_groups,
@@ -267,8 +268,8 @@ class Policy(PipelineSteps):
         scored = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         rewards, truncated, metrics = self._shaped_rewards(trajectories, scored)
         if self.token_level:
-            # Advantages per token, from token rewards, per part: below.
-            advantages, per_turn = torch.zeros_like(rewards), None
+            # Advantages per token, per part: below (on top of the task's, when distilling).
+            advantages, per_turn = self._distill_task_advantages(rewards), None
             keep = list(range(len(trajectories)))
         else:
             advantages, per_turn = self.advantages(trajectories, rewards)
@@ -317,7 +318,7 @@ class Policy(PipelineSteps):
             None if per_turn is None else [per_turn[i] for i in keep],
             batch.mask.shape[1],
         )
-        if self.token_level:
+        if self.token_level and not self.distilling:
             batch.token_rewards = final_token_rewards(
                 self._sequence_rewards(rewards)[keep], batch.mask
             )
@@ -332,7 +333,11 @@ class Policy(PipelineSteps):
         # gives their logprobs (no extra pass). More: the weights move after the first
         # update, so the proximal logprobs must be taken before it; so must a KL that
         # goes into the rewards.
-        ahead = len(plan) * self.config.epochs_per_step > 1 or self.config.kl.in_reward
+        ahead = (
+            len(plan) * self.config.epochs_per_step > 1
+            or self.config.kl.in_reward
+            or self.distilling
+        )
         observed: list[Observed] = []
         parts = [part for minibatch_parts in plan for part in minibatch_parts]
         if ahead:
@@ -421,9 +426,50 @@ class Policy(PipelineSteps):
 
     @property
     def token_level(self) -> bool:
-        """Advantages per token from token rewards (a critic, or a KL in the reward), not
-        one per sequence: every sequence trains."""
-        return self.critic is not None or self.config.kl.in_reward
+        """Advantages per token (from token rewards: a critic, or a KL in the reward; or
+        on-policy distillation's teacher), not one per sequence: every sequence trains."""
+        return self.critic is not None or self.config.kl.in_reward or self.distilling
+
+    @property
+    def distilling(self) -> bool:
+        """`advantage: on_policy_distill`: the token advantages are the teacher's."""
+        return self.config.advantage.type == "on_policy_distill"
+
+    def _distill_task_advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """[B] what every generated token's advantage starts from on the token-level path:
+        on-policy distillation's reward_weight x the task reward's GRPO advantage (the
+        reward clipped to trainer.reward_clip), else 0."""
+        settings = self.config.advantage
+        if not self.distilling or settings.reward_weight == 0:
+            return torch.zeros_like(rewards)
+        clip = self.config.reward_clip
+        rewards = rewards if clip is None else rewards.clamp(-clip, clip)
+        return settings.reward_weight * group_advantages(rewards, self.rl.group_size)
+
+    def _distill_advantages(self, parts: list[TokenBatch]) -> dict[str, float]:
+        """Adds the teacher's token advantages (`distill_advantages`) to every part's, from
+        the proximal logprobs; returns `teacher_kl`, the batch's mean per-token estimate
+        of KL(student || teacher)."""
+        gap, tokens = 0.0, 0.0
+        for part in parts:
+            if part.teacher_logprobs is None:
+                raise ValueError(
+                    "advantage: on_policy_distill needs the teacher's logprobs of every "
+                    "sample, and a batch came without them: the orchestrator scores them "
+                    "when its config has trainer.advantage on_policy_distill too"
+                )
+            mask = part.mask.to(self.device)
+            teacher = part.teacher_logprobs.to(self.device)
+            part.advantages = part.advantages.to(self.device) + distill_advantages(
+                teacher_logprobs=teacher,
+                student_logprobs=part.proximal_logprobs,
+                mask=mask,
+                kl_coef=self.config.advantage.kl_coef,
+            )
+            gap += float(((part.proximal_logprobs - teacher) * mask).sum())
+            tokens += float(mask.sum())
+        summed = self.backend.reduce_metrics({"gap": gap, "tokens": tokens}, "sum")
+        return {"teacher_kl": summed["gap"] / max(summed["tokens"], 1.0)}
 
     def _sequence_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
         """[B] what each sequence's last token is rewarded on the token-level path: the
@@ -441,6 +487,8 @@ class Policy(PipelineSteps):
         """Sets every part's token advantages: the KL penalty folded into its token rewards
         first (kl.in_reward; the proximal pass has set the logprobs it needs), then the
         critic's GAE, or REINFORCE++'s whitened returns to go. Returns their metrics."""
+        if self.distilling:
+            return self._distill_advantages(parts)
         metrics: dict[str, float] = {}
         kl = self.config.kl
         if kl.in_reward:
@@ -471,8 +519,8 @@ class Policy(PipelineSteps):
         groups whose rewards vary least, which leaves them out of the step."""
         settings = self.config.advantage
         group_size = self.rl.group_size
-        if settings.type == "gae":
-            raise ValueError("advantage: gae takes its advantages from the critic, per token")
+        if settings.type in ("gae", "on_policy_distill"):
+            raise ValueError(f"advantage: {settings.type} gives its advantages per token")
         if self.config.reward_clip is not None:
             rewards = rewards.clamp(-self.config.reward_clip, self.config.reward_clip)
         if settings.type in ADVANTAGE_ESTIMATORS:

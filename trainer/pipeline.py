@@ -54,10 +54,12 @@ def run_pipeline(
     `section`'s batch_size, epochs, seed and max_steps, the `Policy`; rank 0 then runs
     `lead(config, policy, train, held, report, steps)` while the others follow. A bad
     setting or file is one line on stderr and exit code 1."""
-    from rollwire.services.core.tiny import default_model_path
+    from rollwire.services.core.tiny import tiny_model_of
 
+    # Unset: the built-in tiny model of run.tiny_model's shape, untrained (no warm-up),
+    # built before the ranks start (they find it built).
+    model_path = Path(config.trainer.model_path or tiny_model_of(config.run.tiny_model))
     rank = become_ranks(config, command, argv)
-    model_path = Path(config.trainer.model_path or default_model_path())
     try:
         train: list = []
         held: list = []

@@ -131,20 +131,22 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "engine", "model", "running_requests", "waiting_requests", "generated_tokens")
+    __slots__ = ("policy_version", "engine", "model", "running_requests", "waiting_requests", "generated_tokens", "tokenizer_digest")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     engine: str
     model: str
     running_requests: int
     waiting_requests: int
     generated_tokens: int
-    def __init__(self, policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    tokenizer_digest: str
+    def __init__(self, policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ...) -> None: ...
 
 class JoinWeightGroupRequest(_message.Message):
     __slots__ = ("address", "port", "rank", "world_size", "backend", "group_id", "timeout_seconds")
@@ -189,3 +191,39 @@ class ReceiveWeightsRequest(_message.Message):
     group_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     def __init__(self, version: _Optional[int] = ..., group_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("token_ids", "start")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ...) -> None: ...
+
+class ScoreTokensRequest(_message.Message):
+    __slots__ = ("request_id", "sequences", "top_k")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    top_k: int
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class SequenceScores(_message.Message):
+    __slots__ = ("logprobs", "top_token_ids", "top_logprobs")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoreTokensResponse(_message.Message):
+    __slots__ = ("sequences", "policy_version")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceScores]
+    policy_version: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceScores, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class RolloutServiceStub:
                 request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.SerializeToString,
                 response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.ScoreTokens = channel.unary_unary(
+                '/rollwire.v1.RolloutService/ScoreTokens',
+                request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensRequest.SerializeToString,
+                response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -141,6 +146,20 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreTokens(self, request, context):
+        """The served model's logprobs of given tokens (a teacher scoring a student's
+        samples, or its own for distillation data): for each sequence, the logprob
+        of every token from `start` on given the tokens before it, under the
+        model's own distribution (temperature 1, no truncation), and optionally the
+        top_k most likely tokens at each of those positions. INVALID_ARGUMENT for
+        an empty sequence list, start outside [1, len), out-of-vocabulary ids or
+        top_k outside [0, 64]; RESOURCE_EXHAUSTED for a sequence longer than the
+        context; UNIMPLEMENTED for an engine that cannot score (openai, sglang).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +197,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.ReceiveWeights,
                     request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.FromString,
                     response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'ScoreTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreTokens,
+                    request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensRequest.FromString,
+                    response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -369,6 +393,33 @@ class RolloutService:
             '/rollwire.v1.RolloutService/ReceiveWeights',
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.ReceiveWeightsRequest.SerializeToString,
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.RolloutService/ScoreTokens',
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensRequest.SerializeToString,
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,

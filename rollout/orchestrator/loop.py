@@ -16,6 +16,7 @@ Start here; the rest of the room:
     pacing.py      which prompt next, how many groups may be in play, dynamic
                    sampling, waiting on a full buffer
     servers.py     the calls to the rollout- and reward-servers, retried
+    teacher.py     on-policy distillation's teacher scoring each group
     episode.py     an episode's tokens and the trajectory made of them
     agent.py       multi-turn episodes against env-servers
     evaluation.py  held-out evaluation
@@ -47,6 +48,7 @@ from rollwire.rollout.orchestrator.pacing import (
     put_group_with_backpressure,
 )
 from rollwire.rollout.orchestrator.servers import Servers
+from rollwire.rollout.orchestrator.teacher import Teacher
 from rollwire.services.buffer.client import BufferError, BufferProducer
 from rollwire.services.buffer.protocol import PutAnswer
 from rollwire.services.core.client import describe_error
@@ -88,6 +90,9 @@ class Orchestrator:
         self.watch_seconds = config.telemetry.watchdog_seconds
         self.eos = int(tokenizer.eos_token_id)
         self.servers = Servers(config, self.eos)
+        self.teacher = (
+            Teacher(config) if config.trainer.advantage.type == "on_policy_distill" else None
+        )
         endpoints = config.endpoints
         self.producer = BufferProducer(endpoints.buffer_producer, curve=config.client.curve)
         self.run_dir = Path(config.run.output_dir)
@@ -146,6 +151,8 @@ class Orchestrator:
         """Waits until every rollout- and reward-server serves; with an env dataset, asks
         the env-servers what they offer."""
         await self.servers.wait_until_serving()
+        if self.teacher is not None:
+            await self.teacher.connect(self.servers.rollout)
         if self.agentic:
             await self.start_episodes()
 
@@ -252,6 +259,11 @@ class Orchestrator:
                 trajectories = await self.play_env_group(task)
             else:
                 trajectories = await self.sample_group(task)
+            if self.teacher is not None:
+                started = time.perf_counter()
+                await self.teacher.score(trajectories)
+                for trajectory in trajectories:
+                    trajectory.timings["teacher"] = time.perf_counter() - started
             return await self.send_group(trajectories)
 
     async def sample_group(self, task: Task) -> list[Trajectory]:
@@ -461,6 +473,8 @@ class Orchestrator:
         if self.pool is not None:
             await self.pool.aclose()
         await self.servers.close()
+        if self.teacher is not None:
+            await self.teacher.close()
 
 
 def run_orchestrator(config: RunConfig) -> int:

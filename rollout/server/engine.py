@@ -31,6 +31,10 @@ class UpdateUnsupported(RuntimeError):
     """This engine cannot take weights from the trainer (e.g. an external server)."""
 
 
+class ScoreUnsupported(RuntimeError):
+    """This engine cannot score given tokens (`ScoreTokens`)."""
+
+
 @dataclass
 class Generation:
     """The result of one request."""
@@ -42,6 +46,20 @@ class Generation:
     policy_version: int
     queue_seconds: float
     generate_seconds: float
+
+
+@dataclass
+class Scores:
+    """One sequence's scores (`Engine.score`): the logprob of each token from `start` on,
+    and for each of those positions the `top_k` most likely tokens and their logprobs."""
+
+    logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+MAX_SCORE_TOP_K = 64
+"""The most alternatives per position `ScoreTokens` returns."""
 
 
 class Engine(Protocol):
@@ -65,6 +83,9 @@ class Engine(Protocol):
     ) -> Generation: ...
     def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int: ...
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float: ...
+    async def score(
+        self, sequences: list[tuple[list[int], int]], top_k: int
+    ) -> tuple[list[Scores], int]: ...
 
 
 def validate_request(
@@ -84,6 +105,49 @@ def validate_request(
             f"prompt of {len(prompt_ids)} tokens plus max_new_tokens {spec.max_new_tokens} "
             f"exceeds the model's context of {max_context}"
         )
+
+
+def validate_scoring(
+    sequences: list[tuple[list[int], int]], top_k: int, vocab_size: int, max_context: int
+) -> None:
+    """Raises RequestError for a `ScoreTokens` request no engine can serve: (token ids,
+    start) sequences, each scored from `start` on."""
+    if not sequences:
+        raise RequestError("no sequences to score")
+    if not 0 <= top_k <= MAX_SCORE_TOP_K:
+        raise RequestError(f"top_k must lie in [0, {MAX_SCORE_TOP_K}]")
+    for index, (ids, start) in enumerate(sequences):
+        if not 1 <= start < len(ids):
+            raise RequestError(
+                f"sequence {index}: start {start} outside [1, {len(ids)}) (the tokens before "
+                "start are the context, at least one; at least one token is scored)"
+            )
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise RequestError(f"sequence {index}: token ids must lie in [0, {vocab_size})")
+        if len(ids) > max_context:
+            raise ContextTooLong(
+                f"sequence {index} of {len(ids)} tokens exceeds the model's context of "
+                f"{max_context}"
+            )
+
+
+def tokenizer_digest(model_path: str | Path | None) -> str:
+    """sha256 of the tokenizer at `model_path`: its vocabulary (token -> id) and special
+    tokens; "" without a local model folder. Equal digests: the same ids mean the
+    same text, so one model's logprobs of another's tokens make sense."""
+    import hashlib
+    import json
+
+    if model_path is None or not (Path(model_path) / "config.json").exists():
+        return ""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    identity = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted(str(token) for token in tokenizer.all_special_tokens),
+    }
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
 
 
 def model_folder(model_path: str | Path) -> Path:

@@ -39,7 +39,9 @@ from rollwire.rollout.server.engine import (
     ContextTooLong,
     Generation,
     RequestError,
+    Scores,
     validate_request,
+    validate_scoring,
 )
 from rollwire.rollout.server.sampling import SamplingSpec, sample_next
 
@@ -236,7 +238,51 @@ class HFEngine:
             return False
         return True
 
+    async def score(
+        self, sequences: list[tuple[list[int], int]], top_k: int
+    ) -> tuple[list[Scores], int]:
+        """Each (token ids, start) sequence's logprobs from `start` on (and top-k), with
+        the version that scored them: one forward per `max_batch_size` sequences, on the
+        worker thread, so between two generation batches and never across a weight swap."""
+        if self._closed:
+            raise RuntimeError("the engine is shutting down")
+        validate_scoring(sequences, top_k, self.vocab_size, self.max_context)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._worker, self._score, sequences, top_k
+        )
+
     # ------------------------------------------------------------ worker side
+
+    @torch.inference_mode()
+    def _score(
+        self, sequences: list[tuple[list[int], int]], top_k: int
+    ) -> tuple[list[Scores], int]:
+        version = self._version
+        out: list[Scores] = []
+        for first in range(0, len(sequences), self.max_batch_size):
+            chunk = sequences[first : first + self.max_batch_size]
+            longest = max(len(ids) for ids, _ in chunk)
+            ids = torch.full((len(chunk), longest), self.pad_token_id, dtype=torch.long)
+            attention = torch.zeros((len(chunk), longest), dtype=torch.long)
+            for row, (tokens, _) in enumerate(chunk):
+                ids[row, : len(tokens)] = torch.tensor(tokens)
+                attention[row, : len(tokens)] = 1
+            logits = self.model(
+                input_ids=ids.to(self.device), attention_mask=attention.to(self.device)
+            ).logits
+            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+            for row, (tokens, start) in enumerate(chunk):
+                # Position t - 1 predicts token t.
+                rows = logprobs[row, start - 1 : len(tokens) - 1]
+                targets = torch.tensor(tokens[start:])
+                chosen = rows.gather(1, targets[:, None])[:, 0]
+                top_ids: list[list[int]] = []
+                top_values: list[list[float]] = []
+                if top_k:
+                    values, indices = rows.topk(top_k, dim=-1)
+                    top_ids, top_values = indices.tolist(), values.tolist()
+                out.append(Scores(chosen.tolist(), top_ids, top_values))
+        return out, version
 
     def _apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float:
         if version <= self._version:

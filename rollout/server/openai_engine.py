@@ -45,6 +45,8 @@ from urllib.parse import urlsplit
 from rollwire.rollout.server.engine import (
     Generation,
     RequestError,
+    Scores,
+    ScoreUnsupported,
     UpdateUnsupported,
     checkpoint_parameter_specs,
     model_limits,
@@ -243,6 +245,14 @@ class OpenAIEngine:
                 with contextlib.suppress(OSError):
                     connection.sock.shutdown(socket.SHUT_RDWR)
         return len(targets)
+
+    async def score(
+        self, sequences: list[tuple[list[int], int]], top_k: int
+    ) -> tuple[list[Scores], int]:
+        raise ScoreUnsupported(
+            "an OpenAI-compatible completions server does not score given token ids; serve "
+            "the teacher with rollout_server.engine hf or vllm"
+        )
 
     # ------------------------------------------------------------ weights
 

@@ -11,7 +11,14 @@ import grpc
 import grpc.aio
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.server.engine import ContextTooLong, Engine, RequestError, UpdateUnsupported
+from rollwire.rollout.server.engine import (
+    ContextTooLong,
+    Engine,
+    RequestError,
+    ScoreUnsupported,
+    UpdateUnsupported,
+    tokenizer_digest,
+)
 from rollwire.rollout.server.sampling import SamplingSpec
 from rollwire.rollout.server.weights import (
     NotInWeightGroup,
@@ -59,6 +66,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.weights = WeightReceiver(engine)
         # Set when the engine broke for good: the process then exits 1 (and is restarted).
         self.fatal = asyncio.Event()
+        self._tokenizer_digest: str | None = None
         self._has_weights = asyncio.Event()
         if not await_weights:
             self._has_weights.set()
@@ -81,6 +89,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 f"(it holds version {self.engine.version}); try again shortly",
             )
 
+    async def _start(self) -> None:
+        """Starts the engine and the watchdog at the first request."""
+        if not self._started:
+            self._started = True
+            await self.engine.start()
+            self.watchdog.start()
+
     async def _reject(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
     ) -> None:
@@ -94,10 +109,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> rollout_pb2.GenerateResponse:
         await self._wait_for_weights(context)
-        if not self._started:
-            self._started = True
-            await self.engine.start()
-            self.watchdog.start()
+        await self._start()
         try:
             with self.watchdog.watch("request", request_id, self.watch_seconds):
                 result = await self.engine.generate(request_id, prompt, spec)
@@ -212,6 +224,45 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._has_weights.set()
         return reply
 
+    async def ScoreTokens(
+        self, request: rollout_pb2.ScoreTokensRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ScoreTokensResponse:
+        await self._wait_for_weights(context)
+        await self._start()
+        sequences = [(list(s.token_ids), int(s.start)) for s in request.sequences]
+        try:
+            with self.watchdog.watch("score", request.request_id, self.watch_seconds):
+                scores, version = await self.engine.score(sequences, int(request.top_k))
+        except ContextTooLong as error:
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "context", str(error))
+        except RequestError as error:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", str(error))
+        except ScoreUnsupported as error:
+            await self._reject(
+                context, grpc.StatusCode.UNIMPLEMENTED, "score_unsupported", str(error)
+            )
+        except RuntimeError as error:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "shutting_down", str(error))
+        COUNTERS.inc("rollout_scored_tokens", amount=sum(len(s.logprobs) for s in scores))
+        return rollout_pb2.ScoreTokensResponse(
+            sequences=[
+                rollout_pb2.SequenceScores(
+                    logprobs=s.logprobs,
+                    top_token_ids=[token for row in s.top_token_ids for token in row],
+                    top_logprobs=[value for row in s.top_logprobs for value in row],
+                )
+                for s in scores
+            ],
+            policy_version=version,
+        )
+
+    def tokenizer_digest(self) -> str:
+        """The served tokenizer's digest (`rollwire.rollout.server.engine.tokenizer_digest`),
+        read once."""
+        if self._tokenizer_digest is None:
+            self._tokenizer_digest = tokenizer_digest(self.engine.model_path)
+        return self._tokenizer_digest
+
     async def GetStatus(
         self, request: rollout_pb2.RolloutStatusRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.RolloutStatus:
@@ -222,6 +273,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             running_requests=self.engine.running,
             waiting_requests=self.engine.waiting,
             generated_tokens=self.engine.generated_tokens,
+            tokenizer_digest=await asyncio.to_thread(self.tokenizer_digest),
         )
 
     async def close(self) -> None:

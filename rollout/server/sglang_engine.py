@@ -48,6 +48,8 @@ import torch
 from rollwire.rollout.server.engine import (
     Generation,
     RequestError,
+    Scores,
+    ScoreUnsupported,
     checkpoint_parameter_specs,
     model_folder,
     model_limits,
@@ -382,6 +384,14 @@ class SGLangEngine:
             manager.abort_request(rid)
 
     # ------------------------------------------------------------ weights
+
+    async def score(
+        self, sequences: list[tuple[list[int], int]], top_k: int
+    ) -> tuple[list[Scores], int]:
+        raise ScoreUnsupported(
+            "the sglang engine does not score given token ids yet; serve the teacher with "
+            "rollout_server.engine hf or vllm"
+        )
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float:
         """Loads checkpoint-named tensors with SGLang's `update_weights_from_tensor` (which

@@ -47,10 +47,12 @@ import torch
 from rollwire.rollout.server.engine import (
     Generation,
     RequestError,
+    Scores,
     checkpoint_parameter_specs,
     model_folder,
     model_limits,
     validate_request,
+    validate_scoring,
 )
 from rollwire.rollout.server.sampling import SamplingSpec
 
@@ -116,6 +118,18 @@ class _Pending:
 
 
 @dataclass
+class _ScoreJob:
+    """One `score` call: its sequences go into vLLM as one-token requests whose prompt
+    logprobs are the scores (worker thread only, but for `future`)."""
+
+    sequences: list[tuple[list[int], int]]
+    top_k: int
+    future: concurrent.futures.Future[tuple[list[Scores], int]]
+    results: dict[int, Scores] = field(default_factory=dict)
+    version: int = -1
+
+
+@dataclass
 class _Track:
     """One request inside vLLM, with what it has generated so far (worker thread only)."""
 
@@ -163,6 +177,7 @@ class VLLMEngine:
 
         self._vllm = vllm
         self._delta = RequestOutputKind.DELTA
+        self._final_only = RequestOutputKind.FINAL_ONLY
         self.model_path = path
         self.vocab_size, self.max_context = model_limits(path)
         self._specs = checkpoint_parameter_specs(path, dtype)
@@ -201,6 +216,9 @@ class VLLMEngine:
         self._update_lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}  # by engine id
         self._inflight: dict[str, _Pending] = {}
+        self._score_jobs: collections.deque[_ScoreJob] = collections.deque()
+        self._scoring: dict[str, tuple[_ScoreJob, int]] = {}  # engine id -> (job, sequence)
+        self._score_count = 0
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -253,6 +271,7 @@ class VLLMEngine:
         for pending in list(self._inflight.values()):
             if not pending.future.done():
                 pending.future.set_exception(RuntimeError("the engine is shutting down"))
+        self._fail_scores(RuntimeError("the engine is shutting down"))
         with contextlib.suppress(Exception):
             self.engine.engine_core.shutdown()
 
@@ -311,6 +330,22 @@ class VLLMEngine:
         self._wake.set()
         return await asyncio.wrap_future(done)
 
+    async def score(
+        self, sequences: list[tuple[list[int], int]], top_k: int
+    ) -> tuple[list[Scores], int]:
+        """Each (token ids, start) sequence's logprobs from `start` on (and top-k): vLLM's
+        prompt logprobs of one-token requests, batched with whatever generates; no
+        weight update lands while a call's sequences are in the engine."""
+        if self._closed or self.failure is not None:
+            raise RuntimeError(f"the engine is shutting down ({self.failure or 'closed'})")
+        validate_scoring(sequences, top_k, self.vocab_size, self.max_context)
+        job = _ScoreJob(
+            [(list(ids), start) for ids, start in sequences], top_k, concurrent.futures.Future()
+        )
+        self._score_jobs.append(job)
+        self._wake.set()
+        return await asyncio.wrap_future(job.future)
+
     # ------------------------------------------------------------ worker thread
 
     def _serve(self) -> None:
@@ -318,11 +353,16 @@ class VLLMEngine:
             while not self._closed:
                 self._wake.clear()
                 self._apply_aborts()
-                if self._update is not None and (self.interruptible or not self._tracks):
+                if (
+                    self._update is not None
+                    and not self._scoring
+                    and (self.interruptible or not self._tracks)
+                ):
                     self._apply_update()
                 if self._update is None or self.interruptible:
                     self._admit()
-                if self._tracks:
+                    self._admit_scores()
+                if self._tracks or self._scoring:
                     self._collect(self.engine.step())
                 else:
                     self._wake.wait(0.5)
@@ -333,6 +373,61 @@ class VLLMEngine:
                 self._deliver(track.pending, error)
             while self._intake:
                 self._deliver(self._intake.popleft(), error)
+            self._fail_scores(error)
+
+    def _admit_scores(self) -> None:
+        while self._score_jobs:
+            job = self._score_jobs.popleft()
+            job.version = self._version
+            params = self._vllm.SamplingParams(
+                n=1,
+                max_tokens=1,
+                prompt_logprobs=job.top_k,  # the prompt token's own logprob, and top_k more
+                detokenize=False,
+                output_kind=self._final_only,
+            )
+            self._score_count += 1
+            try:
+                for index, (ids, _) in enumerate(job.sequences):
+                    engine_id = f"rollwire-score-{self._score_count}-{index}"
+                    self.engine.add_request(engine_id, {"prompt_token_ids": ids}, params)
+                    self._scoring[engine_id] = (job, index)
+            except Exception as error:  # a request vLLM refuses fails its call alone
+                for engine_id, (owner, _) in list(self._scoring.items()):
+                    if owner is job:
+                        self.engine.abort_request([engine_id])
+                        del self._scoring[engine_id]
+                job.future.set_exception(RequestError(f"vLLM refused the request: {error}"))
+
+    def _score_output(self, output: Any) -> None:
+        job, index = self._scoring.pop(output.request_id)
+        if job.future.done():
+            return
+        ids, start = job.sequences[index]
+        entries = output.prompt_logprobs  # per prompt position; the first is None
+        logprobs, top_ids, top_values = [], [], []
+        for position in range(start, len(ids)):
+            options = entries[position]
+            logprobs.append(float(options[ids[position]].logprob))
+            if job.top_k:
+                ranked = sorted(
+                    (item for item in options.items() if item[1].rank <= job.top_k),
+                    key=lambda item: item[1].rank,
+                )
+                top_ids.append([int(token) for token, _ in ranked])
+                top_values.append([float(value.logprob) for _, value in ranked])
+        job.results[index] = Scores(logprobs, top_ids, top_values)
+        if len(job.results) == len(job.sequences):
+            scores = [job.results[i] for i in range(len(job.sequences))]
+            job.future.set_result((scores, job.version))
+
+    def _fail_scores(self, error: BaseException) -> None:
+        jobs = list(self._score_jobs) + [job for job, _ in self._scoring.values()]
+        self._score_jobs.clear()
+        self._scoring.clear()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
 
     def _sampling_params(self, track: _Track) -> Any:
         spec = track.pending.spec
@@ -409,6 +504,10 @@ class VLLMEngine:
 
     def _collect(self, outputs: list[Any]) -> None:
         for output in outputs:
+            if output.request_id in self._scoring:
+                if output.finished:
+                    self._score_output(output)
+                continue
             track = self._tracks.get(output.request_id)
             if track is None:  # aborted meanwhile
                 continue

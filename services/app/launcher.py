@@ -26,10 +26,18 @@ from rollwire.services.core.config import RunConfig
 from rollwire.services.core.files import cache_dir, staged_directory
 
 SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
-RESTARTABLE = ("buffer", "reward-server", "env-server", "rollout-server", "trainer", "orchestrator")
+RESTARTABLE = (
+    "buffer",
+    "reward-server",
+    "env-server",
+    "rollout-server",
+    "teacher-server",
+    "trainer",
+    "orchestrator",
+)
 """Services `rollwire train` starts again when they die: none holds what a restart
 loses. The buffer rebuilds from its log; a rollout-server holds requests until the
-trainer has sent it the current weights; the trainer resumes from its newest
+trainer has sent it the current weights (a teacher-server keeps its own); the trainer resumes from its newest
 checkpoint and the buffer serves again what it trained after it; the orchestrator
 asks the buffer's ledger which prompts to run again. Their clients retry."""
 MAX_RESTARTS = 3
@@ -74,9 +82,15 @@ class Stack:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def start(
-        self, command: str, ready: bool = True, name: str | None = None, replica: bool = False
+        self,
+        command: str,
+        ready: bool = True,
+        name: str | None = None,
+        replica: bool = False,
+        extra: tuple[str, ...] = (),
     ) -> Service:
-        """Starts `rollwire COMMAND` in its own process group; `name` tells replicas apart."""
+        """Starts `rollwire COMMAND` in its own process group; `name` tells replicas apart;
+        `extra` are more arguments (kept for a restart)."""
         name = name or command
         ready_file = self.run_dir / "logs" / f"{name}.ready" if ready else None
         if ready_file is not None and ready_file.exists():
@@ -91,6 +105,7 @@ class Stack:
         ]
         if ready_file is not None:
             argv += ["--ready-file", str(ready_file)]
+        argv += list(extra)
         threads = str(self.threads.get(command, 1))
         env = {
             **os.environ,
@@ -244,10 +259,10 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
         if config.warmup.steps and progress:
             print(f"warm-up skipped: it trains the built-in tiny model, and {key} is set")
         return path
-    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.core.tiny import TinySpec, tiny_model_of
 
     spec = TinySpec(**config.run.tiny_model)
-    base = ensure_tiny_model(cache_dir() / f"tiny-{_digest(spec.__dict__)}", spec)
+    base = tiny_model_of(config.run.tiny_model)
     warmup = config.warmup
     if warmup.steps == 0:
         return base
@@ -372,8 +387,10 @@ def _digest(data: Any) -> str:
 
 
 def start_servers(config: RunConfig, stack: Stack, timeout: float = 120.0) -> RunConfig:
-    """Starts the reward-server, rollout-server and buffer, and for an `env` dataset the
-    env-servers (unless the config names some); returns the config with their endpoints."""
+    """Starts the reward-server, rollout-server and buffer, for an `env` dataset the
+    env-servers (unless the config names some), for on-policy distillation a teacher
+    rollout-server on distill.teacher_model_path (unless endpoints.teacher_servers names
+    some); returns the config with their endpoints."""
     started = {name: stack.start(name) for name in SERVER_COMMANDS}
     env_servers = []
     if config.orchestrator.dataset.type == "env" and not config.endpoints.env_servers:
@@ -382,6 +399,21 @@ def start_servers(config: RunConfig, stack: Stack, timeout: float = 120.0) -> Ru
             stack.start("env-server", name=f"env-server-{i}", replica=count > 1)
             for i in range(count)
         ]
+    advantage = config.trainer.advantage
+    if advantage.type == "on_policy_distill" and not config.endpoints.teacher_servers:
+        distill = config.distill
+        started["teacher-server"] = stack.start(
+            "rollout-server",
+            name="teacher-server",
+            extra=(
+                "--set",
+                f"rollout_server.model_path={distill.teacher_model_path}",
+                "--set",
+                f"rollout_server.engine={distill.teacher_engine}",
+                "--set",
+                "rollout_server.await_weights=false",
+            ),
+        )
     addresses = {name: stack.wait_ready(service, timeout) for name, service in started.items()}
     buffer = json.loads(addresses["buffer"])
     update = {
@@ -390,6 +422,8 @@ def start_servers(config: RunConfig, stack: Stack, timeout: float = 120.0) -> Ru
         "buffer_producer": buffer["producer"],
         "buffer_trainer": buffer["trainer"],
     }
+    if "teacher-server" in addresses:
+        update["teacher_servers"] = [addresses["teacher-server"]]
     if env_servers:
         update["env_servers"] = [stack.wait_ready(s, timeout) for s in env_servers]
     endpoints = config.endpoints.model_copy(update=update)

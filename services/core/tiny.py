@@ -103,6 +103,16 @@ def build_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
     return folder
 
 
+def tiny_model_of(overrides: dict[str, int]) -> Path:
+    """The tiny model of run.tiny_model's shape `overrides`, built once into the cache
+    (a folder per shape; every shape has the same tokenizer)."""
+    import hashlib
+
+    spec = TinySpec(**overrides)
+    digest = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    return ensure_tiny_model(cache_dir() / f"tiny-{digest}", spec)
+
+
 def ensure_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
     """The tiny model in `folder`, built only if it is missing or was built with another spec."""
     folder = Path(folder)

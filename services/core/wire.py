@@ -122,6 +122,9 @@ class Trajectory:
     """Seconds spent per phase ("generate", "env", "score")."""
     trace_context: dict[str, str] = field(default_factory=dict)
     """W3C trace context (traceparent, tracestate) of the episode."""
+    teacher_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    """float32 [T] or empty: on-policy distillation's teacher logprob of each generated
+    token (0 elsewhere), from a teacher rollout-server's ScoreTokens; empty otherwise."""
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +165,8 @@ _TOKEN_ARRAYS = {
 _STRING_FIELDS = ("trajectory_id", "group_id", "task_id", "source", "domain", "finish_reason")
 _INT_FIELDS = ("sample_index", "prompt_ordinal")
 _TRAJECTORY_KEYS = frozenset(f.name for f in fields(Trajectory))
+_OPTIONAL_KEYS = frozenset({"teacher_logprobs"})
+"""Fields a frame may leave out (frames written before they existed): their defaults."""
 
 
 def _is_int(value: Any) -> bool:
@@ -181,6 +186,8 @@ def _trajectory_body(trajectory: Trajectory) -> dict[str, Any]:
     body["reward_components"] = {str(k): float(v) for k, v in trajectory.reward_components.items()}
     body["timings"] = {str(k): float(v) for k, v in trajectory.timings.items()}
     body["trace_context"] = {str(k): str(v) for k, v in trajectory.trace_context.items()}
+    if trajectory.teacher_logprobs.size:
+        body["teacher_logprobs"] = encode_array(trajectory.teacher_logprobs, "<f4")
     return body
 
 
@@ -202,7 +209,7 @@ def _float_map(value: Any, name: str) -> dict[str, float]:
 def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
     if not isinstance(body, dict):
         raise WireError(f"{where}: expected a map")
-    keys = set(body)
+    keys = set(body) | _OPTIONAL_KEYS
     if keys != _TRAJECTORY_KEYS:
         missing, unknown = (
             sorted(_TRAJECTORY_KEYS - keys, key=str),
@@ -256,6 +263,15 @@ def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
         isinstance(k, str) and isinstance(v, str) for k, v in trace.items()
     ):
         raise WireError(f"{where}.trace_context: expected a map of strings")
+    teacher = np.zeros(0, np.float32)
+    if "teacher_logprobs" in body:
+        teacher = decode_array(body["teacher_logprobs"], f"{where}.teacher_logprobs", "<f4", 1)
+        if teacher.shape[0] != mask.shape[0]:
+            raise WireError(
+                f"{where}.teacher_logprobs: {teacher.shape[0]} entries for {mask.shape[0]} tokens"
+            )
+        if not np.all(np.isfinite(teacher[generated])):
+            raise WireError(f"{where}.teacher_logprobs: not finite on a generated token")
     return Trajectory(
         **{name: body[name] for name in _STRING_FIELDS + _INT_FIELDS},
         **arrays,
@@ -266,6 +282,7 @@ def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
         turn_keys=list(turn_keys),
         timings=_float_map(body["timings"], f"{where}.timings"),
         trace_context=dict(trace),
+        teacher_logprobs=teacher,
     )
 
 

@@ -110,6 +110,22 @@ class GAEAdvantage(StrictModel):
     """The value model."""
 
 
+class OnPolicyDistillAdvantage(StrictModel):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Lu & Thinking Machines 2025): the
+    student samples as in RL, a teacher rollout-server scores the sampled tokens
+    (distill.teacher_model_path or endpoints.teacher_servers), and each generated token's
+    advantage is kl_coef x (teacher logprob - student logprob), the negative per-token
+    reverse KL, plus reward_weight x the task reward's GRPO advantage. Needs rl.temperature
+    1 (both distributions as the models give them); teacher and student share a tokenizer."""
+
+    type: Literal["on_policy_distill"] = "on_policy_distill"
+    kl_coef: float = Field(1.0, gt=0)
+    """Weight of the per-token teacher-minus-student logprob in each token's advantage."""
+    reward_weight: float = Field(0.0, ge=0)
+    """Weight of the task reward's group advantage (GRPO) added to every generated token's;
+    0 distils alone."""
+
+
 def _default_type(default: str) -> Callable[[Any], str | None]:
     def discriminate(value: Any) -> str | None:
         if isinstance(value, dict):
@@ -127,7 +143,8 @@ AdvantageConfig = Annotated[
     | Annotated[ReinforcePlusPlusAdvantage, Tag("reinforce_plus_plus")]
     | Annotated[EpisodeAdvantage, Tag("episode")]
     | Annotated[StepAdvantage, Tag("step")]
-    | Annotated[GAEAdvantage, Tag("gae")],
+    | Annotated[GAEAdvantage, Tag("gae")]
+    | Annotated[OnPolicyDistillAdvantage, Tag("on_policy_distill")],
     Discriminator(_default_type("grpo")),
 ]
 

@@ -104,6 +104,10 @@ class EndpointsConfig(StrictModel):
     """Rollout-server addresses (host:port)."""
     reward_servers: list[str] = []
     """Reward-server addresses (host:port)."""
+    teacher_servers: list[str] = []
+    """Rollout-server addresses of on-policy distillation's teacher (`trainer.advantage:
+    on_policy_distill`); `rollwire train` starts one on distill.teacher_model_path when
+    empty."""
     env_servers: list[str] = []
     """Env-server addresses (host:port); a `dns:///name:port` entry stands for every
     address the name resolves to. Empty with an `env` dataset: environments run inside the
@@ -214,6 +218,23 @@ class RunConfig(StrictModel):
     """The orchestrator."""
     endpoints: EndpointsConfig = EndpointsConfig()
     """Addresses of the services, for the ones that call others."""
+
+    @model_validator(mode="after")
+    def _on_policy_distillation_has_a_teacher(self) -> RunConfig:
+        if self.trainer.advantage.type != "on_policy_distill":
+            return self
+        if self.distill.teacher_model_path is None and not self.endpoints.teacher_servers:
+            raise ValueError(
+                "trainer.advantage on_policy_distill needs a teacher: set "
+                "distill.teacher_model_path (a Hugging Face folder rollwire train serves) or "
+                "endpoints.teacher_servers"
+            )
+        if self.rl.temperature != 1.0:
+            raise ValueError(
+                "trainer.advantage on_policy_distill compares the student's and the teacher's "
+                f"own distributions: set rl.temperature to 1 (it is {self.rl.temperature})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _overlong_limit_is_the_orchestrators(self) -> RunConfig:

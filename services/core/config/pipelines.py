@@ -130,3 +130,11 @@ class DistillConfig(StrictModel):
     """Keep only answers scored at least this (rejection sampling); unset keeps all."""
     output: Path | None = None
     """The rows' file; `<run.output_dir>/distill.jsonl` when unset."""
+    teacher_model_path: Path | None = None
+    """On-policy distillation (`trainer.advantage: on_policy_distill`): the teacher, a
+    Hugging Face folder whose tokenizer is the student's; `rollwire train` serves it on a
+    rollout-server of its own (`teacher_engine`) unless endpoints.teacher_servers names
+    running ones."""
+    teacher_engine: Literal["hf", "vllm"] = "hf"
+    """The engine of the teacher rollout-server `rollwire train` starts (the engines that
+    score given tokens)."""

@@ -260,7 +260,7 @@ class TrainerConfig(StrictModel):
     `gradient_checkpointing_enable`): less memory, about one more forward of time."""
     advantage: AdvantageConfig = GRPOAdvantage()
     """The advantage estimator (`type`: grpo, dr_grpo, rloo, lite_ppo,
-    reinforce_plus_plus, episode, step, gae); sequences whose advantage is 0 are left
+    reinforce_plus_plus, episode, step, gae, on_policy_distill); sequences whose advantage is 0 are left
     out. `gae` trains a critic (a second model, `trainer.advantage.critic`) beside the
     policy: its forward and update passes roughly double a step's time."""
     reward_normalization: Literal["none", "batch", "running"] = "none"
