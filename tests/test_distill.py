@@ -36,10 +36,22 @@ def test_a_student_learns_from_the_teachers_kept_answers(tmp_path) -> None:
         "distill.prompts=3000",
         "distill.samples=4",
         "distill.min_reward=1",
+        "distill.top_k=8",
         extra=["generate"],
     )
     assert "12000 answers to 3000 prompts" in out
     kept = rows(tmp_path / "distill" / "distill.jsonl")
+    # Token-level data too: each answer token's teacher top-8, its own token among them
+    # (it was sampled from that distribution, so it is usually the likeliest).
+    first = kept[0]
+    assert len(first["top_ids"]) == len(first["completion_ids"]) and len(first["top_ids"][0]) == 8
+    pairs = [
+        (token, top)
+        for row in kept
+        for token, top in zip(row["completion_ids"], row["top_ids"], strict=True)
+    ]
+    share = sum(token in top for token, top in pairs) / len(pairs)
+    assert share > 0.95, share
     # Measured: mean reward 0.257 of the 12,000 answers, 3,063 kept.
     assert len(kept) > 1000 and all(row["reward"] >= 1 for row in kept)
     # Training prompts only: none is a question of the held-out evaluation set.
@@ -64,6 +76,25 @@ def test_a_student_learns_from_the_teachers_kept_answers(tmp_path) -> None:
     )
     report = json.loads((student / "evals" / "final" / "eval.json").read_text())
     # Measured 0.193 (the teacher: 0.325; the untrained student: 0).
+    assert report["greedy_reward"] >= 0.1, report
+    # Token-level: the same rows, the loss a forward KL to the teacher's top-8.
+    token_level = tmp_path / "token_level"
+    rollwire(
+        tmp_path,
+        "sft",
+        f"run.output_dir={token_level}",
+        f"sft.data={tmp_path / 'distill' / 'distill.jsonl'}",
+        "sft.loss=forward_kl",
+        "sft.epochs=8",
+        "trainer.learning_rate=0.003",
+    )
+    rollwire(
+        tmp_path,
+        "eval",
+        f"run.output_dir={token_level}",
+        extra=["--checkpoint", str(token_level / "final")],
+    )
+    report = json.loads((token_level / "evals" / "final" / "eval.json").read_text())
     assert report["greedy_reward"] >= 0.1, report
 
 

@@ -17,6 +17,8 @@ from rollwire.trainer.losses import (
     kl_estimate,
     masked_mean,
     policy_objective,
+    topk_forward_kl,
+    topk_reverse_kl,
     value_loss,
 )
 
@@ -356,3 +358,28 @@ def test_preference_losses_by_hand() -> None:
     loss, margin, d_chosen, _ = run("simpo", beta=2.0, gamma=0.5)
     assert loss == pytest.approx(math.log(1 + math.exp(-0.5))) and margin == pytest.approx(1.0)
     assert d_chosen == pytest.approx(-sigmoid(-0.5) * 2 / 4)
+
+
+def test_topk_distillation_losses_by_hand() -> None:
+    """The teacher keeps two tokens, at 0.6 and 0.2 (0.2 left for the rest); the
+    student's vocabulary has three tokens, at 0.5, 0.25 and 0.25, so it gives the
+    teacher's two 0.5 and 0.25 and the rest (token 1) 0.25."""
+    teacher = torch.log(torch.tensor([[[0.6, 0.2]]]))
+    top_ids = torch.tensor([[[0, 2]]])
+    student = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))  # logits up to a constant
+    forward = topk_forward_kl(logits=student, top_ids=top_ids, top_logprobs=teacher)
+    expected = 0.6 * ln(0.6 / 0.5) + 0.2 * ln(0.2 / 0.25) + 0.2 * ln(0.2 / 0.25)
+    assert forward.item() == pytest.approx(expected, abs=1e-5)
+    reverse = topk_reverse_kl(logits=student, top_ids=top_ids, top_logprobs=teacher)
+    expected = 0.5 * ln(0.5 / 0.6) + 0.25 * ln(0.25 / 0.2) + 0.25 * ln(0.25 / 0.2)
+    assert reverse.item() == pytest.approx(expected, abs=1e-5)
+    # Both vanish when the student is the teacher on the k tokens and on the rest.
+    same = torch.log(torch.tensor([[[0.6, 0.2, 0.2]]]))
+    for loss in (topk_forward_kl, topk_reverse_kl):
+        value = loss(logits=same, top_ids=top_ids, top_logprobs=teacher).item()
+        assert value == pytest.approx(0.0, abs=1e-5)
+    # Mass moved off the teacher's tokens costs in both (the rest bucket).
+    away = torch.log(torch.tensor([[[0.06, 0.92, 0.02]]]))
+    assert topk_reverse_kl(logits=away, top_ids=top_ids, top_logprobs=teacher).item() > 1.0
+    with pytest.raises(ValueError, match="must be \\[B, T, V\\]"):
+        topk_forward_kl(logits=student[0], top_ids=top_ids, top_logprobs=teacher)

@@ -14,6 +14,7 @@ from rollwire.trainer.batching import pack
 from rollwire.trainer.supervised_data import (
     Rendered,
     conversation_of,
+    distill_examples,
     held_out_split,
     preference_examples,
     preference_of,
@@ -210,3 +211,25 @@ def test_a_preference_pair_trains_its_responses_not_the_prompts_answers(
     # The same prompt tokens before each response.
     prompt = chosen.mask.index(1)
     assert chosen.ids[:prompt] == rejected.ids[:prompt] and counts.kept == 1
+
+
+def test_token_level_rows_become_sequences_with_their_teachers_top_k() -> None:
+    row = {
+        "prompt": "1 + 1 =",
+        "completion": "2",
+        "prompt_ids": [5, 6, 7],
+        "completion_ids": [8, 1],
+        "top_ids": [[8, 9], [1, 4]],
+        "top_logprobs": [[-0.1, -2.5], [-0.01, -5.0]],
+    }
+    (example,), counts = distill_examples([row], max_length=16)
+    assert example.ids == [5, 6, 7, 8, 1] and example.mask == [0, 0, 0, 1, 1]
+    assert example.top_ids.tolist() == [[0, 0], [0, 0], [0, 0], [8, 9], [1, 4]]
+    assert example.top_logprobs[3].tolist() == pytest.approx([-0.1, -2.5])
+    (cut,), counts = distill_examples([row], max_length=4)
+    assert cut.ids == [5, 6, 7, 8] and counts.truncated == 1 and cut.top_ids.shape == (4, 2)
+    assert distill_examples([row], max_length=4, truncate=False)[1].too_long == 1
+    with pytest.raises(ValueError, match="row 0: a KL loss .* has no top_ids, top_logprobs"):
+        distill_examples([{"prompt_ids": [5], "completion_ids": [8]}], 16)
+    with pytest.raises(ValueError, match="row 0: 1 top-k rows for 2 completion tokens"):
+        distill_examples([{**row, "top_ids": [[8, 9]], "top_logprobs": [[-0.1, -2.5]]}], 16)

@@ -511,3 +511,37 @@ def test_on_policy_distillation_adds_the_task_reward_and_needs_the_teacher(
         policy.train_step(group(), 0)
     plain = make_policy(tiny_model_path, advantage={"type": "on_policy_distill"})
     assert plain._distill_task_advantages(rewards).tolist() == [0.0] * 4
+
+
+def topk_sequences(policy: Policy, k: int = 4) -> tuple[list, list]:
+    """RESPONSES after PROMPT, with a made-up teacher: at every response token it puts
+    0.9 on that token and spreads 0.05 over k - 1 others."""
+    sequences, top = [], []
+    for response in RESPONSES:
+        ids = PROMPT + response
+        top_ids = np.zeros((len(ids), k), np.int64)
+        top_logprobs = np.zeros((len(ids), k), np.float32)
+        for t in range(len(PROMPT), len(ids)):
+            top_ids[t] = [ids[t]] + [(ids[t] + j) % 100 + 1 for j in range(1, k)]
+            top_logprobs[t] = [math.log(0.9)] + [math.log(0.05 / (k - 1))] * (k - 1)
+        sequences.append((ids, [0] * len(PROMPT) + [1] * len(response)))
+        top.append((top_ids, top_logprobs))
+    return sequences, top
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl"])
+def test_token_level_distillation_steps_lower_the_kl_packed_or_not(tiny_model_path, loss) -> None:
+    padded, packed = make_policy(tiny_model_path, learning_rate=3e-3), make_policy(tiny_model_path)
+    sequences, top = topk_sequences(padded)
+    first = padded.supervised_loss(sequences, None, loss, top)
+    # Packing changes nothing: the same loss on rows holding two sequences each.
+    assert packed.supervised_loss(sequences, 24, loss, top)["loss"] == pytest.approx(
+        first["loss"], rel=1e-5
+    )
+    for _ in range(20):
+        padded.supervised_step(sequences, None, loss, top)
+    # Measured over 20 steps: forward 3.97 -> 1.73, reverse 2.78 -> 2.06 (mode-seeking is slower
+    # from a student that spreads its mass over the whole vocabulary).
+    assert padded.supervised_loss(sequences, None, loss, top)["loss"] < 0.85 * first["loss"]
+    with pytest.raises(ValueError, match="needs the teacher's top-k"):
+        padded.supervised_step(sequences, None, loss, None)

@@ -31,6 +31,8 @@ class TokenBatch:
     old_values: torch.Tensor | None = None  # [B, T-1], the critic's before the step
     returns: torch.Tensor | None = None  # [B, T-1], the critic's targets
     teacher_logprobs: torch.Tensor | None = None  # [B, T-1], on-policy distillation
+    top_ids: torch.Tensor | None = None  # [B, T-1, K], token-level distillation's teacher
+    top_logprobs: torch.Tensor | None = None  # [B, T-1, K], its logprobs of those
     documents: torch.Tensor | None = None  # [B, T], packed rows: each token's example, -1 pad
     positions: torch.Tensor | None = None  # [B, T], packed rows: positions within an example
 
@@ -100,13 +102,20 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TokenBatch:
     )
 
 
+TopK = tuple[np.ndarray, np.ndarray]
+"""A sequence's teacher top-k: int [n, K] ids and float [n, K] logprobs, row t the
+teacher's distribution of token t (zeros where no token is trained)."""
+
+
 def supervised_batch(
     sequences: list[tuple[list[int], list[int]]],
     pad_token_id: int,
     pack_tokens: int | None = None,
+    top: list[TopK] | None = None,
 ) -> TokenBatch:
     """(token ids, loss mask) sequences as a right-padded batch: the mask moves to the
-    targets (target t is token t + 1), behaviour logprobs and versions are 0.
+    targets (target t is token t + 1), behaviour logprobs and versions are 0. `top`:
+    each sequence's teacher top-k, moved to the targets the same way.
 
     `pack_tokens`: sequences share rows of at most that many tokens (`pack`, first fit),
     each row's `documents` and `positions` say where each one starts, and the update
@@ -121,6 +130,9 @@ def supervised_batch(
     mask = np.zeros((size, length), np.float32)
     documents = np.full((size, length), -1, np.int64)
     positions = np.zeros((size, length), np.int64)
+    k = top[0][0].shape[1] if top else 0
+    top_ids = np.zeros((size, length, k), np.int64)
+    top_logprobs = np.zeros((size, length, k), np.float32)
     for row, group in enumerate(groups):
         start = 0
         for document, index in enumerate(group):
@@ -132,6 +144,8 @@ def supervised_batch(
                 mask[row, start] = 0  # predicted from the sequence before: not a target
             documents[row, start:end] = document
             positions[row, start:end] = np.arange(len(tokens))
+            if top:
+                top_ids[row, start:end], top_logprobs[row, start:end] = top[index]
             start = end
     as_tensor = torch.from_numpy
     batch = TokenBatch(
@@ -144,6 +158,9 @@ def supervised_batch(
     )
     if pack_tokens:
         batch.documents, batch.positions = as_tensor(documents), as_tensor(positions)
+    if top:
+        batch.top_ids = as_tensor(top_ids[:, 1:].copy())
+        batch.top_logprobs = as_tensor(top_logprobs[:, 1:].copy())
     return batch
 
 

@@ -535,3 +535,62 @@ PREFERENCE_LOSSES: dict[str, Callable[..., PreferenceLoss]] = {
 }
 """`dpo.loss` -> the per-pair loss, from [P] sequence logprob sums of the chosen and
 rejected responses under the policy and the reference, and their token counts."""
+
+
+# ---------------------------------------------------------------- token-level distillation
+
+
+def _bucketed(
+    logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student's and the teacher's log-probabilities of K + 1 outcomes: each of the
+    teacher's top-k tokens, and "any other token" (what the k leave of the mass), both
+    [B, T, K + 1] float32. The teacher's logprobs are its full-vocabulary ones."""
+    if (
+        logits.ndim != 3
+        or top_ids.shape != top_logprobs.shape
+        or top_ids.shape[:2] != logits.shape[:2]
+    ):
+        raise ValueError(
+            f"logits {tuple(logits.shape)}, top_ids {tuple(top_ids.shape)} and top_logprobs "
+            f"{tuple(top_logprobs.shape)} must be [B, T, V], [B, T, K] and [B, T, K]"
+        )
+
+    def with_rest(logprobs: torch.Tensor) -> torch.Tensor:
+        kept = torch.logsumexp(logprobs, dim=-1, keepdim=True).clamp(max=-1e-6)
+        rest = torch.log(-torch.expm1(kept)).clamp(min=-30.0)  # log(1 - exp(kept))
+        return torch.cat([logprobs, rest], dim=-1)
+
+    student = torch.log_softmax(logits.float(), dim=-1).gather(-1, top_ids.long())
+    return with_rest(student), with_rest(top_logprobs.float().clamp(max=0.0))
+
+
+def topk_forward_kl(
+    *, logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor
+) -> torch.Tensor:
+    """Forward KL(teacher || student) on the teacher's top-k tokens and one bucket for
+    every other token (Hinton et al. 2015, on sparse teacher logits): sum over the K + 1
+    outcomes of pT (log pT - log pS), both from full-vocabulary probabilities, so it is
+    0 only when the student gives each of the k tokens, and the rest, the teacher's
+    mass. Mass-covering. [B, T] per position, from logits [B, T, V] and top-k [B, T, K]."""
+    student, teacher = _bucketed(logits, top_ids, top_logprobs)
+    return (teacher.exp() * (teacher - student)).sum(dim=-1)
+
+
+def topk_reverse_kl(
+    *, logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor
+) -> torch.Tensor:
+    """Reverse KL(student || teacher) on the same K + 1 outcomes (mode-seeking, as in
+    MiniLLM, Gu et al. 2024): sum of pS (log pS - log pT). The "other" bucket keeps the
+    student from moving its mass off the teacher's k tokens for free. [B, T] per
+    position."""
+    student, teacher = _bucketed(logits, top_ids, top_logprobs)
+    return (student.exp() * (student - teacher)).sum(dim=-1)
+
+
+DISTILL_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "forward_kl": topk_forward_kl,
+    "reverse_kl": topk_reverse_kl,
+}
+"""`sft.loss` (beside `nll`) -> the per-position loss against the teacher's top-k
+logprobs that `rollwire distill generate` recorded (distill.top_k)."""

@@ -1,5 +1,6 @@
 """The steps of the pipelines around RL, on the model a `Policy` trains: supervised
-fine-tuning (`rollwire sft`) and preference tuning (`rollwire dpo`).
+fine-tuning (`rollwire sft`, with token-level distillation as its KL losses) and
+preference tuning (`rollwire dpo`).
 
 A mixin of `rollwire.trainer.model.Policy`: each public method leads the other ranks
 (`Policy._lead`) and then runs its step here, split over the ranks by tokens with
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 
 from rollwire.trainer.backends import split_by_tokens
-from rollwire.trainer.batching import supervised_batch
-from rollwire.trainer.losses import PREFERENCE_LOSSES
+from rollwire.trainer.batching import TopK, supervised_batch
+from rollwire.trainer.losses import DISTILL_LOSSES, PREFERENCE_LOSSES
 
 Sequence = tuple[list[int], list[int]]
 """Token ids and, per token, 1 where the loss is taken (`supervised_step`, preference pairs)."""
@@ -35,33 +36,47 @@ class PipelineSteps:
     optimizer_steps: int
 
     def supervised_step(
-        self, sequences: list[tuple[list[int], list[int]]], pack_tokens: int | None = None
+        self,
+        sequences: list[tuple[list[int], list[int]]],
+        pack_tokens: int | None = None,
+        loss: str = "nll",
+        top: list[TopK] | None = None,
     ) -> dict[str, float]:
         """One optimizer update of supervised fine-tuning on (token ids, loss mask)
-        sequences: the mean negative log-likelihood of their masked tokens, split over
-        the ranks by tokens as a trainer step is. Returns loss, tokens, grad norm, rate.
-        `pack_tokens`: pack the sequences into rows of at most that many tokens
-        (`supervised_batch`); the loss is the same. Nothing is published: on a sharded
-        backend `named_weights` keeps the last RL step's copy (a checkpoint
+        sequences: the mean over their masked tokens of the negative log-likelihood
+        (`loss: nll`), or of a KL to the teacher's top-k there (`forward_kl`,
+        `reverse_kl`: `rollwire.trainer.losses.DISTILL_LOSSES`, `top` each sequence's),
+        split over the ranks by tokens as a trainer step is. Returns loss, tokens, grad
+        norm, rate. `pack_tokens`: pack the sequences into rows of at most that many
+        tokens (`supervised_batch`); the loss is the same. Nothing is published: on a
+        sharded backend `named_weights` keeps the last RL step's copy (a checkpoint
         consolidates the shards itself)."""
-        self._lead("supervised", sequences, True, pack_tokens)
-        return self._supervised(sequences, True, pack_tokens)
+        self._lead("supervised", sequences, True, pack_tokens, loss, top)
+        return self._supervised(sequences, True, pack_tokens, loss, top)
 
     def supervised_loss(
-        self, sequences: list[tuple[list[int], list[int]]], pack_tokens: int | None = None
+        self,
+        sequences: list[tuple[list[int], list[int]]],
+        pack_tokens: int | None = None,
+        loss: str = "nll",
+        top: list[TopK] | None = None,
     ) -> dict[str, float]:
         """The same loss without an update (an evaluation; collective like a step)."""
-        self._lead("supervised", sequences, False, pack_tokens)
-        return self._supervised(sequences, False, pack_tokens)
+        self._lead("supervised", sequences, False, pack_tokens, loss, top)
+        return self._supervised(sequences, False, pack_tokens, loss, top)
 
     def _supervised(
         self,
         sequences: list[tuple[list[int], list[int]]],
         update: bool,
         pack_tokens: int | None = None,
+        loss: str = "nll",
+        top: list[TopK] | None = None,
     ) -> dict[str, float]:
         started = time.perf_counter()
-        batch = supervised_batch(sequences, self.pad_token_id, pack_tokens)
+        if loss != "nll" and top is None:
+            raise ValueError(f"loss {loss} needs the teacher's top-k of every sequence")
+        batch = supervised_batch(sequences, self.pad_token_id, pack_tokens, top)
         total = max(batch.tokens, 1.0)
         backend, ranks = self.backend, self.backend.world_size
         if update:
@@ -69,8 +84,15 @@ class PipelineSteps:
         loss_sum = 0.0
         with contextlib.nullcontext() if update else torch.no_grad():
             for part in self._plan([batch])[0]:
-                logprobs = self.updater.logprobs(self.model, part)
-                numerator = -(logprobs * part.mask.to(self.device)).sum()
+                if loss == "nll":
+                    per_token = -self.updater.logprobs(self.model, part)
+                else:
+                    per_token = DISTILL_LOSSES[loss](
+                        logits=self.updater.logits(self.model, part),
+                        top_ids=part.top_ids.to(self.device),
+                        top_logprobs=part.top_logprobs.to(self.device),
+                    )
+                numerator = (per_token * part.mask.to(self.device)).sum()
                 if update:
                     # As a trainer step: the gradient average over ranks is the token mean.
                     backend.backward(numerator * (ranks / total))

@@ -23,7 +23,8 @@ from rollwire.trainer.pipeline import (
     train_steps,
 )
 
-Sequences = list[tuple[list[int], list[int]]]
+Sequences = list[tuple]
+"""(token ids, loss mask), or with a KL loss (token ids, loss mask, teacher top-k)."""
 
 
 def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, dict[str, Any]]:
@@ -31,12 +32,15 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
     from transformers import AutoTokenizer
 
     from rollwire.services.core.datasets import read_rows
-    from rollwire.trainer.supervised_data import supervised_examples
+    from rollwire.trainer.supervised_data import distill_examples, supervised_examples
 
     sft = config.sft
     tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def build(path: Path) -> tuple[Sequences, Any]:
+        if sft.loss != "nll":
+            distilled, counts = distill_examples(read_rows(path), sft.max_length, sft.truncate)
+            return [(e.ids, e.mask, (e.top_ids, e.top_logprobs)) for e in distilled], counts
         examples, counts = supervised_examples(
             read_rows(path), tokenizer, sft.max_length, sft.truncate, sft.chat_template
         )
@@ -45,11 +49,18 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
     return split_data("sft", sft, build, "sequences")
 
 
-def _evaluate(policy: Any, held: Sequences, batch_size: int, pack: int | None) -> float:
+def _step_args(items: Sequences) -> tuple[list, list | None]:
+    """A step's (token ids, mask) sequences, and their teacher top-k when they have it."""
+    top = [item[2] for item in items] if items and len(items[0]) > 2 else None
+    return [item[:2] for item in items], top
+
+
+def _evaluate(policy: Any, held: Sequences, batch_size: int, pack: int | None, loss: str) -> float:
     """The token-mean loss over every held-out sequence."""
     loss_sum, tokens = 0.0, 0.0
     for start in range(0, len(held), batch_size):
-        out = policy.supervised_loss(held[start : start + batch_size], pack)
+        sequences, top = _step_args(held[start : start + batch_size])
+        out = policy.supervised_loss(sequences, pack, loss, top)
         loss_sum += out["loss"] * out["tokens"]
         tokens += out["tokens"]
     return loss_sum / max(tokens, 1.0)
@@ -73,6 +84,11 @@ def _lead(
     for key, value in report.items():
         print(f"{key}: {value}")
     pack = sft.max_length if sft.packing else None
+
+    def step(rows: list[int]) -> dict[str, float]:
+        sequences, top = _step_args([train[i] for i in rows])
+        return policy.supervised_step(sequences, pack, sft.loss, top)
+
     final, path, seconds = train_steps(
         config,
         policy,
@@ -80,8 +96,10 @@ def _lead(
         sft,
         len(train),
         steps,
-        lambda rows: policy.supervised_step([train[i] for i in rows], pack),
-        (lambda: {"eval_loss": _evaluate(policy, held, sft.batch_size, pack)}) if held else None,
+        step,
+        (lambda: {"eval_loss": _evaluate(policy, held, sft.batch_size, pack, sft.loss)})
+        if held
+        else None,
         lambda metrics: {"loss": f"{metrics['loss']:.3f}"},
     )
     last = last_value(path, "eval_loss")

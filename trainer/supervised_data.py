@@ -10,6 +10,11 @@ Rows come from `rollwire.services.core.datasets.read_rows` (JSONL, Parquet, or a
 - `{"prompt": ..., "completion": ...}`: each a string (a user turn, an assistant turn)
   or a list of messages.
 - `{"prompt": ..., "chosen": ..., "rejected": ...}`: a preference pair, the same way.
+- `{"prompt_ids": [...], "completion_ids": [...], "top_ids": [[...], ...],
+  "top_logprobs": [[...], ...]}`: token-level distillation rows (`rollwire distill
+  generate` with distill.top_k): token ids as the teacher saw them, and for each
+  completion token the teacher's k most likely tokens and their logprobs
+  (`distill_examples`; the text fields they also carry are not read).
 
 With a chat template, each assistant turn's tokens are found by rendering the
 conversation up to it twice (without it, ending in the generation prompt; with it):
@@ -247,6 +252,71 @@ def preference_examples(
         counts.kept += 1
         counts.truncated += int(cut)
     return pairs, counts
+
+
+@dataclass(frozen=True)
+class Distilled:
+    """A token-level distillation sequence: ids, loss mask (the completion), and per
+    token the teacher's top-k ids and logprobs (zeros on the prompt)."""
+
+    ids: list[int]
+    mask: list[int]
+    top_ids: Any  # numpy int64 [len(ids), K]
+    top_logprobs: Any  # numpy float32 [len(ids), K]
+
+
+def distill_examples(
+    rows: Iterable[dict[str, Any]], max_length: int, truncate: bool = True
+) -> tuple[list[Distilled], Counts]:
+    """Token-level distillation rows as sequences (the loss on the completion), cut or
+    left out at `max_length` as `supervised_examples` does. A row without the token
+    fields, or whose top-k rows do not match its completion, is an error naming it."""
+    import numpy as np
+
+    counts, examples, width = Counts(), [], None
+    for number, row in enumerate(rows):
+        counts.rows += 1
+        where = f"row {number}"
+        missing = [
+            key
+            for key in ("prompt_ids", "completion_ids", "top_ids", "top_logprobs")
+            if not isinstance(row.get(key), list)
+        ]
+        if missing:
+            raise ValueError(
+                f"{where}: a KL loss trains on the teacher's top-k, and this row has no "
+                f"{', '.join(missing)} (rows of `rollwire distill generate` with distill.top_k)"
+            )
+        prompt, completion = list(row["prompt_ids"]), list(row["completion_ids"])
+        top_ids = np.asarray(row["top_ids"], np.int64)
+        top_logprobs = np.asarray(row["top_logprobs"], np.float32)
+        if top_ids.ndim != 2 or top_ids.shape != top_logprobs.shape:
+            raise ValueError(f"{where}: top_ids and top_logprobs must be two equal [n, k] lists")
+        if top_ids.shape[0] != len(completion) or not prompt:
+            raise ValueError(
+                f"{where}: {top_ids.shape[0]} top-k rows for {len(completion)} completion "
+                f"tokens, after {len(prompt)} prompt tokens (both needed)"
+            )
+        if width is not None and top_ids.shape[1] != width:
+            raise ValueError(f"{where}: top-k of {top_ids.shape[1]}, earlier rows {width}")
+        width = top_ids.shape[1]
+        ids = prompt + completion
+        cut = len(ids) > max_length
+        if cut and not truncate:
+            counts.too_long += 1
+            continue
+        n = min(len(ids), max_length)
+        full_ids = np.zeros((len(ids), width), np.int64)
+        full_logprobs = np.zeros((len(ids), width), np.float32)
+        full_ids[len(prompt) :], full_logprobs[len(prompt) :] = top_ids, top_logprobs
+        mask = [0] * len(prompt) + [1] * len(completion)
+        if not any(mask[:n]):
+            counts.nothing_to_train += 1
+            continue
+        examples.append(Distilled(ids[:n], mask[:n], full_ids[:n], full_logprobs[:n]))
+        counts.kept += 1
+        counts.truncated += int(cut)
+    return examples, counts
 
 
 def held_out_split(items: Sequence[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:

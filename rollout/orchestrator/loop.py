@@ -347,30 +347,51 @@ class Orchestrator:
         return [result.reward for result in await self.servers.score(task, texts)]
 
     async def teacher_rows(
-        self, tasks: Sequence[Task], samples: int, min_reward: float | None
+        self, tasks: Sequence[Task], samples: int, min_reward: float | None, top_k: int = 0
     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """The served model's answers to `tasks` (`samples` each, at the training
         temperature), scored, as `prompt`/`completion` rows (those scored at least
-        `min_reward` when set), and counts: answers, kept, their mean reward."""
+        `min_reward` when set), and counts: answers, kept, their mean reward. `top_k`:
+        each kept row also carries its token ids and, per answer token, the served
+        model's top_k tokens and logprobs (token-level distillation data)."""
         limit = asyncio.Semaphore(self.settings.max_concurrent_groups)
 
-        async def answer(task: Task) -> list[tuple[str, float]]:
+        async def answer(task: Task) -> tuple[list[dict[str, Any]], list[float]]:
             async with limit:
-                outputs = await self.servers.generate_group(
-                    self.encode_prompt(task), samples=samples
-                )
+                prompt_ids = self.encode_prompt(task)
+                outputs = await self.servers.generate_group(prompt_ids, samples=samples)
                 texts = [self.decode(list(output.token_ids)) for output in outputs]
                 scores = [result.reward for result in await self.servers.score(task, texts)]
-                return list(zip(texts, scores, strict=True))
+                rows = [
+                    {
+                        "prompt": task.prompt(self.settings.prompt_template),
+                        "completion": text,
+                        "reward": reward,
+                        "completion_ids": list(output.token_ids),
+                    }
+                    for text, reward, output in zip(texts, scores, outputs, strict=True)
+                    if min_reward is None or reward >= min_reward
+                ]
+                if top_k and rows:
+                    scored = await self.servers.score_tokens(
+                        [(prompt_ids + row["completion_ids"], len(prompt_ids)) for row in rows],
+                        top_k,
+                    )
+                    for row, result in zip(rows, scored, strict=True):
+                        ids, values = list(result.top_token_ids), list(result.top_logprobs)
+                        row["prompt_ids"] = prompt_ids
+                        row["top_ids"] = [ids[i : i + top_k] for i in range(0, len(ids), top_k)]
+                        row["top_logprobs"] = [
+                            values[i : i + top_k] for i in range(0, len(values), top_k)
+                        ]
+                if not top_k:
+                    for row in rows:
+                        del row["completion_ids"]
+                return rows, scores
 
         answered = await asyncio.gather(*(answer(task) for task in tasks))
-        rows, rewards = [], []
-        for task, pairs in zip(tasks, answered, strict=True):
-            for text, reward in pairs:
-                rewards.append(reward)
-                if min_reward is None or reward >= min_reward:
-                    prompt = task.prompt(self.settings.prompt_template)
-                    rows.append({"prompt": prompt, "completion": text, "reward": reward})
+        rows = [row for kept, _ in answered for row in kept]
+        rewards = [reward for _, scores in answered for reward in scores]
         counts = {
             "answers": float(len(rewards)),
             "kept": float(len(rows)),

@@ -104,6 +104,25 @@ class Servers:
         )
         return list(reply.samples)
 
+    async def score_tokens(
+        self, sequences: list[tuple[list[int], int]], top_k: int = 0
+    ) -> list[rollout_pb2.SequenceScores]:
+        """The served model's scores (`ScoreTokens`) of (token ids, start) sequences: each
+        token's logprob from start on, and the top_k most likely tokens there."""
+        request = rollout_pb2.ScoreTokensRequest(
+            request_id=uuid.uuid4().hex,
+            sequences=[
+                rollout_pb2.TokenSequence(token_ids=ids, start=start) for ids, start in sequences
+            ],
+            top_k=top_k,
+        )
+        stub = self.rollout[next(self._next_rollout)]
+        reply = await self._call(
+            lambda: stub.ScoreTokens(request, timeout=self.settings.generate_timeout_seconds),
+            "score tokens",
+        )
+        return list(reply.sequences)
+
     def _sampling(self, temperature: float, max_new_tokens: int) -> rollout_pb2.SamplingParams:
         return rollout_pb2.SamplingParams(
             temperature=temperature,

@@ -312,7 +312,9 @@ def run_distill_generate(config: RunConfig) -> int:
 
         async def generate() -> tuple[list[dict], dict[str, float]]:
             orchestrator = Orchestrator(config, tokenizer)
-            return await orchestrator.teacher_rows(tasks, distill.samples, distill.min_reward)
+            return await orchestrator.teacher_rows(
+                tasks, distill.samples, distill.min_reward, distill.top_k
+            )
 
         started = time.perf_counter()
         rows, counts = asyncio.run(generate())

@@ -33,6 +33,11 @@ class SFTConfig(StrictModel):
     chat_template: bool | None = None
     """Render with the tokenizer's chat template; unset: when it has one. Without, the
     contents are concatenated with the end-of-sequence token after the last answer."""
+    loss: Literal["nll", "forward_kl", "reverse_kl"] = "nll"
+    """`nll`: the negative log-likelihood of the rows' tokens. `forward_kl` and
+    `reverse_kl`: token-level distillation, a KL to the teacher's top-k distribution at
+    every completion token (`rollwire.trainer.losses.DISTILL_LOSSES`), from rows `rollwire
+    distill generate` wrote with distill.top_k set."""
     packing: bool = False
     """Pack each step's examples into rows of up to max_length tokens, each example
     attending only to itself (block-diagonal attention, positions from 0 each): far
@@ -128,6 +133,11 @@ class DistillConfig(StrictModel):
     """Answers per prompt."""
     min_reward: float | None = None
     """Keep only answers scored at least this (rejection sampling); unset keeps all."""
+    top_k: int = Field(0, ge=0, le=64)
+    """Token-level distillation data: also record, for every answer token, the
+    teacher's top_k most likely tokens and their logprobs (RolloutService.ScoreTokens),
+    with the token ids, for `rollwire sft` with sft.loss forward_kl or reverse_kl; 0
+    writes text rows only."""
     output: Path | None = None
     """The rows' file; `<run.output_dir>/distill.jsonl` when unset."""
     teacher_model_path: Path | None = None

@@ -1,0 +1,145 @@
+"""On-policy distillation: the teacher's scores of the student's samples, the tokenizer
+check, the config's checks, and a run in which the student moves toward the teacher."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from test_sft import chain_sum_files, rollwire
+from test_update import group
+
+from rollwire.proto.v1 import rollout_pb2_grpc
+from rollwire.rollout.orchestrator.teacher import Teacher, TokenizerMismatch
+from rollwire.rollout.server.hf_engine import HFEngine
+from rollwire.rollout.server.servicer import RolloutServicer
+from rollwire.services.core.client import open_channel
+from rollwire.services.core.config import RunConfig
+from rollwire.services.core.server import Registration
+
+
+async def serve(start_service, model_path) -> tuple[str, HFEngine]:
+    engine = HFEngine(model_path, max_batch_size=8)
+    runtime = await start_service(
+        [
+            Registration(
+                rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+                RolloutServicer(engine),
+                "rollwire.v1.RolloutService",
+            )
+        ]
+    )
+    return runtime.address, engine
+
+
+def distill_config(teachers: list[str]) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "trainer": {"advantage": {"type": "on_policy_distill"}},
+            "endpoints": {"teacher_servers": teachers},
+            "client": {"connect_timeout_seconds": 10},
+        }
+    )
+
+
+@pytest.mark.integration
+async def test_the_teacher_scores_each_generated_token_and_nothing_else(
+    start_service, tiny_model_path
+) -> None:
+    student, _ = await serve(start_service, tiny_model_path)
+    teacher_address, engine = await serve(start_service, tiny_model_path)
+    teacher = Teacher(distill_config([teacher_address]))
+    async with open_channel(student) as channel:
+        await teacher.connect([rollout_pb2_grpc.RolloutServiceStub(channel)])
+    trajectories = group()
+    # A multi-turn shape: an observation token (mask 0) between two generated ones.
+    trajectories[0].loss_mask[-2] = 0
+    await teacher.score(trajectories)
+    for trajectory in trajectories:
+        ids, mask = trajectory.token_ids.tolist(), trajectory.loss_mask
+        start = int(np.flatnonzero(mask)[0])
+        (expected,), _ = await engine.score([(ids, start)], 0)
+        want = np.zeros(len(ids), np.float32)
+        want[start:] = expected.logprobs
+        np.testing.assert_allclose(trajectory.teacher_logprobs, want * mask, atol=1e-6)
+    assert trajectories[0].teacher_logprobs[-2] == 0.0
+    assert teacher.scored_tokens == sum(int(t.loss_mask.sum()) for t in trajectories)
+    await teacher.close()
+
+
+@pytest.mark.integration
+async def test_a_teacher_with_another_tokenizer_is_refused(
+    start_service, tiny_model_path, tmp_path
+) -> None:
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_path, other)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<tool>"])
+    tokenizer.save_pretrained(other)
+    student, _ = await serve(start_service, tiny_model_path)
+    teacher_address, _ = await serve(start_service, other)
+    teacher = Teacher(distill_config([teacher_address]))
+    async with open_channel(student) as channel:
+        with pytest.raises(TokenizerMismatch, match="does not share the student's tokenizer"):
+            await teacher.connect([rollout_pb2_grpc.RolloutServiceStub(channel)])
+    await teacher.close()
+
+
+def test_on_policy_distillation_needs_a_teacher_and_temperature_one() -> None:
+    with pytest.raises(ValueError, match="needs a teacher: set distill.teacher_model_path"):
+        RunConfig.model_validate({"trainer": {"advantage": {"type": "on_policy_distill"}}})
+    with pytest.raises(ValueError, match="set rl.temperature to 1"):
+        RunConfig.model_validate(
+            {
+                "trainer": {"advantage": {"type": "on_policy_distill"}},
+                "distill": {"teacher_model_path": "/models/teacher"},
+                "rl": {"temperature": 0.7},
+            }
+        )
+    with pytest.raises(ValueError, match="on_policy_distill"):
+        RunConfig.model_validate({"trainer": {"advantage": {"type": "on_policy_distil"}}})
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_the_student_moves_toward_the_teacher(tmp_path) -> None:
+    """A teacher fine-tuned on right answers; the default student (warmed up on answers
+    60% off by one) trained by the teacher's per-token scores alone, no reward."""
+    data = chain_sum_files(tmp_path / "data")
+    teacher = tmp_path / "teacher"
+    rollwire(
+        tmp_path,
+        "sft",
+        f"run.output_dir={teacher}",
+        f"sft.data={data / 'sft.jsonl'}",
+        "sft.epochs=8",
+        "trainer.learning_rate=0.003",
+    )
+    run = tmp_path / "run"
+    rollwire(
+        tmp_path,
+        "train",
+        f"run.output_dir={run}",
+        "trainer.advantage={type: on_policy_distill}",
+        f"distill.teacher_model_path={teacher / 'final'}",
+        "rl.max_steps=40",
+        "orchestrator.eval_every=10",
+        timeout=500,
+    )
+    evals = [json.loads(line) for line in (run / "metrics" / "eval.jsonl").read_text().splitlines()]
+    curve = [(e["policy_version"], e["eval_reward"]) for e in evals]
+    print(f"held-out greedy reward by version: {curve}")
+    steps = [
+        json.loads(line) for line in (run / "metrics" / "trainer.jsonl").read_text().splitlines()
+    ]
+    kl = [row["teacher_kl"] for row in steps]
+    print(f"teacher_kl first five {np.mean(kl[:5]):.3f}, last five {np.mean(kl[-5:]):.3f}")
+    # The student's divergence from the teacher on its own samples falls, and its
+    # held-out reward rises (measured: 0.205 -> 0.305, 0.31, 0.325, 0.31 at versions
+    # 10-40; teacher_kl 0.263 over the first five steps, 0.192 over the last five).
+    assert np.mean(kl[-5:]) < np.mean(kl[:5]) - 0.05, kl
+    assert max(reward for _, reward in curve[2:]) >= curve[0][1] + 0.05, curve
