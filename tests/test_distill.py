@@ -45,6 +45,7 @@ def test_a_student_learns_from_the_teachers_kept_answers(tmp_path) -> None:
     # (it was sampled from that distribution, so it is usually the likeliest).
     first = kept[0]
     assert len(first["top_ids"]) == len(first["completion_ids"]) and len(first["top_ids"][0]) == 8
+    assert len(first["tokenizer"]) == 64  # the teacher's tokenizer digest, checked by sft
     pairs = [
         (token, top)
         for row in kept

@@ -100,6 +100,14 @@ def test_on_policy_distillation_needs_a_teacher_and_temperature_one() -> None:
                 "rl": {"temperature": 0.7},
             }
         )
+    with pytest.raises(ValueError, match="filter_uniform_groups drops groups"):
+        RunConfig.model_validate(
+            {
+                "trainer": {"advantage": {"type": "on_policy_distill"}},
+                "distill": {"teacher_model_path": "/models/teacher"},
+                "orchestrator": {"filter_uniform_groups": True},
+            }
+        )
     with pytest.raises(ValueError, match="on_policy_distill"):
         RunConfig.model_validate({"trainer": {"advantage": {"type": "on_policy_distil"}}})
 

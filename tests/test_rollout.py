@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
-from rollwire.rollout.server.engine import tokenizer_digest
 from rollwire.rollout.server.hf_engine import ContextTooLong, HFEngine, RequestError
 from rollwire.rollout.server.sampling import SamplingSpec, processed_logprobs
 from rollwire.rollout.server.servicer import RolloutServicer
@@ -22,6 +21,7 @@ from rollwire.rollout.server.weights import WeightAssembler, WeightStreamError, 
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.server import Registration
+from rollwire.services.core.tokenizer import tokenizer_digest
 
 torch.set_num_threads(1)
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])

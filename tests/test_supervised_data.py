@@ -231,5 +231,8 @@ def test_token_level_rows_become_sequences_with_their_teachers_top_k() -> None:
     assert distill_examples([row], max_length=4, truncate=False)[1].too_long == 1
     with pytest.raises(ValueError, match="row 0: a KL loss .* has no top_ids, top_logprobs"):
         distill_examples([{"prompt_ids": [5], "completion_ids": [8]}], 16)
+    with pytest.raises(ValueError, match="row 0: its token ids are the teacher's tokenizer's"):
+        distill_examples([{**row, "tokenizer": "a" * 64}], 16, tokenizer_digest="b" * 64)
+    assert distill_examples([{**row, "tokenizer": "a" * 64}], 16, tokenizer_digest="a" * 64)[0]
     with pytest.raises(ValueError, match="row 0: 1 top-k rows for 2 completion tokens"):
         distill_examples([{**row, "top_ids": [[8, 9]], "top_logprobs": [[-0.1, -2.5]]}], 16)

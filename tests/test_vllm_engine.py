@@ -172,6 +172,28 @@ async def until_generating(engine, request_id: str, tokens: int = 3) -> None:
     raise AssertionError(f"{request_id} never generated {tokens} tokens")
 
 
+async def test_scoring_gives_the_trainers_logprobs_and_top_k(engine, tiny_model_path) -> None:
+    """ScoreTokens on vLLM: prompt logprobs of given tokens, batched with a generation
+    in flight, equal to the trainer's float32 recomputation; top-k in rank order."""
+    model = hf_model(tiny_model_path)
+    sequences = [([5, 6, 7, 8, 9, 10], 2), ([11, 12, 13], 1)]
+    running = asyncio.ensure_future(
+        engine.generate("beside", [5, 6], SamplingSpec(max_new_tokens=24, seed=0))
+    )
+    scores, version = await engine.score(sequences, top_k=3)
+    await running
+    assert version == engine.version
+    for (ids, start), got in zip(sequences, scores, strict=True):
+        assert got.logprobs == pytest.approx(recomputed(model, ids[:start], ids[start:]), abs=1e-4)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, start - 1 : -1].float()
+        best = torch.log_softmax(logits, dim=-1).topk(3, dim=-1)
+        assert got.top_token_ids == best.indices.tolist()
+        assert torch.allclose(torch.tensor(got.top_logprobs), best.values, atol=1e-4)
+    with pytest.raises(RequestError, match="start 3 outside"):
+        await engine.score([([5, 6, 7], 3)], 0)
+
+
 async def test_abort_returns_the_tokens_so_far(tiny_model_path) -> None:
     engine = make_engine(tiny_model_path)
     try:

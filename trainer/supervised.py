@@ -32,6 +32,7 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
     from transformers import AutoTokenizer
 
     from rollwire.services.core.datasets import read_rows
+    from rollwire.services.core.tokenizer import tokenizer_digest
     from rollwire.trainer.supervised_data import distill_examples, supervised_examples
 
     sft = config.sft
@@ -39,7 +40,9 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
 
     def build(path: Path) -> tuple[Sequences, Any]:
         if sft.loss != "nll":
-            distilled, counts = distill_examples(read_rows(path), sft.max_length, sft.truncate)
+            distilled, counts = distill_examples(
+                read_rows(path), sft.max_length, sft.truncate, tokenizer_digest(model_path)
+            )
             return [(e.ids, e.mask, (e.top_ids, e.top_logprobs)) for e in distilled], counts
         examples, counts = supervised_examples(
             read_rows(path), tokenizer, sft.max_length, sft.truncate, sft.chat_template

@@ -266,17 +266,29 @@ class Distilled:
 
 
 def distill_examples(
-    rows: Iterable[dict[str, Any]], max_length: int, truncate: bool = True
+    rows: Iterable[dict[str, Any]],
+    max_length: int,
+    truncate: bool = True,
+    tokenizer_digest: str | None = None,
 ) -> tuple[list[Distilled], Counts]:
     """Token-level distillation rows as sequences (the loss on the completion), cut or
     left out at `max_length` as `supervised_examples` does. A row without the token
-    fields, or whose top-k rows do not match its completion, is an error naming it."""
+    fields, or whose top-k rows do not match its completion, is an error naming it; so
+    is one whose `tokenizer` (the teacher's digest) is not `tokenizer_digest` (the
+    student's), when both are known."""
     import numpy as np
 
     counts, examples, width = Counts(), [], None
     for number, row in enumerate(rows):
         counts.rows += 1
         where = f"row {number}"
+        theirs = row.get("tokenizer")
+        if tokenizer_digest and theirs and theirs != tokenizer_digest:
+            raise ValueError(
+                f"{where}: its token ids are the teacher's tokenizer's ({theirs[:12]}), not "
+                f"this model's ({tokenizer_digest[:12]}); token-level distillation needs one "
+                "tokenizer (for another, distil at the sequence level: sft.loss nll)"
+            )
         missing = [
             key
             for key in ("prompt_ids", "completion_ids", "top_ids", "top_logprobs")

@@ -131,25 +131,6 @@ def validate_scoring(
             )
 
 
-def tokenizer_digest(model_path: str | Path | None) -> str:
-    """sha256 of the tokenizer at `model_path`: its vocabulary (token -> id) and special
-    tokens; "" without a local model folder. Equal digests: the same ids mean the
-    same text, so one model's logprobs of another's tokens make sense."""
-    import hashlib
-    import json
-
-    if model_path is None or not (Path(model_path) / "config.json").exists():
-        return ""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    identity = {
-        "vocab": sorted(tokenizer.get_vocab().items()),
-        "special": sorted(str(token) for token in tokenizer.all_special_tokens),
-    }
-    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
-
-
 def model_folder(model_path: str | Path) -> Path:
     """`model_path` as a Path; FileNotFoundError unless it holds a Hugging Face model."""
     path = Path(model_path)

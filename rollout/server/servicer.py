@@ -17,7 +17,6 @@ from rollwire.rollout.server.engine import (
     RequestError,
     ScoreUnsupported,
     UpdateUnsupported,
-    tokenizer_digest,
 )
 from rollwire.rollout.server.sampling import SamplingSpec
 from rollwire.rollout.server.weights import (
@@ -30,6 +29,7 @@ from rollwire.rollout.server.weights import (
 from rollwire.services.core.config import RolloutServerConfig
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.server import Registration, reject
+from rollwire.services.core.tokenizer import tokenizer_digest
 from rollwire.services.core.watchdog import Watchdog
 
 log = logging.getLogger(__name__)

@@ -268,8 +268,8 @@ def run_dpo(config: RunConfig) -> int:
 
 
 def run_distill_generate(config: RunConfig) -> int:
-    """`rollwire distill generate`: the teacher (a rollout-server started on the run's
-    model) answers distill.prompts training prompts, the reward-server scores the
+    """`rollwire distill generate`: the teacher (a rollout-server started on
+    distill.teacher_model_path, else the run's model) answers distill.prompts training prompts, the reward-server scores the
     answers, and the kept ones become `prompt`/`completion` rows for `rollwire sft`."""
     import asyncio
 
@@ -286,7 +286,9 @@ def run_distill_generate(config: RunConfig) -> int:
         print("rollwire distill generate: env datasets are not supported (episodes, not prompts)")
         return 1
     try:
-        teacher = prepare_model(config)
+        teacher = distill.teacher_model_path or prepare_model(config)
+        if not (Path(teacher) / "config.json").exists():
+            raise LaunchError(f"distill.teacher_model_path {teacher} is not a Hugging Face folder")
     except (LaunchError, OSError) as error:
         print(f"rollwire distill generate: {error}")
         return 1
@@ -325,6 +327,13 @@ def run_distill_generate(config: RunConfig) -> int:
         return 130
     finally:
         stack.stop()
+    if distill.top_k:
+        from rollwire.services.core.tokenizer import tokenizer_digest
+
+        # Token ids mean something only under this tokenizer: `rollwire sft` checks it.
+        digest = tokenizer_digest(teacher)
+        for row in rows:
+            row["tokenizer"] = digest
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("w") as out:
         for row in rows:

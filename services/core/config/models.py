@@ -234,6 +234,11 @@ class RunConfig(StrictModel):
                 "trainer.advantage on_policy_distill compares the student's and the teacher's "
                 f"own distributions: set rl.temperature to 1 (it is {self.rl.temperature})"
             )
+        if self.orchestrator.filter_uniform_groups:
+            raise ValueError(
+                "orchestrator.filter_uniform_groups drops groups whose rewards are all equal, "
+                "but on-policy distillation learns from every group's tokens: turn it off"
+            )
         return self
 
     @model_validator(mode="after")

@@ -121,11 +121,15 @@ class DPOConfig(StrictModel):
 
 
 class DistillConfig(StrictModel):
-    """`rollwire distill generate`: sequence-level distillation data. The teacher is a
-    rollout-server started on trainer.model_path (any rollout_server.engine); it answers the training prompts of
+    """Distillation. `rollwire distill generate` writes sequence- and token-level data:
+    the teacher, a rollout-server started on teacher_model_path (else on
+    trainer.model_path; any rollout_server.engine), answers the training prompts of
     orchestrator.dataset (the evaluation set's left out) at rl.temperature, the
     reward-server scores each answer, and the kept ones are written as
-    `prompt`/`completion` rows that `rollwire sft` trains a student on."""
+    `prompt`/`completion` rows (with top_k, the teacher's top-k per token too) that
+    `rollwire sft` trains a student on. On-policy distillation (`trainer.advantage:
+    on_policy_distill` in `rollwire train`) serves teacher_model_path to score the
+    student's samples."""
 
     prompts: int = Field(1000, ge=1)
     """How many training prompts the teacher answers."""
@@ -141,10 +145,10 @@ class DistillConfig(StrictModel):
     output: Path | None = None
     """The rows' file; `<run.output_dir>/distill.jsonl` when unset."""
     teacher_model_path: Path | None = None
-    """On-policy distillation (`trainer.advantage: on_policy_distill`): the teacher, a
-    Hugging Face folder whose tokenizer is the student's; `rollwire train` serves it on a
-    rollout-server of its own (`teacher_engine`) unless endpoints.teacher_servers names
-    running ones."""
+    """The teacher, a Hugging Face folder whose tokenizer is the student's. `rollwire
+    distill generate` answers with it (trainer.model_path when unset); on-policy
+    distillation's `rollwire train` serves it on a rollout-server of its own
+    (`teacher_engine`) unless endpoints.teacher_servers names running ones."""
     teacher_engine: Literal["hf", "vllm"] = "hf"
     """The engine of the teacher rollout-server `rollwire train` starts (the engines that
     score given tokens)."""
