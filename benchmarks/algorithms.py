@@ -1,7 +1,7 @@
 """The advantage estimators and policy losses side by side on the default task: held-out
 reward at fixed steps and wall time, several seeds.
 
-    .venv/bin/python benchmarks/algorithms.py [--steps 60] [--seeds 0 1 2] [--set key=value ...]
+    .venv/bin/python benchmarks/algorithms.py [--steps 60] [--seeds 0 1 2] [--set key=value ...] [-c FILE]
 
 Estimators (with the `ppo_clip` loss): grpo, dr_grpo (with `aggregation: constant`),
 rloo, reinforce_plus_plus, lite_ppo, gae (PPO with a critic at the default settings). Losses (with `grpo` advantages): ppo_clip, gspo
@@ -41,7 +41,7 @@ def main() -> None:
         Cell(f"grpo + {name}", [f"trainer.loss={{type: {name}}}", *extra])
         for name, extra in LOSSES.items()
     ]
-    run_grid(cells, args.seeds, root, common)
+    run_grid(cells, args.seeds, root, common, args.config)
     finish(cells, args, root, "algorithms")
 
 

@@ -11,7 +11,8 @@ model warmed up on answers 60% off by one). Then:
   ones scored 1 kept, with the teacher's top-8 per token), then `rollwire sft` (nll);
 - token-level: `rollwire sft` with `sft.loss: forward_kl` on the same rows;
 - on-policy: `rollwire train` with `trainer.advantage: on_policy_distill` (teacher served
-  on its own rollout-server, --opd-steps steps);
+  on its own rollout-server, --opd-steps steps), alone and with the task reward's GRPO
+  advantage added (reward_weight 1);
 - RL alone: `rollwire train` with the default GRPO settings, evaluated every 5 versions;
   for each distillation row, its held-out reward at the last evaluation within that
   row's wall time (and at its end).
@@ -136,19 +137,22 @@ def main() -> None:
             rows.setdefault(name, []).append(
                 (greedy(folder / "final", folder), gen_seconds + seconds)
             )
-        opd = out / f"on-policy-{seed}"
-        _, seconds = rollwire(
-            ["train", "-c", str(REPO / "examples" / "on_policy_distill.yaml")],
-            [
-                f"run.output_dir={opd}",
-                f"distill.teacher_model_path={teacher}",
-                f"rl.max_steps={args.opd_steps}",
-                f"orchestrator.sampling_seed={seed}",
-            ],
-        )
-        rows.setdefault("on-policy (rollwire train, on_policy_distill)", []).append(
-            (evals(opd)[-1][2], seconds)
-        )
+        for name, weight in (
+            ("on-policy (rollwire train, on_policy_distill)", 0.0),
+            ("on-policy + task reward (reward_weight 1)", 1.0),
+        ):
+            opd = out / f"on-policy-{weight:g}-{seed}"
+            _, seconds = rollwire(
+                ["train", "-c", str(REPO / "examples" / "on_policy_distill.yaml")],
+                [
+                    f"run.output_dir={opd}",
+                    f"distill.teacher_model_path={teacher}",
+                    f"trainer.advantage.reward_weight={weight}",
+                    f"rl.max_steps={args.opd_steps}",
+                    f"orchestrator.sampling_seed={seed}",
+                ],
+            )
+            rows.setdefault(name, []).append((evals(opd)[-1][2], seconds))
         rl = out / f"rl-{seed}"
         started = time.time()
         _, seconds = rollwire(

@@ -34,9 +34,13 @@ class RunResult:
         return self.evals[-1][1] if self.evals else float("nan")
 
 
-def train(run_dir: Path, overrides: list[str], timeout: float = 1800) -> RunResult:
-    """Runs `rollwire train --set ...` into `run_dir` and reads its metrics back."""
+def train(
+    run_dir: Path, overrides: list[str], timeout: float = 1800, config: Path | None = None
+) -> RunResult:
+    """Runs `rollwire train [-c config] --set ...` into `run_dir` and reads its metrics back."""
     command = [sys.executable, "-m", "rollwire.services.app.cli", "train"]
+    if config is not None:
+        command += ["-c", str(config)]
     for item in (f"run.output_dir={run_dir}", *overrides):
         command += ["--set", item]
     started = time.perf_counter()
@@ -81,15 +85,22 @@ class Cell:
         return f"{mean:.3f} ± {statistics.stdev(values):.3f}"
 
 
-def run_grid(cells: list[Cell], seeds: list[int], root: Path, common: list[str]) -> None:
-    """Every cell with every seed (`orchestrator.sampling_seed`), one after another."""
+def run_grid(
+    cells: list[Cell],
+    seeds: list[int],
+    root: Path,
+    common: list[str],
+    config: Path | None = None,
+) -> None:
+    """Every cell with every seed (`orchestrator.sampling_seed`), one after another, on
+    the default run or `config`'s."""
     total, count = len(cells) * len(seeds), 0
     for cell in cells:
         for seed in seeds:
             count += 1
             run_dir = root / cell.name.replace(" ", "_").replace("/", "-") / f"seed{seed}"
             overrides = [*common, *cell.overrides, f"orchestrator.sampling_seed={seed}"]
-            result = train(run_dir, overrides)
+            result = train(run_dir, overrides, config=config)
             cell.runs.append(result)
             status = f"failed:\n{result.failed}" if result.failed else f"final {result.final:.3f}"
             print(
@@ -160,12 +171,16 @@ def parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", type=Path, help="folder for the runs and the plot")
+    parser.add_argument(
+        "-c", "--config", type=Path, help="the run to vary (default: the default run)"
+    )
     return parser
 
 
 def finish(cells: list[Cell], args: argparse.Namespace, root: Path, name: str) -> None:
     """Prints the table and writes the plot of a finished grid."""
-    title = f"default task, {args.steps} steps, {len(args.seeds)} seeds"
+    task = args.config.name if args.config else "default task"
+    title = f"{task}, {args.steps} steps, {len(args.seeds)} seeds"
     print(table(cells, title))
     picture = plot(cells, root / f"{name}.png", title)
     print(f"\nplot: {picture}\nruns: {root}")

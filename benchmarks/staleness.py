@@ -1,7 +1,7 @@
 """Does the off-policy correction hold learning up as staleness grows? The default task,
 maximum staleness x correction, several seeds: a table and a plot.
 
-    .venv/bin/python benchmarks/staleness.py [--steps 60] [--seeds 0 1 2] [--set key=value ...]
+    .venv/bin/python benchmarks/staleness.py [--steps 60] [--seeds 0 1 2] [--set key=value ...] [-c FILE]
 
 Cells: rl.max_staleness in {0 (rl.mode: sync), 1, 4, 8} x trainer.correction in
 {none, tis, decoupled}. Every cell trains the default run for --steps steps with
@@ -38,7 +38,7 @@ def main() -> None:
         for correction in args.corrections:
             name = f"staleness {eta if eta else '0 (sync)'} / {correction}"
             cells.append(Cell(name, [*mode, f"trainer.correction={{type: {correction}}}"]))
-    run_grid(cells, args.seeds, root, common)
+    run_grid(cells, args.seeds, root, common, args.config)
     finish(cells, args, root, "staleness")
 
 

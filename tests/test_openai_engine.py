@@ -257,3 +257,41 @@ async def test_generation_updates_and_interruptions_against_vllm(vllm_server) ->
         assert result.logprobs[cut:] == pytest.approx(later, abs=1e-4)
     finally:
         await engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not HAS_VLLM,
+    reason="vLLM is not installed here; tests/test_vllm_suite.py runs this in .venv-vllm",
+)
+def test_distill_generate_from_an_openai_compatible_teacher(vllm_server, tmp_path) -> None:
+    """Sequence-level distillation data from a teacher behind a completions server; top-k
+    rows need an engine that scores given tokens, and asking for them says so."""
+    base, path = vllm_server
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ROLLWIRE_CACHE_DIR": str(tmp_path / "cache")}
+
+    def generate(*sets: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "rollwire.services.app.cli", "distill", "generate"]
+        for item in (
+            f"run.output_dir={tmp_path / 'out'}",
+            f"trainer.model_path={path}",
+            "rollout_server.engine=openai",
+            f"rollout_server.base_url={base}",
+            "distill.prompts=40",
+            "distill.samples=2",
+            *sets,
+        ):
+            command += ["--set", item]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+    done = generate()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "80 answers to 40 prompts" in done.stdout
+    rows = [
+        json.loads(line) for line in (tmp_path / "out" / "distill.jsonl").read_text().splitlines()
+    ]
+    assert len(rows) == 80 and all(set(row) == {"prompt", "completion", "reward"} for row in rows)
+    refused = generate("distill.top_k=4")
+    assert refused.returncode == 1
+    assert "distill.top_k needs a teacher engine that scores given tokens" in refused.stdout

@@ -285,6 +285,13 @@ def run_distill_generate(config: RunConfig) -> int:
     if settings.dataset.type == "env":
         print("rollwire distill generate: env datasets are not supported (episodes, not prompts)")
         return 1
+    if distill.top_k and config.rollout_server.engine in ("openai", "sglang"):
+        print(
+            f"rollwire distill generate: distill.top_k needs a teacher engine that scores "
+            f"given tokens (hf or vllm); rollout_server.engine is "
+            f"{config.rollout_server.engine}: set distill.top_k to 0 for sequence-level rows"
+        )
+        return 1
     try:
         teacher = distill.teacher_model_path or prepare_model(config)
         if not (Path(teacher) / "config.json").exists():
