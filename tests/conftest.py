@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from rollwire.services.core.config import ServerConfig
 from rollwire.services.core.server import Registration, ServiceRuntime
+from rollwire.services.core.tiny import TinySpec
 
 
 @pytest.fixture
@@ -200,18 +201,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # ---------------------------------------------------------------- models
 
+TEST_SPEC = TinySpec(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
+"""The shape of `tiny_model_path`'s model (another seed gives another model of it)."""
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small Llama with the character tokenizer, built offline once per test session."""
-    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.core.tiny import ensure_tiny_model
 
-    spec = TinySpec(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny", spec)
+    return ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TEST_SPEC)

@@ -3,10 +3,8 @@ on them with `rollwire sft`."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from test_sft import chain_sum_files, rollwire, rows
+from test_sft import chain_sum_files, fine_tune, rollwire, rows
 
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.datasets import load_tasks
@@ -19,15 +17,7 @@ def test_a_student_learns_from_the_teachers_kept_answers(tmp_path) -> None:
     times; the answers the reward-server scores 1 become an SFT file, and the untrained
     tiny model trained on it scores on held-out prompts."""
     data = chain_sum_files(tmp_path / "data")
-    teacher = tmp_path / "teacher"
-    rollwire(
-        tmp_path,
-        "sft",
-        f"run.output_dir={teacher}",
-        f"sft.data={data / 'sft.jsonl'}",
-        "sft.epochs=8",
-        "trainer.learning_rate=0.003",
-    )
+    teacher = fine_tune(tmp_path, tmp_path / "teacher", data / "sft.jsonl").parent
     out = rollwire(
         tmp_path,
         "distill",
@@ -60,42 +50,14 @@ def test_a_student_learns_from_the_teachers_kept_answers(tmp_path) -> None:
     template = config.orchestrator.prompt_template
     held_out = {task.prompt(template) for task in load_tasks(config.orchestrator.eval_dataset)}
     assert not {row["prompt"] for row in kept} & held_out
-    student = tmp_path / "student"
-    rollwire(
-        tmp_path,
-        "sft",
-        f"run.output_dir={student}",
-        f"sft.data={tmp_path / 'distill' / 'distill.jsonl'}",
-        "sft.epochs=8",
-        "trainer.learning_rate=0.003",
-    )
-    rollwire(
-        tmp_path,
-        "eval",
-        f"run.output_dir={student}",
-        extra=["--checkpoint", str(student / "final")],
-    )
-    report = json.loads((student / "evals" / "final" / "eval.json").read_text())
+    distilled = tmp_path / "distill" / "distill.jsonl"
+    report = fine_tune(tmp_path, tmp_path / "student", distilled, evaluate=True)
     # Measured 0.193 (the teacher: 0.325; the untrained student: 0).
     assert report["greedy_reward"] >= 0.1, report
     # Token-level: the same rows, the loss a forward KL to the teacher's top-8.
-    token_level = tmp_path / "token_level"
-    rollwire(
-        tmp_path,
-        "sft",
-        f"run.output_dir={token_level}",
-        f"sft.data={tmp_path / 'distill' / 'distill.jsonl'}",
-        "sft.loss=forward_kl",
-        "sft.epochs=8",
-        "trainer.learning_rate=0.003",
+    report = fine_tune(
+        tmp_path, tmp_path / "token_level", distilled, "sft.loss=forward_kl", evaluate=True
     )
-    rollwire(
-        tmp_path,
-        "eval",
-        f"run.output_dir={token_level}",
-        extra=["--checkpoint", str(token_level / "final")],
-    )
-    report = json.loads((token_level / "evals" / "final" / "eval.json").read_text())
     assert report["greedy_reward"] >= 0.1, report
 
 

@@ -3,12 +3,14 @@ check, the config's checks, and a run in which the student moves toward the teac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import numpy as np
 import pytest
-from test_sft import chain_sum_files, rollwire
+from conftest import TEST_SPEC
+from test_sft import chain_sum_files, fine_tune, rollwire
 from test_update import group
 
 from rollwire.proto.v1 import rollout_pb2_grpc
@@ -118,22 +120,14 @@ def test_the_student_moves_toward_the_teacher(tmp_path) -> None:
     """A teacher fine-tuned on right answers; the default student (warmed up on answers
     60% off by one) trained by the teacher's per-token scores alone, no reward."""
     data = chain_sum_files(tmp_path / "data")
-    teacher = tmp_path / "teacher"
-    rollwire(
-        tmp_path,
-        "sft",
-        f"run.output_dir={teacher}",
-        f"sft.data={data / 'sft.jsonl'}",
-        "sft.epochs=8",
-        "trainer.learning_rate=0.003",
-    )
+    teacher = fine_tune(tmp_path, tmp_path / "teacher", data / "sft.jsonl")
     run = tmp_path / "run"
     rollwire(
         tmp_path,
         "train",
         f"run.output_dir={run}",
         "trainer.advantage={type: on_policy_distill}",
-        f"distill.teacher_model_path={teacher / 'final'}",
+        f"distill.teacher_model_path={teacher}",
         "rl.max_steps=40",
         "orchestrator.eval_every=10",
         timeout=500,
@@ -158,20 +152,9 @@ def test_the_student_moves_toward_the_teacher(tmp_path) -> None:
 def test_on_policy_distillation_on_two_fsdp2_ranks(tmp_path, tiny_model_path) -> None:
     """The teacher's token advantages on a sharded trainer: a teacher of the same shape and
     tokenizer but other weights, three steps on two fsdp2 ranks (gloo)."""
-    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.core.tiny import ensure_tiny_model
 
-    teacher = ensure_tiny_model(
-        tmp_path / "teacher",
-        TinySpec(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=64,
-            seed=1,
-        ),
-    )
+    teacher = ensure_tiny_model(tmp_path / "teacher", dataclasses.replace(TEST_SPEC, seed=1))
     run = tmp_path / "run"
     rollwire(
         tmp_path,
