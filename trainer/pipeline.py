@@ -211,13 +211,17 @@ def train_steps(
 
 
 def save_final(policy: Any, run_dir: Path, steps: int) -> Path:
-    """The trained model as `<run_dir>/final`: a Hugging Face folder (LoRA adapters in
-    its `adapter/`), without resume state: a model to start from."""
-    final = run_dir / "final"
-    policy.save_checkpoint(final, steps, steps)
-    (final / "trainer_state.pt").unlink(missing_ok=True)
-    shutil.rmtree(final / "backend", ignore_errors=True)
-    return final
+    """The trained model as `<run_dir>/final` (`save_model`)."""
+    return save_model(policy, run_dir / "final", steps)
+
+
+def save_model(policy: Any, folder: Path, steps: int) -> Path:
+    """The trained model as `folder`: a Hugging Face folder (LoRA adapters in its
+    `adapter/`), without resume state: a model to start from."""
+    policy.save_checkpoint(folder, steps, steps)
+    (folder / "trainer_state.pt").unlink(missing_ok=True)
+    shutil.rmtree(folder / "backend", ignore_errors=True)
+    return folder
 
 
 def last_value(path: Path, key: str) -> float | None:

@@ -4,6 +4,9 @@ A randomly initialised model never produces a correct answer, so RL on it has
 no signal. A short supervised stage on (prompt, reference answer) pairs gives
 it a starting accuracy that RL can then improve; the stage is kept short on
 purpose so there is something left to improve.
+
+The stage is `rollwire sft`'s step (`Policy.supervised_step`) on batches made here
+from the run's own dataset (or an env's scripted demonstrations), not a loop of its own.
 """
 
 from __future__ import annotations
@@ -77,56 +80,46 @@ def warm_up_on(
     threads: int = 1,
     progress: bool = True,
 ) -> Path:
-    """Supervised steps on batches drawn by `batch(rng, size)`; the loss covers taught tokens only."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Supervised steps on batches drawn by `batch(rng, size)`, the loss on taught tokens
+    only: `Policy.supervised_step`, the step of `rollwire sft`, on the local backend in
+    float32 with AdamW (betas 0.9/0.999, no weight decay), the gradient norm clipped at
+    1, and the rate warmed up over 20 updates then decayed linearly to 0."""
+    from rollwire.services.core.config import RLSection
+    from rollwire.services.core.config.servers import LRScheduleConfig, TrainerConfig
     from rollwire.services.core.tiny import quiet_transformers
+    from rollwire.trainer.model import Policy
+    from rollwire.trainer.pipeline import save_model
 
     quiet_transformers()
-    torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 20) * max(0.0, 1 - step / steps)
+    trainer = TrainerConfig(
+        learning_rate=learning_rate,
+        lr_schedule=LRScheduleConfig(type="linear", warmup_steps=min(20, steps)),
+        adam_betas=(0.9, 0.999),
+        micro_batch_size=batch_size,
+        threads=threads,
+        checkpoint_every=0,
+        resume=False,
     )
+    policy = Policy(model_path, trainer, RLSection(group_size=1, max_steps=steps, temperature=1.0))
     rng = random.Random(seed)
-    pad = int(tokenizer.pad_token_id)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=steps, desc="warm-up (supervised)", unit="step", leave=False)
     started = time.perf_counter()
-    for _step in range(steps):
-        rows = batch(rng, batch_size)
-        length = max(len(ids) for ids, _ in rows)
-        ids = torch.full((batch_size, length), pad, dtype=torch.long)
-        labels = torch.full((batch_size, length), -100, dtype=torch.long)
-        attention = torch.zeros((batch_size, length), dtype=torch.long)
-        for row, (sequence, taught) in enumerate(rows):
-            values = torch.tensor(sequence)
-            ids[row, : len(sequence)] = values
-            attention[row, : len(sequence)] = 1
-            labels[row, : len(sequence)] = torch.where(
-                torch.tensor(taught, dtype=torch.bool), values, torch.tensor(-100)
-            )
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
+    try:
+        for _step in range(steps):
+            metrics = policy.supervised_step(batch(rng, batch_size))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        save_model(policy, output_path, steps)
+    finally:
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    if bar is not None:
-        bar.close()
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_path)
-    tokenizer.save_pretrained(output_path)
+            bar.close()
+        policy.close()
     log.info(
         "warm-up finished",
         extra={"steps": steps, "seconds": round(time.perf_counter() - started, 1)},

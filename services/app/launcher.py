@@ -228,6 +228,10 @@ class Stack:
             service.log_handle.close()
 
 
+WARM_UP_STEP = "Policy.supervised_step"
+"""Part of a warm-up's cache key: a cached model of another implementation is not reused."""
+
+
 def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     """The model every service starts from: the configured one, or the tiny one (warmed up if asked).
 
@@ -274,6 +278,7 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
         {
             "spec": spec.__dict__,
             "warmup": warmup.model_dump(mode="json"),
+            "step": WARM_UP_STEP,
             "dataset": dataset.model_dump(mode="json"),
             "held_out": held_out.model_dump(mode="json") if held_out is not None else None,
             "template": config.orchestrator.prompt_template,
@@ -333,6 +338,7 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
         {
             "spec": spec.__dict__,
             "warmup": warmup.model_dump(mode="json"),
+            "step": WARM_UP_STEP,
             "env": [dataset.env_id, dataset.env_kwargs],
             "agent": agent.model_dump(mode="json"),
             "chat": orchestrator.use_chat_template,
