@@ -168,6 +168,10 @@ def test_lr_factor_by_hand() -> None:
     assert lr_factor(3, 3, "linear", 3, 0.2) == pytest.approx(0.2)
     with pytest.raises(ValueError, match="unknown schedule"):
         lr_factor(0, 10, "step")  # type: ignore[arg-type]
+    # Decay from the start, the ramp multiplying it (the warm-up's shape): over 10 updates
+    # with a 4-update ramp, update k runs at min(1, (k + 1) / 4) x (1 - k / 10).
+    start = [lr_factor(s, 10, "linear", 4, 0.0, "start") for s in (0, 1, 3, 5, 9, 10)]
+    assert start == pytest.approx([0.25, 0.5 * 0.9, 0.7, 0.5, 0.1, 0.0])
 
 
 @pytest.mark.parametrize("name", ["algorithms", "losses"])

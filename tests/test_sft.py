@@ -241,3 +241,55 @@ def test_sft_and_dpo_on_cuda_ranks(tmp_path) -> None:
         *cuda,
     )
     assert (tmp_path / "dpo" / "final" / "config.json").exists()
+
+
+def test_the_warm_up_is_the_sft_step_and_equals_the_loop_it_replaced(
+    tiny_model_path, tmp_path
+) -> None:
+    """`warm_up_on` trains through `Policy.supervised_step`; its schedule and optimizer are
+    the warm-up's own, calibrated ones: batch for batch it gives the weights of a plain
+    loop (HF's loss on the taught tokens, AdamW, clip 1, ramp x linear decay), bit for bit."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollwire.trainer.sft import warm_up_on
+
+    steps, size = 25, 8
+
+    def batch(rng: random.Random, count: int) -> list[tuple[list[int], list[int]]]:
+        rows = []
+        for _ in range(count):
+            prompt, answer = rng.randint(3, 8), rng.randint(4, 12)
+            rows.append(
+                ([rng.randint(3, 90) for _ in range(prompt + answer)], [0] * prompt + [1] * answer)
+            )
+        return rows
+
+    out = warm_up_on(tiny_model_path, tmp_path / "warm", batch, steps, size, 3e-3, 0, 1, False)
+    ours = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / steps)
+    )
+    rng = random.Random(0)
+    for _ in range(steps):
+        rows = batch(rng, size)
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.zeros((size, width), dtype=torch.long)
+        labels = torch.full((size, width), -100)
+        attention = torch.zeros((size, width), dtype=torch.long)
+        for row, (tokens, taught) in enumerate(rows):
+            values = torch.tensor(tokens)
+            ids[row, : len(tokens)], attention[row, : len(tokens)] = values, 1
+            labels[row, : len(tokens)] = torch.where(torch.tensor(taught) == 1, values, -100)
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+    for name, weight in model.named_parameters():
+        assert torch.equal(weight.detach(), ours[name].detach()), name

@@ -363,6 +363,7 @@ def lr_factor(
     schedule: Schedule = "constant",
     warmup_steps: int = 0,
     min_ratio: float = 0.0,
+    decay_from: Literal["warmup_end", "start"] = "warmup_end",
 ) -> float:
     """Multiplier of the base learning rate for optimizer update `step` (counted from 0).
 
@@ -370,8 +371,12 @@ def lr_factor(
     warm-up update reaches the base rate. Then `constant` stays at 1, and `linear` and
     `cosine` decay from 1 at update `warmup_steps` to `min_ratio` at update
     `total_steps`, holding `min_ratio` after it (a run extended past its planned length
-    does not go below it).
+    does not go below it). `decay_from="start"`: the decay runs from update 0 instead,
+    and the warm-up ramp, min(1, (k + 1) / warmup_steps), multiplies it.
     """
+    if decay_from == "start":
+        ramp = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+        return ramp * lr_factor(step, total_steps, schedule, 0, min_ratio)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":

@@ -227,6 +227,7 @@ class Policy(Advantages, PipelineSteps):
             schedule.type,
             schedule.warmup_steps,
             schedule.min_lr_ratio,
+            schedule.decay_from,
         )
         return self.config.learning_rate * factor
 

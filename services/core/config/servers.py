@@ -175,6 +175,10 @@ class LRScheduleConfig(StrictModel):
     (update k of the warm-up, from 0, runs at (k + 1) / warmup_steps of it)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Where `linear` and `cosine` end, as a fraction of trainer.learning_rate."""
+    decay_from: Literal["warmup_end", "start"] = "warmup_end"
+    """`warmup_end`: `linear` and `cosine` decay from the end of the warm-up; `start`:
+    they decay over the whole run from update 0 and the warm-up ramp multiplies them
+    (the rate then peaks a little below trainer.learning_rate)."""
 
 
 class LoraConfig(StrictModel):
