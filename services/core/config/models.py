@@ -151,7 +151,7 @@ class WarmupConfig(StrictModel):
     batch_size: int = Field(64, ge=1)
     """Examples per step."""
     learning_rate: float = Field(3e-3, gt=0)
-    """Peak learning rate (linear warm-up over 20 steps, then linear decay)."""
+    """Peak learning rate: step k runs at it x min(1, (k + 1) / 20) x (1 - k / steps)."""
     response_template: str = "<answer>{answer}</answer>"
     """What the model is taught to answer, formatted with the reference `answer`."""
     seed: int = 1
