@@ -183,3 +183,19 @@ def test_on_policy_distillation_on_two_fsdp2_ranks(tmp_path, tiny_model_path) ->
     # The teacher-server scored; the student's rollout-server did not.
     assert "rollout_scored_tokens" in (run / "logs" / "teacher-server.log").read_text()
     assert "rollout_scored_tokens" not in (run / "logs" / "rollout-server.log").read_text()
+
+
+def test_an_evaluation_of_a_distillation_run_starts_no_teacher(tmp_path, tiny_model_path) -> None:
+    """`rollwire eval` with an on-policy distillation config: the held-out reward of the
+    checkpoint, with no teacher-server (the evaluation scores no tokens)."""
+    out = rollwire(
+        tmp_path,
+        "eval",
+        f"run.output_dir={tmp_path / 'run'}",
+        "trainer.advantage={type: on_policy_distill}",
+        f"distill.teacher_model_path={tmp_path / 'no-such-teacher'}",
+        extra=["--checkpoint", str(tiny_model_path)],
+    )
+    assert "greedy_reward" in out
+    logs = tmp_path / "run" / "evals" / tiny_model_path.name / "logs"
+    assert (logs / "rollout-server.log").exists() and not (logs / "teacher-server.log").exists()

@@ -90,9 +90,9 @@ class Orchestrator:
         self.watch_seconds = config.telemetry.watchdog_seconds
         self.eos = int(tokenizer.eos_token_id)
         self.servers = Servers(config, self.eos)
-        self.teacher = (
-            Teacher(config) if config.trainer.advantage.type == "on_policy_distill" else None
-        )
+        self.teacher: Teacher | None = None
+        """On-policy distillation's teacher, once `connect` has found it (a training run's
+        only: evaluations and distillation data do without)."""
         endpoints = config.endpoints
         self.producer = BufferProducer(endpoints.buffer_producer, curve=config.client.curve)
         self.run_dir = Path(config.run.output_dir)
@@ -151,7 +151,8 @@ class Orchestrator:
         """Waits until every rollout- and reward-server serves; with an env dataset, asks
         the env-servers what they offer."""
         await self.servers.wait_until_serving()
-        if self.teacher is not None:
+        if self.config.trainer.advantage.type == "on_policy_distill":
+            self.teacher = Teacher(self.config)
             await self.teacher.connect(self.servers.rollout)
         if self.agentic:
             await self.start_episodes()

@@ -386,11 +386,14 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def start_servers(config: RunConfig, stack: Stack, timeout: float = 120.0) -> RunConfig:
+def start_servers(
+    config: RunConfig, stack: Stack, timeout: float = 120.0, teacher: bool = True
+) -> RunConfig:
     """Starts the reward-server, rollout-server and buffer, for an `env` dataset the
     env-servers (unless the config names some), for on-policy distillation a teacher
     rollout-server on distill.teacher_model_path (unless endpoints.teacher_servers names
-    some); returns the config with their endpoints."""
+    some, and unless `teacher` is False: evaluations and distillation data need none);
+    returns the config with their endpoints."""
     started = {name: stack.start(name) for name in SERVER_COMMANDS}
     env_servers = []
     if config.orchestrator.dataset.type == "env" and not config.endpoints.env_servers:
@@ -400,7 +403,7 @@ def start_servers(config: RunConfig, stack: Stack, timeout: float = 120.0) -> Ru
             for i in range(count)
         ]
     advantage = config.trainer.advantage
-    if advantage.type == "on_policy_distill" and not config.endpoints.teacher_servers:
+    if teacher and advantage.type == "on_policy_distill" and not config.endpoints.teacher_servers:
         distill = config.distill
         started["teacher-server"] = stack.start(
             "rollout-server",

@@ -314,7 +314,7 @@ def run_distill_generate(config: RunConfig) -> int:
         thread_budget(config),
     )
     try:
-        config = start_servers(config, stack)
+        config = start_servers(config, stack, teacher=False)
         tokenizer = AutoTokenizer.from_pretrained(teacher)
         pool = training_tasks(settings.dataset, settings.eval_dataset)
         tasks = [task_at(pool, ordinal) for ordinal in range(distill.prompts)]
@@ -389,7 +389,7 @@ def run_eval(
     )
     stack = Stack(work_dir, write_resolved_config(config, work_dir), thread_budget(config))
     try:
-        config = start_servers(config, stack)
+        config = start_servers(config, stack, teacher=False)
         tokenizer = AutoTokenizer.from_pretrained(model)
 
         async def measure() -> dict[str, float]:
