@@ -475,3 +475,38 @@ def test_dynamic_sampling_drops_uniform_groups_up_to_its_budget() -> None:
     assert sampling.drops([0.0, 0.0], version=0) and sampling.drops([1.0, 1.0], version=0)
     assert not sampling.drops([1.0, 1.0], version=0)  # budget of version 0 spent
     assert sampling.drops([1.0, 1.0], version=1)  # a new version, a new budget
+
+
+async def test_a_busy_server_is_tried_again_and_each_retry_counted() -> None:
+    """`call_server`: UNAVAILABLE and DEADLINE_EXCEEDED are tried again (and counted under
+    the call's name); any other status goes straight to the caller."""
+    import grpc
+    import grpc.aio
+
+    from rollwire.rollout.orchestrator.servers import call_server
+    from rollwire.services.core.metrics import COUNTERS
+    from rollwire.services.core.retry import RetryPolicy
+
+    def failure(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "busy")
+
+    answers = [
+        failure(grpc.StatusCode.UNAVAILABLE),
+        failure(grpc.StatusCode.DEADLINE_EXCEEDED),
+        "ok",
+    ]
+
+    async def call() -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    before = COUNTERS.get("orchestrator_retries", call="probe")
+    retries = RetryPolicy(attempts=3, first_pause=0.001, max_pause=0.002)
+    assert await call_server(call, retries, "probe") == "ok"
+    assert COUNTERS.get("orchestrator_retries", call="probe") == before + 2
+    answers[:] = [failure(grpc.StatusCode.INVALID_ARGUMENT), "never"]
+    with pytest.raises(grpc.aio.AioRpcError):
+        await call_server(call, retries, "probe")
+    assert answers == ["never"]

@@ -9,6 +9,7 @@ tests/test_vllm_suite.py runs `pytest -m vllm` there. Elsewhere they skip.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import time
 
@@ -22,6 +23,7 @@ from rollwire.rollout.server.servicer import RolloutServicer
 from rollwire.rollout.server.weights import iter_weight_chunks
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.server import Registration
+from tests.conftest import TEST_SPEC
 from tests.engine_checks import hf_model, load_into, perturbed, recomputed
 
 pytestmark = [
@@ -37,18 +39,9 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def untied_model_path(tmp_path_factory):
-    from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
+    from rollwire.services.core.tiny import ensure_tiny_model
 
-    spec = TinySpec(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        seed=1,
-    )
+    spec = dataclasses.replace(TEST_SPEC, tie_word_embeddings=False, seed=1)
     return ensure_tiny_model(tmp_path_factory.mktemp("models") / "untied", spec)
 
 

@@ -28,6 +28,26 @@ T = TypeVar("T")
 _SERVER_BUSY = grpc_codes("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
+def server_retries(config: RunConfig) -> RetryPolicy:
+    """orchestrator.request_attempts tries, 0.25 s apart and doubling to 4 s: long enough
+    in all for a restarted service to come back (a few seconds)."""
+    return RetryPolicy(
+        attempts=config.orchestrator.request_attempts, first_pause=0.25, max_pause=4.0
+    )
+
+
+async def call_server(call: Callable[[], Awaitable[T]], retries: RetryPolicy, what: str) -> T:
+    """`call()`, tried again while its server is unavailable or past the deadline, each
+    retry counted in `orchestrator_retries{call=what}`."""
+    return await call_with_retries(
+        call,
+        retries,
+        what=what,
+        retryable=_SERVER_BUSY,
+        on_retry=lambda error, attempt: COUNTERS.inc("orchestrator_retries", call=what),
+    )
+
+
 def sample_seed(base: int, ordinal: int) -> int:
     """The seed of sample 0 of prompt `ordinal` (sample i uses this + i), the same in every
     run with the same base: what lets a resumed run draw the samples it would have."""
@@ -44,10 +64,7 @@ class Servers:
         self.rl = config.rl
         self.settings = config.orchestrator
         self.eos = eos
-        # Long enough in all for a restarted service to come back (a few seconds).
-        self.retries = RetryPolicy(
-            attempts=self.settings.request_attempts, first_pause=0.25, max_pause=4.0
-        )
+        self.retries = server_retries(config)
         endpoints = config.endpoints
         self.addresses = endpoints.rollout_servers + endpoints.reward_servers
         self.rollout_channels = [open_channel(a, config.client) for a in endpoints.rollout_servers]
@@ -160,13 +177,7 @@ class Servers:
         return result.reward, dict(result.components)
 
     async def _call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
-        return await call_with_retries(
-            call,
-            self.retries,
-            what=what,
-            retryable=_SERVER_BUSY,
-            on_retry=lambda error, attempt: COUNTERS.inc("orchestrator_retries", call=what),
-        )
+        return await call_server(call, self.retries, what)
 
     async def close(self) -> None:
         """Closes the connection to every server."""

@@ -16,13 +16,10 @@ import uuid
 import numpy as np
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
+from rollwire.rollout.orchestrator.servers import call_server, server_retries
 from rollwire.services.core.client import open_channel, wait_for_serving
 from rollwire.services.core.config import RunConfig
-from rollwire.services.core.metrics import COUNTERS
-from rollwire.services.core.retry import RetryPolicy, call_with_retries, grpc_codes
 from rollwire.services.core.wire import Trajectory
-
-_SERVER_BUSY = grpc_codes("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
 class TokenizerMismatch(ValueError):
@@ -44,9 +41,7 @@ class Teacher:
         self.channels = [open_channel(a, config.client) for a in self.addresses]
         self.stubs = [rollout_pb2_grpc.RolloutServiceStub(c) for c in self.channels]
         self._next = itertools.cycle(range(len(self.stubs)))
-        self.retries = RetryPolicy(
-            attempts=self.settings.request_attempts, first_pause=0.25, max_pause=4.0
-        )
+        self.retries = server_retries(config)
         self.scored_tokens = 0
 
     async def connect(self, student: list[rollout_pb2_grpc.RolloutServiceStub]) -> None:
@@ -87,12 +82,10 @@ class Teacher:
             return
         request = rollout_pb2.ScoreTokensRequest(request_id=uuid.uuid4().hex, sequences=sequences)
         stub = self.stubs[next(self._next)]
-        reply = await call_with_retries(
+        reply = await call_server(
             lambda: stub.ScoreTokens(request, timeout=self.settings.generate_timeout_seconds),
             self.retries,
-            what="teacher score",
-            retryable=_SERVER_BUSY,
-            on_retry=lambda error, attempt: COUNTERS.inc("orchestrator_retries", call="teacher"),
+            "teacher",
         )
         for (index, start), scores in zip(rows, reply.sequences, strict=True):
             trajectory = trajectories[index]
