@@ -7,6 +7,7 @@
 #   .venv-light/    rollwire[env,reward] only, no torch (the light-service test runs it)
 #   .venv-gem/      rollwire with gem-llm, which pins its own reasoning-gym (the gem tests)
 #   examples/node-env/node_modules/   the locked @grpc packages of the Node env example
+#   bubblewrap      the code sandbox (`bwrap`, rollwire.services.core.sandbox), from apt
 #
 # Safe to run again: each step brings its environment up to date.
 set -euo pipefail
@@ -14,6 +15,18 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
 step() { printf '== %s\n' "$*"; }
+
+step "code sandbox: bubblewrap"
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" -eq 0 ]; then apt=(apt-get); elif command -v sudo >/dev/null; then apt=(sudo apt-get); else apt=(); fi
+  if [ "${#apt[@]}" -eq 0 ] || ! command -v apt-get >/dev/null; then
+    echo "install bubblewrap (the bwrap program) with your system's package manager, then run this again" >&2
+    exit 1
+  fi
+  DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y bubblewrap \
+    || { "${apt[@]}" update && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y bubblewrap; }
+fi
+bwrap --version
 
 step "main environment: .venv"
 python3 -m venv .venv

@@ -39,6 +39,7 @@ from rollwire.envs import registry
 from rollwire.envs.base import Env, EnvSpec, InvalidAction, StepResult
 from rollwire.services.core.config import EnvServerConfig
 from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.sandbox import SandboxUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +255,9 @@ class SessionHost:
                 "bad_env_kwargs",
                 f"cannot create {env_id!r} with {kwargs}: {error}",
             ) from None
+        except SandboxUnavailable as error:
+            self._release_reservation()
+            raise self._reject("FAILED_PRECONDITION", "no_sandbox", str(error)) from None
         except Exception as error:
             self._release_reservation()
             COUNTERS.inc("env_errors", env_id=env_id, phase="create")

@@ -17,7 +17,7 @@ from typing import Any
 
 from rollwire.envs.base import Act, Env, InvalidAction, StepResult
 from rollwire.envs.games import int_kwarg
-from rollwire.envs.sandbox import run_python
+from rollwire.services.core.sandbox import Limits, Sandbox
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 1000
@@ -141,9 +141,11 @@ class ToolUse(Env):
 
     - a calculator call `<calc>EXPR</calc>`, e.g. `<calc>37 + 45</calc>`:
       numbers, + - * / // % **, parentheses (see `calculate`);
-    - a Python call `<python>CODE</python>`: CODE runs in a fresh sandboxed
-      process (`rollwire.envs.sandbox.run_python`) and what it prints comes
-      back, so it must `print` its result; nothing carries over between calls;
+    - a Python call `<python>CODE</python>`: CODE runs in a fresh sandbox
+      (`rollwire.services.core.sandbox`: bubblewrap with no network and no host
+      files, or with `sandbox="none"` a limited child process that is only a
+      guard) and what it prints comes back, so it must `print` its result;
+      nothing carries over between calls; the standard library only;
     - a final answer `<answer>TEXT</answer>`, e.g. `<answer>82</answer>`.
 
     An `<answer>` ends the episode even if the action also holds a tool call
@@ -181,6 +183,7 @@ class ToolUse(Env):
         python_timeout_s: float = 2.0,
         python_memory_mb: int = 256,
         max_output_chars: int = 200,
+        sandbox: str = "bwrap",
     ) -> None:
         if task != "arithmetic":
             raise ValueError(f"unknown task {task!r}; the only task is 'arithmetic'")
@@ -208,6 +211,13 @@ class ToolUse(Env):
         self.python_timeout_s = float(python_timeout_s)
         self.python_memory_mb = int_kwarg("python_memory_mb", python_memory_mb, minimum=32)
         self.max_output_chars = int_kwarg("max_output_chars", max_output_chars, minimum=16)
+        # Made here, so an env-server without bubblewrap refuses the env with the fix.
+        self._sandbox = Sandbox(sandbox) if "python" in self.tools else None
+        self._limits = Limits(
+            timeout_s=self.python_timeout_s,
+            memory_mb=self.python_memory_mb,
+            max_output_chars=self.max_output_chars,
+        )
         self._reference: int | None = None
         self._turns = 0
         self._done = False
@@ -258,12 +268,8 @@ class ToolUse(Env):
                 return "error: division by zero"
             except CalcError as error:
                 return f"error: {error}"
-        result = run_python(
-            argument,
-            timeout_s=self.python_timeout_s,
-            memory_mb=self.python_memory_mb,
-            max_output_chars=self.max_output_chars,
-        )
+        assert self._sandbox is not None
+        result = self._sandbox.run_python(argument, self._limits)
         if result.timed_out:
             return f"error: timed out after {self.python_timeout_s:g}s"
         if result.exit_code != 0:

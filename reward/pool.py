@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rollwire.reward.scorers import Score, ScoreInput
+from rollwire.services.core.config import SandboxConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +26,18 @@ class ScorerFailed(RuntimeError):
     """The scorer raised; the message carries its exception."""
 
 
-def _worker_main(connection: Connection, threads: int, custom: dict[str, str]) -> None:
+def _worker_main(
+    connection: Connection,
+    threads: int,
+    custom: dict[str, str],
+    sandbox: SandboxConfig | None,
+) -> None:
     """Runs scorers on request until the parent closes the pipe."""
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[variable] = str(threads)
     from rollwire.reward.scorers import scorer_table
 
-    scorers = scorer_table(custom)
+    scorers = scorer_table(custom, sandbox)
     while True:
         try:
             domain, payload = connection.recv()
@@ -59,8 +65,11 @@ class ScoringPool:
         workers: int,
         threads_per_worker: int = 1,
         custom_scorers: dict[str, str] | None = None,
+        sandbox: SandboxConfig | None = None,
     ) -> None:
+        """`sandbox`: the `code` domain's, or None to leave that domain out."""
         self._context = multiprocessing.get_context("spawn")
+        self._sandbox = sandbox
         self._threads = threads_per_worker
         self._custom = dict(custom_scorers or {})
         self._idle: asyncio.Queue[_Worker] | None = None
@@ -73,7 +82,7 @@ class ScoringPool:
         parent, child = self._context.Pipe()
         process = self._context.Process(
             target=_worker_main,
-            args=(child, self._threads, self._custom),
+            args=(child, self._threads, self._custom, self._sandbox),
             daemon=True,
             name="scorer",
         )

@@ -16,7 +16,10 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollwire.services.core.config import SandboxConfig
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -112,9 +115,30 @@ def load_scorer(spec: str) -> Callable[[ScoreInput], Score]:
     return function
 
 
-def scorer_table(custom: dict[str, str]) -> dict[str, tuple[str, Callable[[ScoreInput], Score]]]:
-    """Built-in scorers plus the configured custom ones (which may override a built-in domain)."""
+def code_scorer(sandbox: SandboxConfig) -> Callable[[ScoreInput], Score]:
+    """The `code` domain's scorer on `sandbox`; raises SandboxUnavailable where it cannot run."""
+    from rollwire.reward.code import CodeScorer
+    from rollwire.services.core.sandbox import Limits, Sandbox
+
+    return CodeScorer(
+        Sandbox(sandbox.kind, max_parallel=sandbox.max_parallel, python=sandbox.python),
+        Limits(
+            timeout_s=sandbox.timeout_seconds,
+            memory_mb=sandbox.memory_mb,
+            file_mb=sandbox.file_mb,
+            processes=sandbox.processes,
+        ),
+    )
+
+
+def scorer_table(
+    custom: dict[str, str], sandbox: SandboxConfig | None = None
+) -> dict[str, tuple[str, Callable[[ScoreInput], Score]]]:
+    """Built-in scorers, the `code` domain on `sandbox` (when given), and the configured
+    custom ones (which may override a built-in domain)."""
     table = dict(SCORERS)
+    if sandbox is not None:
+        table["code"] = (f"code_score ({sandbox.kind} sandbox)", code_scorer(sandbox))
     for domain, spec in custom.items():
         table[domain] = (spec, load_scorer(spec))
     return table

@@ -18,8 +18,9 @@ import grpc.aio
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
 from rollwire.reward.pool import ScorerFailed, ScoringPool
 from rollwire.reward.scorers import ScoreInput, scorer_table
-from rollwire.services.core.config import RewardServerConfig
+from rollwire.services.core.config import RewardServerConfig, SandboxConfig
 from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.sandbox import SandboxUnavailable
 from rollwire.services.core.server import Registration, reject
 from rollwire.services.core.structs import from_struct
 
@@ -37,8 +38,22 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def __init__(self, config: RewardServerConfig) -> None:
         self.config = config
-        self._scorers = scorer_table(config.custom_scorers)  # fails fast on a bad custom scorer
-        self._pool = ScoringPool(config.workers, custom_scorers=config.custom_scorers)
+        sandbox: SandboxConfig | None = config.sandbox
+        self._no_sandbox: str | None = None
+        try:  # fails fast on a bad custom scorer
+            self._scorers = scorer_table(config.custom_scorers, sandbox)
+        except SandboxUnavailable as error:
+            self._no_sandbox = f"the code domain cannot run here: {error}"
+            log.warning(self._no_sandbox)
+            sandbox = None
+            self._scorers = scorer_table(config.custom_scorers)
+        self._pool = ScoringPool(
+            config.workers, custom_scorers=config.custom_scorers, sandbox=sandbox
+        )
+        log.info(
+            "scorers: %s",
+            ", ".join(f"{domain} -> {name}" for domain, (name, _) in sorted(self._scorers.items())),
+        )
 
     async def _reject(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
@@ -81,6 +96,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 "item_id values must be unique within a request",
             )
         unknown = sorted({item.domain for item in items} - self._scorers.keys())
+        if "code" in unknown and self._no_sandbox:
+            await self._reject(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "no_sandbox", self._no_sandbox
+            )
         if unknown:
             await self._reject(
                 context,

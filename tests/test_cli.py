@@ -57,7 +57,7 @@ def check_service_lifecycle(
     assert code == 0, err
     assert not ready.exists(), "the ready file should be removed on a clean stop"
     events = [json.loads(line)["msg"] for line in err.splitlines() if line.startswith("{")]
-    assert events[:1] == ["serving"] and events[-2:] == ["stopping", "stopped"]
+    assert events.count("serving") == 1 and events[-2:] == ["stopping", "stopped"]
     return err
 
 
@@ -66,6 +66,8 @@ def check_service_lifecycle(
 def test_light_service_serves_without_torch_and_stops_on_sigterm(spawn, tmp_path, service) -> None:
     err = check_service_lifecycle(spawn, [*CLI, service], tmp_path, CLI)
     assert "blocked" not in err
+    if service == "reward-server":  # it says which scorer serves each domain
+        assert "code -> code_score (bwrap sandbox)" in err and "math -> math_score" in err
 
 
 @pytest.mark.multiproc

@@ -239,7 +239,7 @@ def training_tasks(dataset: DatasetConfig, eval_dataset: DatasetConfig | None) -
 
 def read_rows(path: Path) -> Iterator[dict[str, Any]]:
     """The records of a dataset a user has: a `.jsonl` (or one-record-a-line `.json`)
-    file, a `.parquet` file, or a folder a Hugging Face `datasets.Dataset` was saved into
+    file, gzipped or not (`.jsonl.gz`), a `.parquet` file, or a folder a Hugging Face `datasets.Dataset` was saved into
     with `save_to_disk` (read with pyarrow; no hub, no `datasets` needed)."""
     if not path.exists():
         raise FileNotFoundError(f"dataset file {path} does not exist")
@@ -249,8 +249,11 @@ def read_rows(path: Path) -> Iterator[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         yield from pq.read_table(path).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
-        with path.open() as lines:
+    elif path.suffix in (".jsonl", ".json") or path.name.endswith((".jsonl.gz", ".json.gz")):
+        import gzip
+
+        opened = gzip.open(path, "rt") if path.suffix == ".gz" else path.open()  # noqa: SIM115 - closed by the with below
+        with opened as lines:
             for number, line in enumerate(lines, 1):
                 if line.strip():
                     try:
@@ -259,7 +262,7 @@ def read_rows(path: Path) -> Iterator[dict[str, Any]]:
                         raise ValueError(f"{path}:{number}: not JSON: {error}") from None
     else:
         raise ValueError(
-            f"dataset {path} must be a .jsonl or .parquet file, or a folder saved with "
+            f"dataset {path} must be a .jsonl(.gz) or .parquet file, or a folder saved with "
             "datasets' save_to_disk"
         )
 

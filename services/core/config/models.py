@@ -54,6 +54,7 @@ from rollwire.services.core.config.servers import (
     LRScheduleConfig,
     RewardServerConfig,
     RolloutServerConfig,
+    SandboxConfig,
     TrainerConfig,
 )
 
@@ -85,6 +86,7 @@ __all__ = [
     "RunConfig",
     "RunSection",
     "SFTConfig",
+    "SandboxConfig",
     "ServerConfig",
     "SingleDataset",
     "StrictModel",

@@ -52,6 +52,30 @@ class EnvServerConfig(StrictModel):
     `rollwire.envs.registry.register` (e.g. `mypackage.envs`)."""
 
 
+class SandboxConfig(StrictModel):
+    """Where model-written programs run (the `code` domain; see rollwire.services.core.sandbox)."""
+
+    kind: Literal["bwrap", "none"] = "bwrap"
+    """`bwrap`: a bubblewrap sandbox per run (no network, no host files, its own user, pid and
+    process limits). `none`: a limited child process with no isolation, for trusted code or
+    machines where bubblewrap cannot run; the `code` domain refuses to start without
+    bubblewrap unless this says `none`."""
+    max_parallel: int = Field(4, ge=1)
+    """Programs running at once on this machine (shared by every scorer process)."""
+    timeout_seconds: float = Field(5.0, gt=0)
+    """Wall-clock limit of one program run (one test case of `io` tests)."""
+    memory_mb: int = Field(512, ge=32)
+    """Address space of each process of a run."""
+    file_mb: int = Field(16, ge=1)
+    """Largest file a run writes, and the size of its working folder."""
+    processes: int = Field(32, ge=0)
+    """Processes and threads a run may start besides itself; 0 leaves it unlimited."""
+    python: str | None = None
+    """The interpreter programs run with; by default this Python without its virtual
+    environment (the standard library only), or the system's `python3` where that one is
+    not readable by other users."""
+
+
 class RewardServerConfig(StrictModel):
     """The reward-server: scores responses by domain."""
 
@@ -66,6 +90,8 @@ class RewardServerConfig(StrictModel):
     custom_scorers: dict[str, str] = {}
     """Extra domains: `{domain: "package.module:function"}`, the function taking a
     `rollwire.reward.scorers.ScoreInput` and returning a `Score`."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """The sandbox of the `code` domain."""
 
 
 class RolloutServerConfig(StrictModel):

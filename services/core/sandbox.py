@@ -1,0 +1,470 @@
+"""Run untrusted programs: `Sandbox(kind).run(argv, files, stdin, limits)`.
+
+Two kinds.
+
+`bwrap` (the default) is the boundary. Each run is a bubblewrap sandbox
+(Debian's `bubblewrap`): new user, pid, network, ipc, uts and cgroup
+namespaces (`--unshare-all`: no network at all, not even loopback to the
+host), the system directories bound read-only (`/usr`, and `/lib*`, `/bin`,
+`/sbin` where they are real directories), the interpreter's own prefix
+read-only, the run's files read-only at `/src`, and a fresh tmpfs of
+`file_mb` as the working directory `/work` and as `/tmp`; nothing else of
+the host's file system is there (no `/home`, `/root`, `/etc`, no project
+checkout). The environment is cleared. Inside, before the program starts,
+a small launcher sets the rlimits: CPU seconds, address space (`memory_mb`),
+file size, processes and no core dumps. The wall-clock limit kills the
+sandbox's process group; bwrap's `--die-with-parent` and the pid namespace
+take every process of the run with it, including daemons and zombies it left.
+
+Process limits. `RLIMIT_NPROC` counts the processes of a user id on the
+host, so each parallel slot runs as its own uid when rollwire runs as root
+(`uid_base + slot`, ids no account uses), which makes `processes` a limit
+per run. Run as another user, the uid cannot change: the limit then is the
+user's current process count plus `processes`, shared with whatever else
+that user starts meanwhile.
+
+`none` runs the program as a plain child with the same rlimits, a new
+process group, an empty working directory and a cleared environment. For
+Python it also installs the audit-hook guard of `run_python` (no sockets,
+no child processes, no signals, no ctypes). It is a guard against accidents,
+not a security boundary: the child can read and write every file the
+service's user can, and code that bypasses the audit hook (a C extension)
+gets past it. Choose it only for trusted code or where bubblewrap cannot
+run (it needs unprivileged user namespaces, which some container runtimes
+switch off).
+
+Parallel runs are limited per host by slots: a run holds one of
+`max_parallel` lock files (`/tmp/rollwire-sandbox-slots/`) while it runs,
+so every process of every service on the machine that uses the same
+settings shares one limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+SandboxKind = Literal["bwrap", "none"]
+
+INSTALL_HINT = (
+    "bubblewrap (the `bwrap` program) is not installed: install it "
+    "(Debian/Ubuntu `apt-get install bubblewrap`, Fedora `dnf install bubblewrap`; "
+    "`bash deploy/install.sh` does it), or set `sandbox.kind: none` to run the code "
+    "without isolation (a guard against accidents only, see rollwire.services.core.sandbox)"
+)
+
+SLOT_DIR = Path(tempfile.gettempdir()) / "rollwire-sandbox-slots"
+UID_BASE = 2_000_000
+"""First uid of the sandbox slots when run as root: far above any account's id."""
+
+# Runs as `python -I -S -c LAUNCHER cpu memory file processes -- argv...` inside the
+# sandbox (or the plain child): sets the limits, then becomes the program.
+_LAUNCHER = r"""
+import os, resource, signal, sys
+cpu, memory, size, processes = (int(v) for v in sys.argv[1:5])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+if processes > 0:
+    resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
+# Past the file limit a write fails with OSError instead of the signal ending the program.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+os.execv(sys.argv[6], sys.argv[6:])
+"""
+
+# The audit-hook guard of a Python program under `kind: none`; argv: the program's path.
+_GUARD = r"""
+import sys
+_path = sys.argv[1]
+with open(_path, encoding="utf-8") as _program:
+    _source = _program.read()
+import linecache, traceback
+linecache.cache[_path] = (len(_source), None, _source.splitlines(True), _path)
+
+def _refuse(event, args):
+    # Constants only: a hook that read module globals could be switched off by the program.
+    if event == "import" and args[0] in ("ctypes", "_ctypes"):
+        # ImportError, so libraries that treat ctypes as optional (numpy) still import.
+        raise ImportError("sandbox: ctypes is not available here")
+    if event.startswith((
+        "socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+        "os.fork", "os.forkpty", "pty.spawn", "os.kill", "os.killpg", "ctypes.",
+    )) or (event == "object.__setattr__" and args[1] == "__code__"):
+        raise PermissionError(f"sandbox: {event} is not allowed here")
+
+sys.addaudithook(_refuse)
+sys.argv = sys.argv[1:]
+try:
+    exec(compile(_source, _path, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+except SystemExit:
+    raise
+except BaseException as _error:
+    # From the program's own frames on: this guard is noise to the reader.
+    traceback.print_exception(type(_error), _error, _error.__traceback__.tb_next)
+    sys.exit(1)
+"""
+
+
+class SandboxUnavailable(RuntimeError):
+    """The configured sandbox cannot run on this machine; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one run may use."""
+
+    timeout_s: float = 5.0
+    """Wall clock; the process group is killed after it (CPU time is capped at it, rounded up, plus 1 s)."""
+    memory_mb: int = 512
+    """Address space of each process (`RLIMIT_AS`)."""
+    file_mb: int = 16
+    """Largest file written (`RLIMIT_FSIZE`); with bwrap also the size of `/work` and of `/tmp`."""
+    processes: int = 32
+    """Processes and threads the program may have running besides itself (`RLIMIT_NPROC`,
+    see the module docstring); 0 leaves it unset."""
+    max_output_chars: int = 2000
+    """Output kept from the start; more is cut (`truncated`)."""
+    tail_chars: int = 300
+    """Output kept from the end, however long it was (where a traceback ends)."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s!r}")
+        if self.memory_mb < 32:
+            raise ValueError(
+                f"memory_mb must be at least 32 for an interpreter to run, got {self.memory_mb}"
+            )
+        if self.file_mb < 1 or self.processes < 0:
+            raise ValueError(
+                f"file_mb must be at least 1 and processes at least 0, got {self.file_mb} and {self.processes}"
+            )
+        if self.max_output_chars < 1 or self.tail_chars < 0:
+            raise ValueError(
+                "max_output_chars must be at least 1 and tail_chars at least 0, got "
+                f"{self.max_output_chars} and {self.tail_chars}"
+            )
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What a program printed and how it ended."""
+
+    output: str
+    """stdout and stderr interleaved as written, cut to `max_output_chars`."""
+    exit_code: int
+    """The program's exit status; negative for a signal (-9 when killed for the timeout)."""
+    timed_out: bool
+    """The wall-clock limit passed and the run was killed."""
+    truncated: bool
+    """More output was written than `output` holds."""
+    tail: str = ""
+    """The last `tail_chars` characters written."""
+    seconds: float = 0.0
+    """Wall time of the run, start-up included."""
+
+    @property
+    def ok(self) -> bool:
+        """Ran to the end without an error or a timeout."""
+        return self.exit_code == 0 and not self.timed_out
+
+
+def bwrap_path() -> str | None:
+    """The bubblewrap program, or None."""
+    return shutil.which("bwrap")
+
+
+def _readable_by_others(path: str) -> bool:
+    """Every folder on the way searchable and the file readable by any user (a slot's uid)."""
+    target = Path(path).resolve()
+    try:
+        if not target.stat().st_mode & stat.S_IROTH:
+            return False
+        return all(folder.stat().st_mode & stat.S_IXOTH for folder in target.parents)
+    except OSError:
+        return False
+
+
+def base_python() -> str:
+    """The interpreter inside the sandbox when none is configured: this one without its
+    virtual environment (the standard library only) where every user may run it, else the
+    system's `python3`."""
+    own = os.path.realpath(sys.executable)
+    if os.geteuid() != 0 or _readable_by_others(own):
+        return own
+    for candidate in ("/usr/local/bin/python3", "/usr/bin/python3"):
+        if os.path.exists(candidate):
+            return os.path.realpath(candidate)
+    return own
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _user_processes(uid: int) -> int:
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                count += entry.stat().st_uid == uid
+    return count
+
+
+# Real directories bound read-only into every bwrap sandbox (symlinks among them are
+# recreated as symlinks: /bin -> usr/bin on merged-/usr systems).
+_SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+class Sandbox:
+    """Runs programs under `kind`'s isolation, at most `max_parallel` at once per host."""
+
+    def __init__(
+        self,
+        kind: SandboxKind = "bwrap",
+        max_parallel: int = 4,
+        python: str | None = None,
+        slot_wait_s: float = 60.0,
+    ) -> None:
+        if kind not in ("bwrap", "none"):
+            raise ValueError(f"sandbox kind must be 'bwrap' or 'none', got {kind!r}")
+        if max_parallel < 1:
+            raise ValueError(f"max_parallel must be at least 1, got {max_parallel}")
+        self.kind: SandboxKind = kind
+        self.max_parallel = max_parallel
+        self.python = python or base_python()
+        self.slot_wait_s = slot_wait_s
+        self._bwrap = bwrap_path() if kind == "bwrap" else None
+        if kind == "bwrap" and self._bwrap is None:
+            raise SandboxUnavailable(INSTALL_HINT)
+        self._as_root = os.geteuid() == 0
+        if kind == "bwrap" and self._as_root and not _readable_by_others(self.python):
+            raise SandboxUnavailable(
+                f"the sandbox's Python {self.python} is not readable by other users, and the "
+                "sandbox runs as its own user; set sandbox.python to one that is (e.g. /usr/bin/python3)"
+            )
+        self._local = threading.BoundedSemaphore(max_parallel)
+
+    # -- slots ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _slot(self) -> Iterator[int]:
+        """Holds one of the host's `max_parallel` slots (a lock file each) while the run lasts."""
+        if not self._local.acquire(timeout=self.slot_wait_s):
+            raise TimeoutError(f"no sandbox slot came free within {self.slot_wait_s:g}s")
+        try:
+            SLOT_DIR.mkdir(mode=0o1777, parents=True, exist_ok=True)
+            deadline = time.monotonic() + self.slot_wait_s
+            while True:
+                for slot in range(self.max_parallel):
+                    handle = open(SLOT_DIR / f"{slot}.lock", "a")  # noqa: SIM115 - held while running
+                    try:
+                        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        handle.close()
+                        continue
+                    try:
+                        yield slot
+                    finally:
+                        handle.close()  # releases the lock
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no sandbox slot of {self.max_parallel} came free within {self.slot_wait_s:g}s"
+                    )
+                time.sleep(0.005)
+        finally:
+            self._local.release()
+
+    # -- running -------------------------------------------------------------------------
+
+    def run(
+        self,
+        argv: Sequence[str],
+        files: Mapping[str, str] | None = None,
+        stdin: str = "",
+        limits: Limits = Limits(),
+    ) -> SandboxResult:
+        """Runs `argv` with `files` (relative path -> text) readable at `/src/<path>`
+        (`kind: none`: in a fresh directory the returned paths point to) and waits for it.
+
+        In `argv`, `{src}` stands for that folder and `{python}` for the sandbox's interpreter.
+        Blocks for at most about `limits.timeout_s` plus start-up (and the wait for a slot).
+        """
+        if not argv:
+            raise ValueError("argv must name a program")
+        with (
+            self._slot() as slot,
+            tempfile.TemporaryDirectory(prefix="rollwire-sandbox-") as scratch,
+        ):
+            source = Path(scratch, "src")
+            source.mkdir()
+            for name, text in (files or {}).items():
+                path = (source / name).resolve()
+                if source.resolve() not in path.parents:
+                    raise ValueError(f"file name {name!r} leaves the sandbox's folder")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+            if self.kind == "bwrap":
+                # Readable by the slot's uid: the folder is bound read-only anyway.
+                os.chmod(scratch, 0o755)
+                for folder, _dirs, names in os.walk(source):
+                    os.chmod(folder, 0o755)
+                    for name in names:
+                        os.chmod(Path(folder, name), 0o644)
+                return self._run_bwrap(argv, slot, scratch, stdin, limits)
+            work = Path(scratch, "work")
+            work.mkdir()
+            return self._run_plain(argv, source, work, stdin, limits)
+
+    def run_python(
+        self,
+        code: str,
+        limits: Limits = Limits(),
+        stdin: str = "",
+        files: Mapping[str, str] | None = None,
+    ) -> SandboxResult:
+        """Runs the Python program `code` (`python -I -S`; under `kind: none` behind the audit-hook guard)."""
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a str, got {type(code).__name__}")
+        files = {**(files or {}), "main.py": code}
+        if self.kind == "bwrap":
+            return self.run(["{python}", "-I", "-S", "-u", "{src}/main.py"], files, stdin, limits)
+        return self.run(
+            ["{python}", "-I", "-S", "-u", "-c", _GUARD, "{src}/main.py"], files, stdin, limits
+        )
+
+    def _launcher(self, limits: Limits, processes: int) -> list[str]:
+        cpu = math.ceil(limits.timeout_s) + 1
+        return [
+            self.python, "-I", "-S", "-c", _LAUNCHER,
+            str(cpu), str(limits.memory_mb * 2**20), str(limits.file_mb * 2**20), str(processes), "--",
+        ]  # fmt: skip
+
+    def _run_bwrap(
+        self, argv: Sequence[str], slot: int, scratch: str, stdin: str, limits: Limits
+    ) -> SandboxResult:
+        assert self._bwrap is not None
+        command = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+        for folder in _SYSTEM:
+            if os.path.islink(folder):
+                command += ["--symlink", os.readlink(folder), folder]
+            elif os.path.isdir(folder):
+                command += ["--ro-bind", folder, folder]
+        prefix = str(Path(self.python).resolve().parent.parent)
+        if not prefix.startswith(_SYSTEM) and os.path.isdir(prefix):
+            command += ["--ro-bind", prefix, prefix]
+        size = str(limits.file_mb * 2**20)
+        command += [
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", size, "--tmpfs", "/work", "--size", size, "--tmpfs", "/tmp",
+            "--ro-bind", str(Path(scratch, "src")), "/src",
+            "--chdir", "/work", "--hostname", "sandbox", "--clearenv",
+            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+            "--setenv", "HOME", "/work", "--setenv", "TMPDIR", "/tmp",
+            "--setenv", "LANG", "C.UTF-8", "--setenv", "LC_ALL", "C.UTF-8",
+            "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+            "--setenv", "OMP_NUM_THREADS", "1", "--setenv", "OPENBLAS_NUM_THREADS", "1",
+            "--setenv", "MKL_NUM_THREADS", "1",
+        ]  # fmt: skip
+        if self._as_root:
+            uid = UID_BASE + slot
+            # bwrap's own processes outside the program count too (measured: 2).
+            processes = limits.processes + 2 if limits.processes else 0
+            identity = {"user": uid, "group": uid, "extra_groups": []}
+        else:
+            processes = (
+                _user_processes(os.getuid()) + limits.processes + 2 if limits.processes else 0
+            )
+            identity = {}
+        command += [*self._launcher(limits, processes), *self._expand(argv, "/src")]
+        return self._wait(command, None, stdin, limits, identity)
+
+    def _run_plain(
+        self, argv: Sequence[str], source: Path, work: Path, stdin: str, limits: Limits
+    ) -> SandboxResult:
+        environment = {
+            "PATH": os.defpath,
+            "HOME": str(work),
+            "TMPDIR": str(work),
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        # Root is not held by RLIMIT_NPROC at all, so setting it would only mislead.
+        held = limits.processes and os.geteuid() != 0
+        processes = _user_processes(os.getuid()) + limits.processes + 1 if held else 0
+        command = [*self._launcher(limits, processes), *self._expand(argv, str(source))]
+        return self._wait(command, work, stdin, limits, {}, environment)
+
+    def _expand(self, argv: Sequence[str], source: str) -> list[str]:
+        return [arg.replace("{src}", source).replace("{python}", self.python) for arg in argv]
+
+    def _wait(
+        self,
+        command: list[str],
+        cwd: Path | None,
+        stdin: str,
+        limits: Limits,
+        identity: dict,
+        environment: dict[str, str] | None = None,
+    ) -> SandboxResult:
+        started = time.monotonic()
+        with tempfile.TemporaryFile() as output, tempfile.TemporaryFile() as feed:
+            feed.write(stdin.encode("utf-8"))
+            feed.seek(0)
+            # start_new_session gives the run its own process group without a preexec_fn,
+            # which is unsafe in a process with threads such as a gRPC server.
+            child = subprocess.Popen(
+                command,
+                stdin=feed,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env=environment if environment is not None else {},
+                start_new_session=True,
+                close_fds=True,
+                **identity,
+            )
+            timed_out = False
+            try:
+                child.wait(timeout=limits.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                _kill_group(child.pid)
+                child.wait(timeout=10)
+            seconds = time.monotonic() - started
+            written = output.seek(0, os.SEEK_END)
+            output.seek(0)
+            # A UTF-8 character is at most 4 bytes, so this many bytes hold max_output_chars.
+            raw = output.read(4 * limits.max_output_chars + 4)
+            output.seek(max(0, written - 4 * limits.tail_chars))
+            tail = (
+                output.read().decode("utf-8", errors="replace")[-limits.tail_chars :]
+                if limits.tail_chars
+                else ""
+            )
+        text = raw.decode("utf-8", errors="replace")
+        truncated = len(text) > limits.max_output_chars or written > len(raw)
+        return SandboxResult(
+            text[: limits.max_output_chars], child.returncode, timed_out, truncated, tail, seconds
+        )
