@@ -164,7 +164,7 @@ async def test_the_reward_server_scores_code_items(reward_stub) -> None:
 async def test_without_bubblewrap_code_items_are_refused_with_the_fix(
     reward_stub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name, path=None: None)
     stub = await reward_stub(RewardServerConfig())
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Score(reward_pb2.ScoreRequest(items=[code_item("a", "print(1)", ADD)]))
@@ -181,3 +181,25 @@ async def test_without_bubblewrap_code_items_are_refused_with_the_fix(
         )
     )
     assert reply.results[0].reward == 1.0
+
+
+def test_a_run_that_scores_code_without_bubblewrap_is_refused_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    from rollwire.services.app.launcher import LaunchError
+    from rollwire.services.app.run import check_sandbox
+    from rollwire.services.core.config import load_config
+
+    data = tmp_path / "code.jsonl"
+    data.write_text('{"prompt": "def add(a, b):\\n", "answer": "", "entry_point": "add"}\n')
+    overrides = [
+        f"orchestrator.dataset={{type: file, path: {data}, domain: code}}",
+        "orchestrator.eval_dataset=null",
+    ]
+    config = load_config(None, overrides)
+    check_sandbox(config)  # bubblewrap is here
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name, path=None: None)
+    with pytest.raises(LaunchError, match="scores code.*apt-get install bubblewrap"):
+        check_sandbox(config)
+    check_sandbox(load_config(None, [*overrides, "reward_server.sandbox.kind=none"]))
+    check_sandbox(load_config(None))  # no code: no sandbox needed

@@ -139,17 +139,21 @@ def test_the_hosts_files_are_not_there(box: Sandbox, tmp_path: Path) -> None:
 
 def test_writing_outside_the_work_folder_reaches_no_host_file(box: Sandbox, tmp_path: Path) -> None:
     target = tmp_path / "escaped.txt"
+    system = Path(f"/usr/rollwire-escaped-{uuid.uuid4().hex}")
     code = (
-        f"for path in [{str(target)!r}, '/usr/escaped.txt', '/src/escaped.txt']:\n"
+        f"for path in [{str(target)!r}, {str(system)!r}, '/src/escaped.txt']:\n"
         "    try:\n"
         "        open(path, 'w').write('out')\n"
         "        print(path, 'written')\n"
         "    except OSError as error:\n"
         "        print(path, 'refused', type(error).__name__)\n"
     )
-    result = box.run_python(code)
-    assert result.ok, result.output
-    assert not target.exists() and not Path("/usr/escaped.txt").exists()
+    try:
+        result = box.run_python(code)
+        assert result.ok, result.output
+        assert not target.exists() and not system.exists()
+    finally:
+        system.unlink(missing_ok=True)  # only ever there if the sandbox failed
     assert all(" refused " in line for line in result.output.splitlines()), result.output
 
 
@@ -240,7 +244,7 @@ def test_runs_beyond_max_parallel_wait_for_a_slot() -> None:
 def test_without_bubblewrap_the_sandbox_says_how_to_install_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name, path=None: None)
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap.*kind: none"):
         Sandbox("bwrap")
     assert Sandbox("none").kind == "none"

@@ -24,8 +24,9 @@ from rollwire.services.app.launcher import (
     start_servers,
     thread_budget,
 )
-from rollwire.services.core.config import RunConfig, write_resolved_config
+from rollwire.services.core.config import MixtureDataset, RunConfig, write_resolved_config
 from rollwire.services.core.files import latest_checkpoint
+from rollwire.services.core.sandbox import INSTALL_HINT, bwrap_path
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,30 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def _domains(dataset: object) -> set[str]:
+    if isinstance(dataset, MixtureDataset):
+        return set().union(*(_domains(part.dataset) for part in dataset.parts))
+    domain = getattr(dataset, "domain", None)
+    return {domain} if isinstance(domain, str) else set()
+
+
+def check_sandbox(config: RunConfig) -> None:
+    """A run that scores code on its own reward-server needs the sandbox: refused before
+    anything starts, with the fix, rather than every item failing later."""
+    orchestrator = config.orchestrator
+    domains = _domains(orchestrator.dataset) | _domains(orchestrator.eval_dataset)
+    if (
+        "code" in domains
+        and "code" not in config.reward_server.custom_scorers
+        and not config.endpoints.reward_servers
+        and config.reward_server.sandbox.kind == "bwrap"
+        and bwrap_path() is None
+    ):
+        raise LaunchError(f"this run scores code (domain `code`), but {INSTALL_HINT}")
+
+
 def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
+    check_sandbox(config)
     run_dir = Path(config.run.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(run_dir) if config.trainer.resume else None
@@ -83,7 +107,11 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
 def run_up(config: RunConfig) -> int:
     """Starts the servers of a run and keeps them up until Ctrl-C."""
     _stop_on_sigterm()
-    config, run_dir = _prepare(config)
+    try:
+        config, run_dir = _prepare(config)
+    except (LaunchError, ValueError, OSError) as error:
+        print(f"rollwire up: {error}")
+        return 1
     stack = Stack(run_dir, write_resolved_config(config, run_dir), thread_budget(config))
     try:
         config = start_servers(config, stack)
