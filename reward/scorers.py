@@ -3,7 +3,8 @@
 A scorer returns a `Score` with the reward and its named components. It may
 raise; the reward-server then gives the item reward 0 with an error flag.
 Each domain maps to one scorer in `SCORERS`, so the routing reads on one
-screen; a run can add its own with `reward_server.custom_scorers`
+screen (`rollwire.reward.table` adds the `code` domain, made from its sandbox settings);
+a run can add its own with `reward_server.custom_scorers`
 (`{domain: "package.module:function"}`).
 
 Scorers run in worker processes (see `rollwire.reward.pool`), so heavy or
@@ -13,13 +14,11 @@ signal-based libraries (math-verify, reasoning-gym) are imported there, lazily.
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from rollwire.services.core.config import SandboxConfig
+from typing import Any
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -64,16 +63,110 @@ def exact_match_score(item: ScoreInput) -> Score:
     return Score(float(correct), {"correct": float(correct), "format": float(formatted)})
 
 
+MATH_OPTIONS = {
+    "float_rounding": int,
+    "numeric_precision": int,
+    "strict": bool,
+    "allow_set_relation_comp": bool,
+    "timeout_seconds": int,
+    "extraction": list,
+}
+"""What `metadata.math_verify` may set for one item: `verify`'s options, and `extraction`,
+the kinds math-verify looks for in the response (`latex`, `expr`, `string`; default
+`latex` and `expr`, math-verify's own default)."""
+
+
+class _Records(logging.Handler):
+    """Collects math-verify's log records during one item (it reports its timeouts there)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:200])
+
+
+def _math_options(metadata: dict[str, Any]) -> tuple[dict[str, Any], list[Any] | None]:
+    options = metadata.get("math_verify") or {}
+    if not isinstance(options, dict):
+        raise ValueError("metadata.math_verify must be a mapping of math-verify options")
+    unknown = sorted(set(options) - MATH_OPTIONS.keys())
+    if unknown:
+        raise ValueError(
+            f"metadata.math_verify has unknown options {unknown}; known: {sorted(MATH_OPTIONS)}"
+        )
+    verify_options: dict[str, Any] = {}
+    for key, value in options.items():
+        kind = MATH_OPTIONS[key]
+        if kind is int and isinstance(value, float) and value.is_integer():
+            value = int(value)  # numbers arrive from a Struct as floats
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"metadata.math_verify.{key} must be {kind.__name__}, got {value!r}")
+        if key != "extraction":
+            verify_options[key] = value
+    if "extraction" not in options:
+        return verify_options, None
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, StringExtractionConfig
+
+    kinds = {
+        "latex": LatexExtractionConfig,
+        "expr": ExprExtractionConfig,
+        "string": StringExtractionConfig,
+    }
+    wanted = options["extraction"]
+    if not wanted or any(kind not in kinds for kind in wanted):
+        raise ValueError(
+            f"metadata.math_verify.extraction must list some of {sorted(kinds)}, got {wanted!r}"
+        )
+    return verify_options, [kinds[kind]() for kind in wanted]
+
+
 def math_score(item: ScoreInput) -> Score:
-    """1 when math-verify finds the tagged answer (or the whole response) equal to the reference."""
+    """math-verify: the tagged answer (or, with no tag, the whole response) against the reference."""
     from math_verify import parse, verify
 
+    if not item.reference.strip():
+        raise ValueError("math items need a reference answer; this one has none")
+    verify_options, extraction = _math_options(item.metadata)
+    parse_options: dict[str, Any] = {} if extraction is None else {"extraction_config": extraction}
+    if "timeout_seconds" in verify_options:
+        parse_options["parsing_timeout"] = verify_options["timeout_seconds"]
     answer = extract_answer(item.response)
     candidate = answer if answer is not None else item.response
-    gold = parse(item.reference if "$" in item.reference else f"${item.reference}$")
-    guess = parse(candidate if "$" in candidate else f"${candidate}$")
-    correct = bool(gold) and bool(guess) and bool(verify(gold, guess))
-    return Score(float(correct), {"correct": float(correct), "format": float(answer is not None)})
+    records = _Records()
+    logger = logging.getLogger("math_verify")
+    # Its records (a timeout's repeats the whole input) come here, never to the service log.
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    logger.addHandler(records)
+    try:
+        # Exactly math-verify's defaults where the item sets nothing: no wrapping in $...$,
+        # which changes how some answers parse (1,22 or 1 000).
+        gold = parse(item.reference, **parse_options)
+        if not gold and "$" not in item.reference:
+            # A bare LaTeX reference (\sqrt{2}) that the defaults find nothing in: read it as
+            # math. Only the reference, and only then; the response is never rewrapped.
+            gold = parse(f"${item.reference}$", **parse_options)
+        guess = parse(candidate, **parse_options)
+        correct = bool(gold) and bool(guess) and bool(verify(gold, guess, **verify_options))
+    finally:
+        logger.removeHandler(records)
+    timeouts = [m for m in records.messages if m.startswith("Timeout")]
+    if timeouts and not correct:
+        raise TimeoutError(
+            f"math-verify timed out ({timeouts[0].split(':')[0]}), so 0 is not a verdict"
+        )
+    if not gold:
+        raise ValueError(f"math-verify found no answer in the reference {item.reference[:80]!r}")
+    return Score(
+        float(correct),
+        {
+            "correct": float(correct),
+            "format": float(answer is not None),
+            "extracted": float(bool(guess)),
+        },
+    )
 
 
 def reasoning_gym_score(item: ScoreInput) -> Score:
@@ -113,32 +206,3 @@ def load_scorer(spec: str) -> Callable[[ScoreInput], Score]:
     if not callable(function):
         raise ValueError(f"{spec!r} is not a function")
     return function
-
-
-def code_scorer(sandbox: SandboxConfig) -> Callable[[ScoreInput], Score]:
-    """The `code` domain's scorer on `sandbox`; raises SandboxUnavailable where it cannot run."""
-    from rollwire.reward.code import CodeScorer
-    from rollwire.services.core.sandbox import Limits, Sandbox
-
-    return CodeScorer(
-        Sandbox(sandbox.kind, max_parallel=sandbox.max_parallel, python=sandbox.python),
-        Limits(
-            timeout_s=sandbox.timeout_seconds,
-            memory_mb=sandbox.memory_mb,
-            file_mb=sandbox.file_mb,
-            processes=sandbox.processes,
-        ),
-    )
-
-
-def scorer_table(
-    custom: dict[str, str], sandbox: SandboxConfig | None = None
-) -> dict[str, tuple[str, Callable[[ScoreInput], Score]]]:
-    """Built-in scorers, the `code` domain on `sandbox` (when given), and the configured
-    custom ones (which may override a built-in domain)."""
-    table = dict(SCORERS)
-    if sandbox is not None:
-        table["code"] = (f"code_score ({sandbox.kind} sandbox)", code_scorer(sandbox))
-    for domain, spec in custom.items():
-        table[domain] = (spec, load_scorer(spec))
-    return table

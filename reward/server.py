@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import grpc
 import grpc.aio
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
 from rollwire.reward.pool import ScorerFailed, ScoringPool
-from rollwire.reward.scorers import ScoreInput, scorer_table
+from rollwire.reward.scorers import ScoreInput
+from rollwire.reward.table import scorer_table
 from rollwire.services.core.config import RewardServerConfig, SandboxConfig
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.sandbox import SandboxUnavailable
@@ -47,9 +49,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             log.warning(self._no_sandbox)
             sandbox = None
             self._scorers = scorer_table(config.custom_scorers)
-        self._pool = ScoringPool(
-            config.workers, custom_scorers=config.custom_scorers, sandbox=sandbox
-        )
+        workers = config.workers or min(8, os.cpu_count() or 1)
+        self._pool = ScoringPool(workers, custom_scorers=config.custom_scorers, sandbox=sandbox)
         log.info(
             "scorers: %s",
             ", ".join(f"{domain} -> {name}" for domain, (name, _) in sorted(self._scorers.items())),
@@ -115,11 +116,21 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 "item_timeout_seconds must not be negative",
             )
         timeout = request.item_timeout_seconds or self.config.item_timeout_seconds
-        results = await asyncio.gather(*(self._score_one(item, timeout) for item in items))
+        # Every item ends before the caller's deadline (a late one with its error flag), so
+        # slow items cost themselves, not the whole call.
+        remaining = context.time_remaining()
+        deadline = (
+            None
+            if remaining is None
+            else asyncio.get_running_loop().time() + remaining - min(1.0, 0.1 * remaining)
+        )
+        results = await asyncio.gather(
+            *(self._score_one(item, timeout, deadline) for item in items)
+        )
         return reward_pb2.ScoreResponse(results=results)
 
     async def _score_one(
-        self, item: reward_pb2.ScoreItem, timeout: float
+        self, item: reward_pb2.ScoreItem, timeout: float, deadline: float | None = None
     ) -> reward_pb2.ScoreResult:
         payload = ScoreInput(
             response=item.response,
@@ -128,14 +139,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             metadata=from_struct(item.metadata) if item.HasField("metadata") else {},
         )
         try:
-            score = await self._pool.score(item.domain, payload, timeout)
-        except TimeoutError:
+            score = await self._pool.score(item.domain, payload, timeout, deadline=deadline)
+        except TimeoutError as error:
             COUNTERS.inc("reward_item_errors", domain=item.domain, kind="timeout")
             return reward_pb2.ScoreResult(
                 item_id=item.item_id,
                 reward=0.0,
                 error=True,
-                error_message=f"scorer timed out after {timeout:g}s",
+                error_message=str(error) or f"scorer timed out after {timeout:g}s",
             )
         except ScorerFailed as error:
             COUNTERS.inc("reward_item_errors", domain=item.domain, kind="exception")

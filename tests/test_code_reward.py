@@ -8,8 +8,9 @@ import pytest
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
 from rollwire.reward.code import extract_program
-from rollwire.reward.scorers import ScoreInput, code_scorer
+from rollwire.reward.scorers import ScoreInput
 from rollwire.reward.server import registrations
+from rollwire.reward.table import code_scorer
 from rollwire.services.core import sandbox as sandbox_module
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.config import RewardServerConfig, SandboxConfig

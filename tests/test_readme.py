@@ -31,7 +31,8 @@ def test_the_install_script_sets_up_everything_the_tests_look_for() -> None:
 
 def test_the_readmes_own_scorer_example_scores(tmp_path: Path, monkeypatch) -> None:
     """The "Your own scorer" example, as printed, serves its domain."""
-    from rollwire.reward.scorers import ScoreInput, scorer_table
+    from rollwire.reward.scorers import ScoreInput
+    from rollwire.reward.table import scorer_table
 
     readme = (REPO / "README.md").read_text()
     section = readme.split("**Your own scorer.**", 1)[1]

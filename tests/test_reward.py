@@ -148,12 +148,48 @@ async def test_a_failing_or_slow_scorer_costs_only_its_item(reward_stub) -> None
 
 
 @pytest.mark.integration
+async def test_slow_items_end_before_the_calls_deadline_instead_of_failing_it(
+    reward_stub,
+) -> None:
+    """Four 0.5 s items on two workers need 1 s; a 0.8 s deadline gets the two that fit and
+    error flags for the rest, where the whole call used to fail with DEADLINE_EXCEEDED."""
+    reward_stub, servicer = reward_stub
+    warm = [item(str(i), domain="length") for i in range(2)]  # both workers started
+    await reward_stub.Score(reward_pb2.ScoreRequest(items=warm), timeout=30)
+    reply = await reward_stub.Score(
+        reward_pb2.ScoreRequest(
+            items=[item(str(i), domain="slow") for i in range(4)], item_timeout_seconds=5
+        ),
+        timeout=0.8,
+    )
+    results = sorted(reply.results, key=lambda r: r.item_id)
+    assert len(results) == 4
+    done = [r for r in results if not r.error]
+    late = [r for r in results if r.error]
+    assert len(done) == 2 and all(r.reward == -1.0 for r in done)
+    assert late and all(
+        "deadline" in r.error_message
+        or "timed out" in r.error_message
+        or "came free" in r.error_message
+        for r in late
+    ), [r.error_message for r in late]
+    # The deadline cost no worker: the late items' workers finished and came back.
+    for _ in range(100):
+        if servicer._pool._idle.qsize() == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert servicer._pool.restarts == 0 and servicer._pool._idle.qsize() == 2
+
+
+@pytest.mark.integration
 async def test_a_client_that_hangs_up_mid_item_does_not_cost_a_worker(reward_stub) -> None:
     reward_stub, servicer = reward_stub
     slow = [item(str(i), domain="slow") for i in range(2)]  # both workers busy
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await reward_stub.Score(reward_pb2.ScoreRequest(items=slow), timeout=0.2)
-    assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    call = reward_stub.Score(reward_pb2.ScoreRequest(items=slow))
+    await asyncio.sleep(0.2)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
     # Both workers come back, and nobody receives the abandoned items' scores.
     again = await reward_stub.Score(
         reward_pb2.ScoreRequest(items=[item(str(i), domain="length", response="ab") for i in "xy"]),
@@ -203,7 +239,72 @@ def test_math_verify_scorer() -> None:
     assert math_score(ScoreInput("the answer is 8", reference="8")).components == {
         "correct": 1.0,
         "format": 0.0,
+        "extracted": 1.0,
     }
+
+
+# (reference, response) pairs with no <answer> tag: rollwire must say what math-verify's
+# defaults say. The first four were scored differently while rollwire wrapped both sides
+# in $...$ (thousands separators, decimal commas, a prose answer with two boxes).
+MATH_VERIFY_CASES = [
+    ("1000", "1 000"),
+    ("1000.99", "1000,99"),
+    ("1,22", "1.22"),
+    ("3", "Try \\(x=2\\): \\boxed{2} fails. Final answer: \\boxed{3}"),
+    ("$\\frac{1}{2}$", "0.5"),
+    ("\\frac{1}{2}", "1/2"),
+    ("x=2", "2"),
+    ("(1,2)", "(1, 2)"),
+    ("2\\pi", "6.283185"),
+    ("10\\%", "0.1"),
+    ("$5$", "The answer is $5$."),
+    ("12", "I think 12 apples"),
+    ("-3", "x = -3"),
+    ("$x^2+2x+1$", "$(x+1)^2$"),
+    ("$[0, 1)$", "$[0,1)$"),
+    ("$\\{1, 2\\}$", "$\\{2, 1\\}$"),
+    ("7", "\\boxed{8}"),
+    ("$3$", "no number here"),
+]
+
+
+@pytest.mark.parametrize(("reference", "response"), MATH_VERIFY_CASES)
+def test_math_agrees_with_math_verify_defaults(reference: str, response: str) -> None:
+    from math_verify import parse, verify
+
+    expected = float(bool(verify(parse(reference), parse(response))))
+    assert math_score(ScoreInput(response, reference=reference)).reward == expected
+
+
+def test_math_options_per_item_and_what_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def score(response: str, reference: str, **options) -> float:
+        metadata = {"math_verify": options} if options else {}
+        return math_score(ScoreInput(response, reference=reference, metadata=metadata)).reward
+
+    assert score("3.14", "3.14159") == 0.0
+    assert score("3.14", "3.14159", float_rounding=2.0) == 1.0  # Struct numbers are floats
+    assert score("The answer is B", "B") == 0.0
+    assert score("The answer is B", "B", extraction=["string"]) == 1.0
+    # A bare LaTeX reference math-verify's defaults read nothing in is read as math.
+    assert score("1.41421356", "\\sqrt{2}") == 1.0
+    with pytest.raises(ValueError, match="unknown options \\['rounding'\\]"):
+        score("1", "1", rounding=2)
+    with pytest.raises(ValueError, match="strict must be bool"):
+        score("1", "1", strict="yes")
+    with pytest.raises(ValueError, match="need a reference answer"):
+        score("1", " ")
+    with pytest.raises(ValueError, match="no answer in the reference"):
+        score("1", "\\")
+
+    import math_verify.grader
+
+    def times_out(gold, target, **options) -> bool:
+        math_verify.grader.logger.warning("Timeout during comparison")
+        return False
+
+    monkeypatch.setattr("math_verify.verify", times_out)
+    with pytest.raises(TimeoutError, match="math-verify timed out"):
+        score("2", "2")
 
 
 def test_reasoning_gym_scorer_uses_the_task_scorer() -> None:

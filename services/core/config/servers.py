@@ -84,9 +84,11 @@ class RewardServerConfig(StrictModel):
     max_batch_items: int = Field(1024, ge=1)
     """Items in one Score call; more is RESOURCE_EXHAUSTED."""
     item_timeout_seconds: float = Field(10.0, gt=0)
-    """Default time limit for scoring one item."""
-    workers: int = Field(1, ge=1)
-    """Scoring worker processes (each scores one item at a time)."""
+    """Default time limit for scoring one item. Items of a call also end before the
+    call's deadline (a late one with its error flag), whatever this says."""
+    workers: int | None = Field(None, ge=1)
+    """Scoring worker processes (each scores one item at a time); by default one per CPU
+    core, at most 8."""
     custom_scorers: dict[str, str] = {}
     """Extra domains: `{domain: "package.module:function"}`, the function taking a
     `rollwire.reward.scorers.ScoreInput` and returning a `Score`."""
