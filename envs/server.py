@@ -103,6 +103,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         finished = [stream.finished for stream in streams if not stream.finished.done()]
         if finished:
             await asyncio.wait(finished, timeout=self.config.server.grace_seconds)
+        # Clients close their sessions when they stop; what is left here they did not.
+        log.info("closing the sessions left open", extra={"open_sessions": self.host.session_count})
         self.host.close_all()
 
     async def ListEnvs(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -71,6 +72,13 @@ def test_killing_one_of_two_env_servers_loses_no_episode(tmp_path) -> None:
             process.wait(timeout=10)
     assert process.returncode == 0, output[-3000:]
     assert "env-server-0 exited with code -9; restarting it" in output
+    # The orchestrator closed its sessions when it stopped: none left for the server to close.
+    closing = [
+        json.loads(line)
+        for line in (run_dir / "logs" / "env-server-1.log").read_text().splitlines()
+        if "closing the sessions left open" in line
+    ]
+    assert [record["open_sessions"] for record in closing] == [0]
     steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
     assert steps[-1]["step"] == 10
     progress = jsonl(run_dir / "metrics" / "orchestrator.jsonl")[-1]

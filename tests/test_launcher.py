@@ -56,3 +56,41 @@ def test_trainer_settings_that_do_not_compose_are_refused_with_the_reason() -> N
         with pytest.raises(ValidationError, match=message):
             TrainerConfig(**settings)
     assert TrainerConfig(backend="fsdp2", world_size=2).distributed.timeout_seconds == 600
+
+
+def test_the_built_in_models_context_is_checked_against_the_episode_cap() -> None:
+    env = {"dataset": {"type": "env", "env_id": "guess_the_number"}, "eval_dataset": None}
+    with pytest.raises(LaunchError, match=r"max_episode_tokens is 512 .* is 256 tokens"):
+        prepare_model(config(orchestrator=env))
+    with pytest.raises(LaunchError, match=r"max_new_tokens is 300 .* is 256 tokens"):
+        prepare_model(config(orchestrator={"max_new_tokens": 300}))
+
+
+def test_env_servers_come_from_one_place() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="set one of them"):
+        config(endpoints={"env_servers": ["127.0.0.1:1"]}, run={"local_env_servers": 2})
+    assert config(endpoints={"env_servers": ["127.0.0.1:1"]}).run.local_env_servers is None
+
+
+def test_the_warm_up_of_an_env_served_elsewhere_is_skipped_with_the_reason(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """An external env (any language, not registered here) must not stop the run."""
+    monkeypatch.setenv("ROLLWIRE_CACHE_DIR", str(tmp_path))
+    run = config(
+        orchestrator={
+            "dataset": {"type": "env", "env_id": "an_env_in_ruby"},
+            "eval_dataset": None,
+            "agent": {"max_episode_tokens": 200},
+        },
+        endpoints={"env_servers": ["127.0.0.1:1"]},
+        run={"tiny_model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}},
+    )
+    model = prepare_model(run)
+    assert model.name.startswith("tiny-")  # the untrained model, not a warm one
+    assert (
+        "warm-up skipped: no scripted demonstrator for env 'an_env_in_ruby'"
+        in capsys.readouterr().out
+    )

@@ -59,6 +59,8 @@ from rollwire.services.core.watchdog import Watchdog
 from rollwire.services.core.wire import Trajectory
 
 log = logging.getLogger(__name__)
+SESSION_CLOSE_SECONDS = 10.0
+"""How long a stopping orchestrator waits for its cancelled episodes to close their sessions."""
 
 
 class Orchestrator:
@@ -143,6 +145,11 @@ class Orchestrator:
         finally:
             for pending in self.running:
                 pending.cancel()
+            if self.running:
+                # Cancelled episodes close their env sessions on the way out; wait for that
+                # (bounded) before the connections close, or the sessions stay open on the
+                # servers until they expire.
+                await asyncio.wait(list(self.running), timeout=SESSION_CLOSE_SECONDS)
             self._report()  # also when stopped by a signal
 
     # ------------------------------------------------------------ the steps of a run

@@ -262,6 +262,7 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     from rollwire.services.core.tiny import TinySpec, tiny_model_of
 
     spec = TinySpec(**config.run.tiny_model)
+    check_context(config, spec.max_position_embeddings)
     base = tiny_model_of(config.run.tiny_model)
     warmup = config.warmup
     if warmup.steps == 0:
@@ -327,7 +328,7 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
     """Warm-up on episodes a scripted demonstrator plays in the run's environment."""
     from transformers import AutoTokenizer
 
-    from rollwire.envs.demos import demo_batches
+    from rollwire.envs.demos import demo_batches, find_demonstrator
     from rollwire.envs.registry import load_plugins
     from rollwire.rollout.orchestrator.agent import ChatTurns, PlainTurns
     from rollwire.trainer.sft import warm_up_on
@@ -348,6 +349,14 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
     if (target / "config.json").exists():
         return target
     load_plugins(config.env_server.plugins)  # the demonstrations play the env in this process
+    try:
+        find_demonstrator(dataset.env_id)
+    except ValueError as error:
+        # An env served from elsewhere (any language) or one without a scripted player: the
+        # run goes on from the untrained model rather than stopping before it starts.
+        if progress:
+            print(f"warm-up skipped: {error}")
+        return base
     tokenizer = AutoTokenizer.from_pretrained(base)
 
     def make_turns() -> ChatTurns | PlainTurns:
@@ -386,6 +395,23 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def check_context(config: RunConfig, context: int) -> None:
+    """An episode cap or answer length past the built-in model's context fails every group
+    it reaches; refused before anything starts, naming both numbers."""
+    orchestrator = config.orchestrator
+    where = "the built-in tiny model's context (run.tiny_model.max_position_embeddings)"
+    if orchestrator.dataset.type == "env" and orchestrator.agent.max_episode_tokens > context:
+        raise LaunchError(
+            f"orchestrator.agent.max_episode_tokens is {orchestrator.agent.max_episode_tokens} but "
+            f"{where} is {context} tokens: lower the cap to at most {context}, or raise the context"
+        )
+    if orchestrator.max_new_tokens >= context:
+        raise LaunchError(
+            f"orchestrator.max_new_tokens is {orchestrator.max_new_tokens} but {where} is "
+            f"{context} tokens, which must also hold the prompt: lower it or raise the context"
+        )
+
+
 def start_servers(
     config: RunConfig, stack: Stack, timeout: float = 120.0, teacher: bool = True
 ) -> RunConfig:
@@ -397,7 +423,7 @@ def start_servers(
     started = {name: stack.start(name) for name in SERVER_COMMANDS}
     env_servers = []
     if config.orchestrator.dataset.type == "env" and not config.endpoints.env_servers:
-        count = config.run.local_env_servers
+        count = config.run.local_env_servers or 1
         env_servers = [
             stack.start("env-server", name=f"env-server-{i}", replica=count > 1)
             for i in range(count)
@@ -430,7 +456,8 @@ def start_servers(
     if env_servers:
         update["env_servers"] = [stack.wait_ready(s, timeout) for s in env_servers]
     endpoints = config.endpoints.model_copy(update=update)
-    return config.model_copy(update={"endpoints": endpoints})
+    run = config.run.model_copy(update={"local_env_servers": None})  # now in endpoints
+    return config.model_copy(update={"endpoints": endpoints, "run": run})
 
 
 def thread_budget(config: RunConfig) -> dict[str, int]:

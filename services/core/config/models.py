@@ -178,9 +178,10 @@ class RunSection(StrictModel):
     """Run directory: resolved config, logs, checkpoints, the buffer's log."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
-    local_env_servers: int = Field(1, ge=1)
-    """Env-servers `rollwire train` starts for an `env` dataset when `endpoints.env_servers`
-    is empty."""
+    local_env_servers: int | None = Field(None, ge=1)
+    """Env-servers `rollwire train` starts for an `env` dataset (1 when unset); not with
+    `endpoints.env_servers`, which names servers already running. A resolved config lists
+    the started ones in `endpoints.env_servers` and leaves this unset."""
     tiny_model: dict[str, int] = {}
     """Shape overrides of the built-in tiny model (fields of `rollwire.services.core.tiny.TinySpec`)."""
 
@@ -240,6 +241,15 @@ class RunConfig(StrictModel):
             raise ValueError(
                 "orchestrator.filter_uniform_groups drops groups whose rewards are all equal, "
                 "but on-policy distillation learns from every group's tokens: turn it off"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _env_servers_come_from_one_place(self) -> RunConfig:
+        if self.endpoints.env_servers and self.run.local_env_servers is not None:
+            raise ValueError(
+                "run.local_env_servers starts env-servers and endpoints.env_servers names "
+                "running ones; set one of them"
             )
         return self
 
