@@ -204,3 +204,25 @@ def test_a_run_that_scores_code_without_bubblewrap_is_refused_before_it_starts(
         check_sandbox(config)
     check_sandbox(load_config(None, [*overrides, "reward_server.sandbox.kind=none"]))
     check_sandbox(load_config(None))  # no code: no sandbox needed
+
+
+def test_scorers_receive_responses_without_special_tokens_by_default(tiny_model_path) -> None:
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rollwire.rollout.orchestrator.loop import Orchestrator
+    from rollwire.services.core.config import OrchestratorConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    ids = tokenizer("<answer>12</answer>", add_special_tokens=False)["input_ids"]
+    response = [tokenizer.pad_token_id, *ids, tokenizer.eos_token_id]
+
+    def decode(**settings) -> str:
+        holder = SimpleNamespace(
+            tokenizer=tokenizer, eos=tokenizer.eos_token_id, settings=OrchestratorConfig(**settings)
+        )
+        return Orchestrator.decode(holder, response)
+
+    assert decode() == "<answer>12</answer>"
+    assert decode(skip_special_tokens=False) == f"{tokenizer.pad_token}<answer>12</answer>"

@@ -464,7 +464,7 @@ class Orchestrator:
     def decode(self, token_ids: list[int]) -> str:
         """A response's text, without its stop token."""
         ids = token_ids[:-1] if token_ids and token_ids[-1] == self.eos else token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.settings.skip_special_tokens)
 
     # ------------------------------------------------------------ reports and closing
 

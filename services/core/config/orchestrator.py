@@ -148,6 +148,10 @@ class OrchestratorConfig(StrictModel):
     """Wrap the prompt in the tokenizer's chat template as one user turn."""
     max_new_tokens: int = Field(10, ge=1)
     """Longest response."""
+    skip_special_tokens: bool = True
+    """Decode single-turn responses (the text scorers receive) without the tokenizer's
+    special tokens (chat markers such as `<|im_end|>`; the stop token is always left out);
+    false keeps them. Multi-turn actions keep them, as the chat template rendered them."""
     generate_timeout_seconds: float = Field(600.0, gt=0)
     """Deadline of one Generate or GenerateGroup call. A call waits behind the others the
     rollout-server is generating (long responses, many groups in flight), so it gets more
