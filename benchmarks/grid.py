@@ -180,7 +180,8 @@ def parser(description: str) -> argparse.ArgumentParser:
 def finish(cells: list[Cell], args: argparse.Namespace, root: Path, name: str) -> None:
     """Prints the table and writes the plot of a finished grid."""
     task = args.config.name if args.config else "default task"
-    title = f"{task}, {args.steps} steps, {len(args.seeds)} seeds"
+    changed = f" with {', '.join(args.set)}" if args.set else ""
+    title = f"{task}{changed}, {args.steps} steps, {len(args.seeds)} seeds"
     print(table(cells, title))
     picture = plot(cells, root / f"{name}.png", title)
     print(f"\nplot: {picture}\nruns: {root}")
