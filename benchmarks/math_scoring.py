@@ -4,7 +4,8 @@
 
 The same items both ways: answers to sums, fractions and LaTeX expressions, half right,
 with and without `<answer>` tags. `in-process` is math-verify's `parse` + `verify` in a
-loop in this process (the baseline); `reward-server` sends them in batches of `--batch`
+loop in this process on what the `math` domain parses (the tagged answer, else the whole
+response): the baseline; `reward-server` sends them in batches of `--batch`
 to a `rollwire reward-server` with `--workers` scorer processes over gRPC on loopback.
 Ratios are against the in-process rate measured in the same run.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 from math_verify import parse, verify
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
+from rollwire.reward.scorers import extract_answer
 from rollwire.services.core.client import open_channel
 
 
@@ -55,7 +57,10 @@ def items(count: int, seed: int = 0) -> list[tuple[str, str]]:
 
 def in_process(pairs: list[tuple[str, str]]) -> tuple[float, float]:
     started = time.perf_counter()
-    correct = sum(bool(verify(parse(r), parse(s))) for r, s in pairs)
+    correct = 0
+    for reference, response in pairs:
+        tagged = extract_answer(response)  # what the math domain parses, as it does
+        correct += bool(verify(parse(reference), parse(response if tagged is None else tagged)))
     return time.perf_counter() - started, correct / len(pairs)
 
 
