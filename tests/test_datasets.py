@@ -63,7 +63,7 @@ def test_jsonl_and_parquet_files(tmp_path) -> None:
         ('{"prompt": "x"}\n', "a.jsonl", "needs fields 'prompt' and 'answer'"),
         ("not json\n", "b.jsonl", r"b.jsonl:1: not JSON"),
         ("", "c.jsonl", "holds no tasks"),
-        ("x", "d.csv", "must be a .jsonl or .parquet file"),
+        ("x", "d.csv", "must be a .jsonl\\(.gz\\) or .parquet file"),
     ],
 )
 def test_bad_files_are_named(tmp_path, content: str, name: str, message: str) -> None:
