@@ -39,10 +39,50 @@ class ScoreInput:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def extract_answer(response: str) -> str | None:
-    """The text of the last `<answer>...</answer>` block, stripped; None if there is none."""
-    found = _ANSWER.findall(response)
-    return found[-1].strip() if found else None
+ANSWER_FORMATS = ("tag", "boxed", "last_number", "whole")
+"""Where the answer is in a response (`metadata.answer_format`, set by a dataset's
+`answer_format`): the last `<answer>...</answer>` (the default), the last `\\boxed{...}`,
+the last number, or the whole response."""
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _last_boxed(response: str) -> str | None:
+    start = response.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, at = 0, start + len("\\boxed{")
+    for index in range(at, len(response)):  # braces nest: \boxed{\frac{1}{2}}
+        if response[index] == "{":
+            depth += 1
+        elif response[index] == "}":
+            if depth == 0:
+                return response[at:index].strip()
+            depth -= 1
+    return None
+
+
+def extract_answer(response: str, answer_format: str = "tag") -> str | None:
+    """The answer in `response` as `answer_format` says (see ANSWER_FORMATS), stripped; None
+    if there is none."""
+    if answer_format == "tag":
+        found = _ANSWER.findall(response)
+        return found[-1].strip() if found else None
+    if answer_format == "boxed":
+        return _last_boxed(response)
+    if answer_format == "last_number":
+        numbers = _NUMBER.findall(response)
+        return numbers[-1].replace(",", "") if numbers else None
+    if answer_format == "whole":
+        return response.strip() or None
+    raise ValueError(f"answer_format {answer_format!r} is not one of {list(ANSWER_FORMATS)}")
+
+
+def item_answer(item: ScoreInput) -> str | None:
+    """The item's answer, found as its `metadata.answer_format` says (default `tag`)."""
+    answer_format = item.metadata.get("answer_format", "tag")
+    if not isinstance(answer_format, str):
+        raise ValueError(f"metadata.answer_format must be one of {list(ANSWER_FORMATS)}")
+    return extract_answer(item.response, answer_format)
 
 
 def _normalise(text: str) -> str:
@@ -57,7 +97,7 @@ def format_score(item: ScoreInput) -> Score:
 
 def exact_match_score(item: ScoreInput) -> Score:
     """1 when the tagged answer equals the reference after case and space folding."""
-    answer = extract_answer(item.response)
+    answer = item_answer(item)
     formatted = answer is not None
     correct = formatted and _normalise(answer) == _normalise(item.reference)
     return Score(float(correct), {"correct": float(correct), "format": float(formatted)})
@@ -132,7 +172,7 @@ def math_score(item: ScoreInput) -> Score:
     parse_options: dict[str, Any] = {} if extraction is None else {"extraction_config": extraction}
     if "timeout_seconds" in verify_options:
         parse_options["parsing_timeout"] = verify_options["timeout_seconds"]
-    answer = extract_answer(item.response)
+    answer = item_answer(item)
     candidate = answer if answer is not None else item.response
     records = _Records()
     logger = logging.getLogger("math_verify")
@@ -178,7 +218,7 @@ def reasoning_gym_score(item: ScoreInput) -> Score:
         raise ValueError(
             "reasoning_gym items need metadata.source_dataset (the reasoning-gym dataset name)"
         )
-    answer = extract_answer(item.response)
+    answer = item_answer(item)
     entry = {"question": item.prompt, "answer": item.reference, "metadata": item.metadata}
     correct = (
         float(reasoning_gym.get_score_answer_fn(dataset)(answer, entry))

@@ -334,3 +334,37 @@ def test_custom_scorer_specs_are_checked() -> None:
         load_scorer("nocolon")
     with pytest.raises(ValueError, match="is not a function"):
         load_scorer("math:pi")
+
+
+@pytest.mark.parametrize(
+    ("answer_format", "response", "answer"),
+    [
+        ("tag", "<answer>1</answer> then <answer>2</answer>", "2"),
+        ("boxed", "first \\boxed{1}, so \\boxed{\\frac{1}{2}} in the end", "\\frac{1}{2}"),
+        ("boxed", "no box here", None),
+        ("last_number", "12 apples and 1,250 pears.", "1250"),
+        ("last_number", "-3.5 degrees", "-3.5"),
+        ("whole", "  41  ", "41"),
+        ("whole", "   ", None),
+    ],
+)
+def test_answer_formats(answer_format: str, response: str, answer: str | None) -> None:
+    assert extract_answer(response, answer_format) == answer
+
+
+def test_a_dataset_that_answers_bare_is_scored_by_its_answer_format() -> None:
+    from rollwire.services.core.config import ReasoningGymDataset
+    from rollwire.services.core.datasets import load_tasks
+
+    (task,) = [load_tasks(ReasoningGymDataset(size=1, answer_format="last_number"))[0]]
+    assert task.metadata["answer_format"] == "last_number"
+    bare = ScoreInput(f"It is {task.reference}.", task.reference, task.question, task.metadata)
+    assert reasoning_gym_score(bare).reward == 1.0
+    assert exact_match_score(bare).reward == 1.0
+    tagged = ScoreInput(
+        f"<answer>{task.reference}</answer>", task.reference, task.question, task.metadata
+    )
+    assert reasoning_gym_score(tagged).reward == 1.0  # the last number is inside the tag too
+    assert "answer_format" not in load_tasks(ReasoningGymDataset(size=1))[0].metadata
+    with pytest.raises(ValueError, match="is not one of"):
+        extract_answer("1", "json")

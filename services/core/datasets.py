@@ -44,6 +44,11 @@ class Task:
             ) from None
 
 
+def _with_answer_format(metadata: dict[str, Any], answer_format: str) -> dict[str, Any]:
+    """The scorer reads `answer_format` from the item's metadata; the default needs none."""
+    return metadata if answer_format == "tag" else {**metadata, "answer_format": answer_format}
+
+
 class ReasoningGymTasks(Sequence[Task]):
     """A reasoning-gym dataset as tasks, generated on access (items are deterministic by index)."""
 
@@ -76,7 +81,7 @@ class ReasoningGymTasks(Sequence[Task]):
             str(entry["answer"]),
             self._config.domain,
             name,
-            entry["metadata"],
+            _with_answer_format(entry["metadata"], self._config.answer_format),
         )
 
 
@@ -181,7 +186,9 @@ def load_tasks(
                 str(row[config.answer_field]),
                 config.domain,
                 config.path.name,
-                json.loads(json.dumps(metadata, default=str)),
+                _with_answer_format(
+                    json.loads(json.dumps(metadata, default=str)), config.answer_format
+                ),
             )
         )
     if not tasks:
