@@ -10,7 +10,8 @@ test can assert on one check and a person sees them all at once.
 
 Outcomes: `pass`; `fail` (the contract is broken); `warn` (allowed, but likely
 not what was meant); `skip` (could not be judged, with the reason). Only `fail`
-makes the suite fail.
+makes the suite fail. Every failure's detail ends with the section of
+docs/env-servers.md that states the rule it broke.
 
 The suite cannot know which actions an unknown env accepts, so it steps with
 candidate actions (`CheckOptions.actions`). An INVALID_ARGUMENT reply is valid
@@ -77,6 +78,30 @@ __all__ = [
 Outcome = Literal["pass", "fail", "warn", "skip"]
 ENV_SERVICE = "rollwire.v1.EnvService"
 SEED_VARIATION_SEEDS = tuple(range(2, 8))  # with seeds 0 and 1 from the determinism check
+BAD_KWARG = "rollwire_env_check_no_such_kwarg"
+GUIDE = "docs/env-servers.md"
+"""The page a failure points to, for the rule it broke."""
+SECTIONS = {
+    "health": "what-a-server-serves",
+    "list_envs": "listenvs",
+    "reset_determinism": "seeds-and-determinism",
+    "seed_variation": "seeds-and-determinism",
+    "step_contract": "step",
+    "unknown_env": "reset",
+    "unknown_session": "step",
+    "bad_kwargs": "reset",
+    "oversized_action": "step",
+    "close_unknown": "close",
+    "concurrent_sessions": "sessions",
+    "multiplex": "multiplex",
+    "still_serving": "what-a-server-serves",
+}
+"""The section of `GUIDE` each check's failures point to when their message names none."""
+
+
+def see(section: str) -> str:
+    """The pointer a failure message ends with: " (see docs/env-servers.md#section)"."""
+    return f" (see {GUIDE}#{section})"
 
 
 @dataclass(frozen=True)
@@ -134,27 +159,43 @@ class _Suite(Probe):
         try:
             status = await check_health(self.channel, "", timeout=self.timeout)
         except grpc.aio.AioRpcError as error:
-            raise CheckFailed(f"grpc.health.v1 Check failed: {describe_error(error)}") from None
+            raise CheckFailed(
+                f"grpc.health.v1 Check of service '' failed: {describe_error(error)}; "
+                f"expected SERVING{see('what-a-server-serves')}"
+            ) from None
         if status != "SERVING":
-            raise CheckFailed(f"the server reports {status}, not SERVING")
+            raise CheckFailed(
+                f"the server reports {status}, not SERVING, for service '' (the whole server)"
+                f"{see('what-a-server-serves')}"
+            )
         try:
             named = await check_health(self.channel, ENV_SERVICE, timeout=self.timeout)
         except grpc.aio.AioRpcError as error:
             if error.code() is grpc.StatusCode.NOT_FOUND:
                 return "SERVING ('' only; no per-service status for EnvService)"
-            raise CheckFailed(f"health of {ENV_SERVICE}: {describe_error(error)}") from None
+            raise CheckFailed(
+                f"health of {ENV_SERVICE}: {describe_error(error)}; expected SERVING, or "
+                f"NOT_FOUND when the name is not registered{see('what-a-server-serves')}"
+            ) from None
         if named != "SERVING":
-            raise CheckFailed(f"the server is SERVING but reports {ENV_SERVICE} as {named}")
+            raise CheckFailed(
+                f"the server is SERVING but reports {ENV_SERVICE} as {named}; expected SERVING"
+                f"{see('what-a-server-serves')}"
+            )
         return f"SERVING ('' and {ENV_SERVICE})"
 
     async def list_envs(self) -> str:
         try:
             reply = await self.stub.ListEnvs(env_pb2.ListEnvsRequest(), timeout=self.timeout)
         except grpc.aio.AioRpcError as error:
-            raise CheckFailed(f"ListEnvs failed: {describe_error(error)}") from None
+            raise CheckFailed(
+                f"ListEnvs failed: {describe_error(error)}{see('listenvs')}"
+            ) from None
         ids = [spec.env_id for spec in reply.envs]
         if not ids:
-            raise CheckFailed("ListEnvs named no environment")
+            raise CheckFailed(
+                f"ListEnvs named no environment; expected at least one{see('listenvs')}"
+            )
         problems = [f"an env with an empty env_id (#{i})" for i, e in enumerate(ids) if not e]
         problems += [f"{e!r} listed twice" for e in sorted({e for e in ids if ids.count(e) > 1})]
         problems += [f"{e!r} has whitespace in its id" for e in ids if e != "".join(e.split())]
@@ -164,7 +205,7 @@ class _Suite(Probe):
         if self.env_id is None and ids[0]:
             self.env_id = ids[0]
         if problems:
-            raise CheckFailed("; ".join(problems))
+            raise CheckFailed("; ".join(problems) + see("listenvs"))
         if undescribed := [s.env_id for s in reply.envs if not s.description]:
             raise CheckWarning(f"{len(ids)} env(s); no description for {undescribed}")
         return f"{len(ids)} env(s): {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}"
@@ -180,7 +221,8 @@ class _Suite(Probe):
                 if first != second:
                     raise CheckFailed(
                         f"seed {seed}: two Resets differ: {first.brief()} {first.info} vs "
-                        f"{second.brief()} {second.info}"
+                        f"{second.brief()} {second.info}; the same env id, kwargs and seed "
+                        f"must give the same observation and info{see('seeds-and-determinism')}"
                     )
                 transcript = [first]
                 for action in self.options.actions:
@@ -189,7 +231,9 @@ class _Suite(Probe):
                     if one != two:
                         raise CheckFailed(
                             f"seed {seed}, step {len(transcript)} (action {action!r}): "
-                            f"{one.brief()} {one.info} vs {two.brief()} {two.info}"
+                            f"{one.brief()} {one.info} vs {two.brief()} {two.info}; the same "
+                            "seed and actions must give the same replies"
+                            f"{see('seeds-and-determinism')}"
                         )
                     transcript.append(one)
                     if one.done:
@@ -245,7 +289,10 @@ class _Suite(Probe):
                 f"Step after the episode {how}",
             )
             if not await self.close(session_id):
-                raise CheckFailed("Close of a finished but open session answered existed=false")
+                raise CheckFailed(
+                    "Close of a finished but open session answered existed=false; expected "
+                    f"existed=true: a finished session stays open until Close{see('close')}"
+                )
             closed = True
             await self.expect_error(
                 self.raw_step(session_id, action),
@@ -253,7 +300,10 @@ class _Suite(Probe):
                 "Step on a closed session",
             )
             if await self.close(session_id):
-                raise CheckFailed("a second Close of the same session answered existed=true")
+                raise CheckFailed(
+                    "a second Close of the same session answered existed=true; expected "
+                    f"existed=false{see('close')}"
+                )
         finally:
             if not closed:
                 await self.close(session_id)
@@ -269,9 +319,14 @@ class _Suite(Probe):
         except grpc.aio.AioRpcError as error:
             if error.code() is grpc.StatusCode.NOT_FOUND:
                 return "NOT_FOUND"
-            raise CheckFailed(f"expected NOT_FOUND, got {describe_error(error)}") from None
+            raise CheckFailed(
+                f"Reset of env id {UNKNOWN_ENV_ID!r}: expected NOT_FOUND, got "
+                f"{describe_error(error)}{see('reset')}"
+            ) from None
         await self.close(reply.session_id)
-        raise CheckFailed(f"Reset of env id {UNKNOWN_ENV_ID!r} succeeded; expected NOT_FOUND")
+        raise CheckFailed(
+            f"Reset of env id {UNKNOWN_ENV_ID!r} succeeded; expected NOT_FOUND{see('reset')}"
+        )
 
     async def unknown_session(self) -> str:
         step = self.raw_step(uuid.uuid4().hex, self.options.actions[0])
@@ -280,14 +335,15 @@ class _Suite(Probe):
 
     async def bad_kwargs(self) -> str:
         request = env_pb2.ResetRequest(env_id=self.need_env(), seed=0)
-        request.env_kwargs.CopyFrom(to_struct({"rollwire_env_check_no_such_kwarg": 1}))
+        request.env_kwargs.CopyFrom(to_struct({BAD_KWARG: 1}))
         try:
             reply = await self.stub.Reset(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as error:
             if error.code() is grpc.StatusCode.INVALID_ARGUMENT:
                 return "INVALID_ARGUMENT for an unknown kwarg"
             raise CheckFailed(
-                f"an unknown kwarg: expected INVALID_ARGUMENT, got {describe_error(error)}"
+                f"an unknown kwarg ({BAD_KWARG!r}): expected INVALID_ARGUMENT, got "
+                f"{describe_error(error)}{see('reset')}"
             ) from None
         await self.close(reply.session_id)
         raise CheckWarning("an unknown kwarg was accepted; fine only if the env ignores extras")
@@ -302,17 +358,25 @@ class _Suite(Probe):
             code = await self.expect_error(
                 self.raw_step(session_id, action),
                 [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT],
-                f"an action of {size} bytes",
+                f"an action of {size} bytes (more than any sensible action size limit)",
             )
             # Refusing it must leave the session as it was: a lost session fails here.
-            after = await self.step(session_id, tail.strip())
+            try:
+                after = await self.step(session_id, tail.strip())
+            except CheckFailed as error:
+                raise CheckFailed(
+                    f"after refusing an action of {size} bytes the session must live on: {error}"
+                ) from None
         finally:
             await self.close(session_id)
         return f"{code.name} for {size} bytes; the session lived on ({after.code})"
 
     async def close_unknown(self) -> str:
         if await self.close(uuid.uuid4().hex):
-            raise CheckFailed("Close of a session id never issued answered existed=true")
+            raise CheckFailed(
+                "Close of a session id never issued answered existed=true; expected "
+                f"existed=false{see('close')}"
+            )
         return "existed=false"
 
     async def concurrent_sessions(self) -> str:
@@ -328,7 +392,10 @@ class _Suite(Probe):
             if failure := next((item for item in opened if isinstance(item, Exception)), None):
                 raise failure
             if len(set(ids)) != count:
-                raise CheckFailed(f"{count} Resets gave only {len(set(ids))} distinct session ids")
+                raise CheckFailed(
+                    f"{count} Resets gave only {len(set(ids))} distinct session ids; expected "
+                    f"{count}, one per session{see('sessions')}"
+                )
             transcripts = [[reply] for _, reply in opened]  # type: ignore[misc]
             order = random.Random(0)
             for action in self.options.actions:
@@ -354,13 +421,15 @@ class _Suite(Probe):
                     want = expected[at].brief() if at < len(expected) else "nothing"
                     raise CheckFailed(
                         f"session {index} of {count} (seed {seeds[index]}) differs from the same "
-                        f"seed played without company at reply {at}: {got} vs {want}"
+                        f"seed played without company at reply {at}: {got} vs {want}; sessions "
+                        f"must not affect each other{see('sessions')}"
                     )
         finally:
             closed = await asyncio.gather(*(self.close(sid) for sid in ids))
         if not all(closed):
             raise CheckFailed(
-                f"{closed.count(False)} of {count} open sessions were unknown to Close"
+                f"{closed.count(False)} of {count} open sessions were unknown to Close; "
+                f"expected existed=true for each{see('sessions')}"
             )
         return f"{count} interleaved sessions each replayed their seed's episode exactly"
 
@@ -372,7 +441,10 @@ class _Suite(Probe):
         try:
             await self.stub.ListEnvs(env_pb2.ListEnvsRequest(), timeout=self.timeout)
         except grpc.aio.AioRpcError as error:
-            raise CheckFailed(f"ListEnvs after the bad input: {describe_error(error)}") from None
+            raise CheckFailed(
+                f"ListEnvs after the bad input: {describe_error(error)}; a server must keep "
+                f"serving through bad input{see('what-a-server-serves')}"
+            ) from None
         return f"{detail.split(' ', 1)[0]} and answering after all the bad input"
 
 
@@ -394,7 +466,7 @@ CHECKS: tuple[tuple[str, Callable[[_Suite], Awaitable[str]]], ...] = (
 """Every check, in the order it runs; later ones reuse what earlier ones learned."""
 
 
-async def _run_one(name: str, check: Callable[[], Awaitable[str]]) -> CheckResult:
+async def _run_one(name: str, check: Callable[[], Awaitable[str]], timeout: float) -> CheckResult:
     started = time.perf_counter()
     outcome: Outcome
     try:
@@ -408,9 +480,14 @@ async def _run_one(name: str, check: Callable[[], Awaitable[str]]) -> CheckResul
     except grpc.aio.AioRpcError as error:
         outcome, detail = "fail", describe_error(error)
     except TimeoutError:
-        outcome, detail = "fail", "a call or read ran past its deadline"
+        outcome, detail = (
+            "fail",
+            f"a call or read ran past its deadline of {timeout:g}s (--timeout)",
+        )
     except Exception as error:  # a check must report, never take the suite down
         outcome, detail = "fail", f"the check itself failed: {type(error).__name__}: {error}"
+    if outcome == "fail" and f"(see {GUIDE}#" not in detail:
+        detail += see(SECTIONS.get(name, "checking-a-server"))
     return CheckResult(name, outcome, detail, (time.perf_counter() - started) * 1000)
 
 
@@ -435,7 +512,7 @@ async def run_checks(
         suite = _Suite(channel, options, (client or ClientConfig()).auth.resolve_token())
         results = []
         for name, check in CHECKS:
-            results.append(await _run_one(name, lambda check=check: check(suite)))
+            results.append(await _run_one(name, lambda check=check: check(suite), options.timeout))
         return CheckReport(address, suite.env_id, results)
 
 

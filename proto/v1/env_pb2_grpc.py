@@ -65,7 +65,9 @@ class EnvServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def ListEnvs(self, request, context):
-        """The environments this server can create, with their descriptions.
+        """The environments this server can create, with their descriptions. The
+        orchestrator asks the first server that answers, so every server of a run
+        must offer the env it plays.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,7 +75,18 @@ class EnvServiceServicer:
 
     def Reset(self, request, context):
         """Creates a session of one environment and returns its first observation.
-        NOT_FOUND for an unknown env id; RESOURCE_EXHAUSTED at the session limit.
+        NOT_FOUND for an unknown env id; INVALID_ARGUMENT for env_kwargs the
+        environment does not accept (an unknown name, a wrong type or value);
+        RESOURCE_EXHAUSTED at the session limit (the server's choice; rollwire's
+        env_server.max_sessions, default 4096); INTERNAL when the environment
+        fails to start. rollwire's server also answers FAILED_PRECONDITION when an
+        environment's sandbox is missing.
+
+        Sessions: the server picks the session_id (non-empty and unique;
+        rollwire's is a random hex string). A server may close a session that
+        has had no call for a while: rollwire's closes and forgets it after
+        env_server.session_idle_seconds (default 600) without a call, never while
+        a call runs on it; then Step answers NOT_FOUND and Close existed=false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,10 +94,21 @@ class EnvServiceServicer:
 
     def Step(self, request, context):
         """Applies one action. NOT_FOUND for an unknown or expired session;
-        FAILED_PRECONDITION after the episode ended; INVALID_ARGUMENT for an
-        action the environment rejects; RESOURCE_EXHAUSTED for an action over
-        the size limit; INTERNAL when the environment itself fails (the session
-        is then closed).
+        FAILED_PRECONDITION after the episode ended (terminated or truncated);
+        INVALID_ARGUMENT for an action the environment rejects; RESOURCE_EXHAUSTED
+        for an action over the size limit; INTERNAL when the environment itself
+        fails (the session is then closed). After INVALID_ARGUMENT or
+        RESOURCE_EXHAUSTED the session stays open and usable.
+
+        The size limit, in UTF-8 bytes, is the server's choice: rollwire's is
+        env_server.max_action_bytes, default 65536. `rollwire env-check` sends a
+        1 MiB action and expects RESOURCE_EXHAUSTED (or INVALID_ARGUMENT).
+
+        On INVALID_ARGUMENT the orchestrator gives the turn
+        orchestrator.agent.invalid_action_reward (default 0) and, with
+        agent.invalid_action "feedback" (the default), shows "invalid action: "
+        plus the status message as the next observation and plays on; with "end"
+        it ends the episode.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +116,8 @@ class EnvServiceServicer:
 
     def Close(self, request, context):
         """Ends a session and frees it. Closing an unknown session is not an error.
+        A finished episode's session stays until Close (existed=true) or expiry;
+        the orchestrator closes every session it opened when its episode ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,6 +131,16 @@ class EnvServiceServicer:
         stream carries on. Sessions are the same as the unary calls' sessions.
         Optional: a server may answer UNIMPLEMENTED, and clients then fall back
         to the unary calls.
+
+        Calls to one session run in the order they arrive; a call carrying no
+        reset, step or close is answered with an error (rollwire's:
+        INVALID_ARGUMENT). After the client half-closes, the server answers the
+        calls it has read and ends the stream with OK. rollwire's client sends
+        the calls made together in one batch; a stream older than 900 s takes no
+        new calls: the client opens a new one and half-closes the old. An in-band
+        CallError counts as that code on a unary call, except UNAVAILABLE: in-band
+        it is an ordinary failure. A stream that breaks fails its unanswered
+        calls as a lost server.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
