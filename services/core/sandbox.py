@@ -271,7 +271,10 @@ class Sandbox:
         if not self._local.acquire(timeout=self.slot_wait_s):
             raise TimeoutError(f"no sandbox slot came free within {self.slot_wait_s:g}s")
         try:
-            SLOT_DIR.mkdir(mode=0o1777, parents=True, exist_ok=True)
+            if not SLOT_DIR.exists():
+                SLOT_DIR.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(PermissionError):  # another user made it first
+                    SLOT_DIR.chmod(0o1777)  # every user's services share the slots
             deadline = time.monotonic() + self.slot_wait_s
             while True:
                 for slot in range(self.max_parallel):
