@@ -30,7 +30,7 @@ import json
 import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rollwire.reward.scorers import Score, ScoreInput
@@ -144,13 +144,7 @@ class CodeScorer:
     def _harness(self, program: str, tests: list[str]) -> tuple[int, int, bool]:
         token = secrets.token_hex(16)
         spec = json.dumps({"program": program, "tests": tests})
-        limits = Limits(
-            timeout_s=self.limits.timeout_s,
-            memory_mb=self.limits.memory_mb,
-            file_mb=self.limits.file_mb,
-            processes=self.limits.processes,
-            max_output_chars=_OUTPUT_CHARS,
-        )
+        limits = replace(self.limits, max_output_chars=_OUTPUT_CHARS)
         result = self.sandbox.run(
             ["{python}", "-I", "-S", "-c", _HARNESS, "{src}/spec.json"],
             files={"spec.json": spec},
@@ -175,13 +169,7 @@ class CodeScorer:
                 raise ValueError("each metadata.io case needs `output` (text) and may have `input`")
 
         def one(case: dict[str, str]) -> tuple[bool, bool]:
-            limits = Limits(
-                timeout_s=self.limits.timeout_s,
-                memory_mb=self.limits.memory_mb,
-                file_mb=self.limits.file_mb,
-                processes=self.limits.processes,
-                max_output_chars=2 * len(case["output"]) + 1000,
-            )
+            limits = replace(self.limits, max_output_chars=2 * len(case["output"]) + 1000)
             result = self.sandbox.run_python(program, limits, stdin=str(case.get("input", "")))
             return result.ok and not result.truncated and _normalised_output(
                 result.output
