@@ -1,7 +1,8 @@
 """The reward-server: batched scoring by domain behind `rollwire.v1.RewardService`.
 
 Items are scored in worker processes (`rollwire.reward.pool`), each under its
-own time limit. A scorer that raises or runs out of time gives its item reward
+own time limit; the `judge` and `reward_model` domains, when configured, score their
+items of a call together (`rollwire.reward.judge`, `rollwire.reward.reward_model`). A scorer that raises or runs out of time gives its item reward
 0 with `error` set and a counter; the call still succeeds. A malformed request
 (no items, duplicate ids, unknown domain, too many items) is refused as a
 whole with a status that says what to fix.
@@ -12,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from typing import Any
 
 import grpc
 import grpc.aio
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
-from rollwire.reward.pool import ScorerFailed, ScoringPool
-from rollwire.reward.scorers import ScoreInput
+from rollwire.reward.pool import MAX_ERROR_CHARS, ScorerFailed, ScoringPool
+from rollwire.reward.scorers import Score, ScoreInput
 from rollwire.reward.table import scorer_table
 from rollwire.services.core.config import RewardServerConfig, SandboxConfig
 from rollwire.services.core.metrics import COUNTERS
@@ -49,12 +51,32 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             log.warning(self._no_sandbox)
             sandbox = None
             self._scorers = scorer_table(config.custom_scorers)
-        workers = config.workers or min(8, os.cpu_count() or 1)
-        self._pool = ScoringPool(workers, custom_scorers=config.custom_scorers, sandbox=sandbox)
+        self.workers = config.workers or min(8, os.cpu_count() or 1)
+        self._pool = ScoringPool(
+            self.workers, custom_scorers=config.custom_scorers, sandbox=sandbox
+        )
+        # Domains whose items of a call are scored together, in this process.
+        self._batched: dict[str, Any] = {}
+        if config.judge is not None:
+            from rollwire.reward.judge import Judge
+
+            self._batched["judge"] = Judge(config.judge)
+        if config.reward_model is not None:
+            from rollwire.reward.reward_model import RewardModel
+
+            self._batched["reward_model"] = RewardModel(config.reward_model)
         log.info(
             "scorers: %s",
-            ", ".join(f"{domain} -> {name}" for domain, (name, _) in sorted(self._scorers.items())),
+            ", ".join(f"{domain} -> {name}" for domain, name, _ in self.domains()),
         )
+
+    def domains(self) -> list[tuple[str, str, str]]:
+        """(domain, scorer, description) of every domain served, by domain."""
+        rows = {
+            domain: (name, _first_line(fn.__doc__)) for domain, (name, fn) in self._scorers.items()
+        }
+        rows |= {domain: (s.name, s.description) for domain, s in self._batched.items()}
+        return [(domain, *rows[domain]) for domain in sorted(rows)]
 
     async def _reject(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, message: str
@@ -66,11 +88,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> reward_pb2.ListScorersResponse:
         return reward_pb2.ListScorersResponse(
             scorers=[
-                reward_pb2.ScorerInfo(
-                    domain=domain, scorer=name, description=_first_line(fn.__doc__)
-                )
-                for domain, (name, fn) in sorted(self._scorers.items())
-            ]
+                reward_pb2.ScorerInfo(domain=domain, scorer=name, description=description)
+                for domain, name, description in self.domains()
+            ],
+            parallel_items=self.workers,
+            item_timeout_seconds=self.config.item_timeout_seconds,
         )
 
     async def Score(
@@ -96,7 +118,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 "duplicate_ids",
                 "item_id values must be unique within a request",
             )
-        unknown = sorted({item.domain for item in items} - self._scorers.keys())
+        unknown = sorted(
+            {item.domain for item in items} - self._scorers.keys() - self._batched.keys()
+        )
         if "code" in unknown and self._no_sandbox:
             await self._reject(
                 context, grpc.StatusCode.FAILED_PRECONDITION, "no_sandbox", self._no_sandbox
@@ -106,7 +130,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "unknown_domain",
-                f"no scorer for domain(s) {unknown}; this server scores: {sorted(self._scorers)}",
+                f"no scorer for domain(s) {unknown}; this server scores: "
+                f"{[domain for domain, _, _ in self.domains()]}",
             )
         if request.item_timeout_seconds < 0:
             await self._reject(
@@ -124,22 +149,73 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             if remaining is None
             else asyncio.get_running_loop().time() + remaining - min(1.0, 0.1 * remaining)
         )
-        results = await asyncio.gather(
-            *(self._score_one(item, timeout, deadline) for item in items)
+        pooled = [item for item in items if item.domain not in self._batched]
+        batches = {
+            domain: [item for item in items if item.domain == domain]
+            for domain in self._batched.keys() & {item.domain for item in items}
+        }
+        scored = await asyncio.gather(
+            *(self._score_one(item, timeout, deadline) for item in pooled),
+            *(
+                self._score_batch(domain, group, timeout, deadline)
+                for domain, group in batches.items()
+            ),
         )
-        return reward_pb2.ScoreResponse(results=results)
+        by_id: dict[str, reward_pb2.ScoreResult] = {}
+        for entry in scored:
+            for result in entry if isinstance(entry, list) else [entry]:
+                by_id[result.item_id] = result
+        return reward_pb2.ScoreResponse(results=[by_id[item_id] for item_id in ids])
 
-    async def _score_one(
-        self, item: reward_pb2.ScoreItem, timeout: float, deadline: float | None = None
-    ) -> reward_pb2.ScoreResult:
-        payload = ScoreInput(
+    async def _score_batch(
+        self,
+        domain: str,
+        items: list[reward_pb2.ScoreItem],
+        timeout: float,
+        deadline: float | None,
+    ) -> list[reward_pb2.ScoreResult]:
+        verdicts = await self._batched[domain].score(
+            [self._input(item) for item in items], timeout, deadline
+        )
+        return [self._result(item, verdict) for item, verdict in zip(items, verdicts, strict=True)]
+
+    @staticmethod
+    def _input(item: reward_pb2.ScoreItem) -> ScoreInput:
+        return ScoreInput(
             response=item.response,
             reference=item.reference,
             prompt=item.prompt,
             metadata=from_struct(item.metadata) if item.HasField("metadata") else {},
         )
+
+    def _result(
+        self, item: reward_pb2.ScoreItem, verdict: Score | BaseException
+    ) -> reward_pb2.ScoreResult:
+        """The result of a batched domain's verdict on `item`, counted as the pool's are."""
+        if isinstance(verdict, Score):
+            COUNTERS.inc("reward_items_scored", domain=item.domain)
+            return reward_pb2.ScoreResult(
+                item_id=item.item_id, reward=verdict.reward, components=verdict.components
+            )
+        kind = "timeout" if isinstance(verdict, TimeoutError) else "exception"
+        COUNTERS.inc("reward_item_errors", domain=item.domain, kind=kind)
+        message = str(verdict)[:MAX_ERROR_CHARS] or type(verdict).__name__
+        if kind == "exception":
+            log.warning(
+                "scorer failed",
+                extra={"domain": item.domain, "item_id": item.item_id, "error": message},
+            )
+        return reward_pb2.ScoreResult(
+            item_id=item.item_id, reward=0.0, error=True, error_message=message
+        )
+
+    async def _score_one(
+        self, item: reward_pb2.ScoreItem, timeout: float, deadline: float | None = None
+    ) -> reward_pb2.ScoreResult:
         try:
-            score = await self._pool.score(item.domain, payload, timeout, deadline=deadline)
+            score = await self._pool.score(
+                item.domain, self._input(item), timeout, deadline=deadline
+            )
         except TimeoutError as error:
             COUNTERS.inc("reward_item_errors", domain=item.domain, kind="timeout")
             return reward_pb2.ScoreResult(
@@ -162,8 +238,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             item_id=item.item_id, reward=score.reward, components=score.components
         )
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self._pool.close()
+        for scorer in self._batched.values():
+            await scorer.close()
 
 
 def registrations(config: RewardServerConfig) -> list[Registration]:

@@ -136,7 +136,7 @@ async def reward_stub(start_service):
     yield make
     for servicer, channel in started:
         await channel.__aexit__(None, None, None)
-        servicer.close()
+        await servicer.close()
 
 
 def code_item(item_id: str, response: str, metadata: dict) -> reward_pb2.ScoreItem:

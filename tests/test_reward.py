@@ -101,7 +101,7 @@ async def reward_stub(start_service, tmp_path, monkeypatch):
     runtime = await start_service([registration])
     async with open_channel(runtime.address) as channel:
         yield reward_pb2_grpc.RewardServiceStub(channel), registration.servicer
-    registration.servicer.close()
+    await registration.servicer.close()
 
 
 @pytest.mark.integration

@@ -73,7 +73,11 @@ class ScorerInfo(_message.Message):
     def __init__(self, domain: _Optional[str] = ..., scorer: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class ListScorersResponse(_message.Message):
-    __slots__ = ("scorers",)
+    __slots__ = ("scorers", "parallel_items", "item_timeout_seconds")
     SCORERS_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ITEM_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     scorers: _containers.RepeatedCompositeFieldContainer[ScorerInfo]
-    def __init__(self, scorers: _Optional[_Iterable[_Union[ScorerInfo, _Mapping]]] = ...) -> None: ...
+    parallel_items: int
+    item_timeout_seconds: float
+    def __init__(self, scorers: _Optional[_Iterable[_Union[ScorerInfo, _Mapping]]] = ..., parallel_items: _Optional[int] = ..., item_timeout_seconds: _Optional[float] = ...) -> None: ...

@@ -76,6 +76,122 @@ class SandboxConfig(StrictModel):
     not readable by other users."""
 
 
+JUDGE_FIELDS = ("prompt", "response", "reference", "max_score")
+"""The fields a judge's template may name, in braces."""
+DEFAULT_SCORE_TEMPLATE = (
+    "Grade the answer to a question.\n\nQuestion:\n{prompt}\n\nReference answer:\n"
+    "{reference}\n\nAnswer to grade:\n{response}\n\nHow correct is the answer, from 0 "
+    "to {max_score}? Reply with one line: Score: N"
+)
+DEFAULT_YES_NO_TEMPLATE = (
+    "Question:\n{prompt}\n\nReference answer:\n{reference}\n\nAnswer to grade:\n"
+    "{response}\n\nDoes the answer agree with the reference? Reply Yes or No."
+)
+
+
+class JudgeConfig(StrictModel):
+    """The `judge` domain: a model asked to grade each response with a rubric, served by a
+    rollwire rollout-server or by any OpenAI-compatible server."""
+
+    rollout_server: str | None = None
+    """`host:port` of a rollout-server serving the judge model (its tokenizer is `tokenizer`)."""
+    base_url: str | None = None
+    """Or an OpenAI-compatible server's base URL, e.g. `http://127.0.0.1:8000/v1`."""
+    model: str = ""
+    """`base_url`: the model to ask; the server's first model when empty."""
+    api_key: str = ""
+    """`base_url`: sent as a bearer token when set."""
+    tokenizer: Path | None = None
+    """`rollout_server`: the judge model's folder (its `tokenizer.json` and chat template),
+    to turn the rubric into token ids and the reply back into text."""
+    chat: bool = True
+    """Send the rubric as a user message in the model's chat template (the chat endpoint of
+    an OpenAI-compatible server); False sends it as plain text."""
+    mode: Literal["score", "yes_no"] = "score"
+    """`score`: the judge writes a score (`score_pattern`), reward = score / max_score,
+    clipped to [0, 1]. `yes_no`: reward = P(yes) / (P(yes) + P(no)) of the judge's first
+    token, from its logprobs; no text is generated."""
+    template: str | None = None
+    """The rubric, naming `{prompt}`, `{response}`, `{reference}` and `{max_score}` in
+    braces (a literal brace is doubled); a default for each mode when unset."""
+    max_score: float = Field(10.0, gt=0)
+    """`score`: the top of the judge's scale."""
+    score_pattern: str = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
+    """`score`: a regular expression whose first group is the score; its last match counts."""
+    yes: str = "Yes"
+    """`yes_no`: the answer meaning correct (one token of the judge's vocabulary)."""
+    no: str = "No"
+    """`yes_no`: the answer meaning wrong (one token)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """`score`: longest reply."""
+    max_concurrency: int = Field(16, ge=1)
+    """Requests to the judge at once; a batch's items beyond it wait their turn."""
+    timeout_seconds: float = Field(60.0, gt=0)
+    """Limit of one request to the judge (the item's own limit and the call's deadline
+    still apply)."""
+
+    @model_validator(mode="after")
+    def _one_server(self) -> JudgeConfig:
+        import re
+        import string
+
+        if (self.rollout_server is None) == (self.base_url is None):
+            raise ValueError("set exactly one of judge.rollout_server and judge.base_url")
+        if self.rollout_server is not None and self.tokenizer is None:
+            raise ValueError(
+                "judge.rollout_server needs judge.tokenizer: the judge model's folder, "
+                "whose tokenizer turns the rubric into token ids"
+            )
+        if self.template is not None:
+            try:
+                named = {f for _, f, _, _ in string.Formatter().parse(self.template) if f}
+            except ValueError as error:
+                raise ValueError(f"judge.template: {error} (double a literal brace)") from None
+            unknown = sorted(named - set(JUDGE_FIELDS))
+            if unknown:
+                raise ValueError(
+                    f"judge.template names {unknown}; it may name {list(JUDGE_FIELDS)}"
+                )
+        try:
+            if re.compile(self.score_pattern).groups < 1:
+                raise ValueError("judge.score_pattern needs a group around the score")
+        except re.error as error:
+            raise ValueError(f"judge.score_pattern: {error}") from None
+        return self
+
+    def rubric(self) -> str:
+        """The template in use."""
+        if self.template is not None:
+            return self.template
+        return DEFAULT_SCORE_TEMPLATE if self.mode == "score" else DEFAULT_YES_NO_TEMPLATE
+
+
+class RewardModelConfig(StrictModel):
+    """The `reward_model` domain: a Hugging Face sequence-classification model scoring
+    (prompt, response) inside the reward-server (needs torch and transformers)."""
+
+    model_path: Path
+    """Local model folder (`AutoModelForSequenceClassification`) with its tokenizer."""
+    output: Literal["logit", "sigmoid", "softmax"] = "logit"
+    """Reward from the head: its `label` output as is, through a sigmoid, or the softmax
+    probability of `label` (a classifier's "good" class)."""
+    label: int = Field(0, ge=0)
+    """Which output of the head."""
+    chat: bool = True
+    """Render prompt and response as a user and an assistant turn with the tokenizer's chat
+    template (when it has one); False joins the two texts."""
+    max_length: int = Field(1024, ge=8)
+    """Tokens per item; longer ones keep their end (the response)."""
+    batch_size: int = Field(8, ge=1)
+    """Items per forward pass."""
+    device: str = "cpu"
+    """torch device, e.g. `cpu` or `cuda:0`."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision the model runs in."""
+    threads: int = Field(1, ge=1)
+    """CPU threads torch may use for it."""
+
+
 class RewardServerConfig(StrictModel):
     """The reward-server: scores responses by domain."""
 
@@ -94,6 +210,10 @@ class RewardServerConfig(StrictModel):
     `rollwire.reward.scorers.ScoreInput` and returning a `Score`."""
     sandbox: SandboxConfig = SandboxConfig()
     """The sandbox of the `code` domain."""
+    judge: JudgeConfig | None = None
+    """The `judge` domain's model and rubric; the domain exists only when set."""
+    reward_model: RewardModelConfig | None = None
+    """The `reward_model` domain's model; the domain exists only when set."""
 
 
 class RolloutServerConfig(StrictModel):
