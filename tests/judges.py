@@ -38,7 +38,7 @@ def train_judge(
     rows = []
     for rubric, reply in examples:
         prompt = tokenizer(rubric, add_special_tokens=False).input_ids
-        target = tokenizer(reply, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        target = [*tokenizer(reply, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
         rows.append((prompt + target, [-100] * len(prompt) + target))
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id
