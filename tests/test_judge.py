@@ -336,3 +336,78 @@ async def test_the_reward_server_routes_judge_and_reward_model_items_in_one_call
     assert results["a"].reward == pytest.approx(0.9) and results["d"].reward == pytest.approx(0.1)
     assert results["c"].reward == pytest.approx(expected_rm.reward, abs=1e-6)
     assert results["b"].reward == 1.0
+
+
+# ---------------------------------------------------------------- a run
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_a_judge_and_a_reward_model_score_a_runs_trajectories(tmp_path, spawn) -> None:
+    """`rollwire train` on a mixture of two file datasets, one scored by the trained judge
+    (served by its own rollout-server), one by the tiny reward model."""
+    from conftest import ROLLWIRE
+    from test_sft import rollwire
+
+    from rollwire.services.buffer.durable_log import DurableLog
+    from rollwire.services.core.wire import decode_trajectory
+
+    judge = train_judge(tmp_path / "judge", judge_examples(PAIRS))
+    reward_model = tiny_reward_model(tmp_path / "rm")
+    rows = "".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in PAIRS)
+    (tmp_path / "judged.jsonl").write_text(rows)
+    (tmp_path / "ranked.jsonl").write_text(rows)
+    ready = tmp_path / "judge.ready"
+    server = spawn(
+        [
+            *ROLLWIRE,
+            "rollout-server",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+            "--set",
+            f"rollout_server.model_path={judge}",
+        ]
+    )
+    address = server.wait_for_file(ready, timeout=120)
+    run = tmp_path / "run"
+    parts = ", ".join(
+        f"{{dataset: {{type: file, path: {tmp_path / name}, domain: {domain}}}}}"
+        for name, domain in (("judged.jsonl", "judge"), ("ranked.jsonl", "reward_model"))
+    )
+    rollwire(
+        tmp_path,
+        "train",
+        f"run.output_dir={run}",
+        "rl.max_steps=2",
+        "warmup.steps=0",
+        "orchestrator.eval_dataset=null",
+        "orchestrator.prompt_template='{question}='",
+        f"orchestrator.dataset={{type: mixture, parts: [{parts}]}}",
+        f"reward_server.judge={{rollout_server: '{address}', tokenizer: {judge}, "
+        f"template: '{JUDGE_TEMPLATE}', max_new_tokens: 12}}",
+        f"reward_server.reward_model={{model_path: {reward_model}}}",
+        timeout=500,
+    )
+    with DurableLog(run / "buffer", sync="never") as log:
+        trajectories = [
+            decode_trajectory(record[1:]) for _, record in log.replay() if record[:1] == b"T"
+        ]
+    by_domain = {
+        domain: [t for t in trajectories if t.domain == domain]
+        for domain in ("judge", "reward_model")
+    }
+    print({domain: len(group) for domain, group in by_domain.items()})
+    assert by_domain["judge"] and by_domain["reward_model"], [t.domain for t in trajectories]
+    # A judged trajectory's reward is the judge's score; a reply without one (measured: 1
+    # of 304, the judge wrote "9" alone) is an error with reward 0, never a made-up score.
+    judged = [t for t in by_domain["judge"] if "judge_score" in t.reward_components]
+    print("judge scores:", sorted({t.reward_components["judge_score"] for t in judged}))
+    assert len(judged) >= 0.9 * len(by_domain["judge"])
+    for t in by_domain["judge"]:
+        expected = t.reward_components["judge_score"] / 10 if t in judged else 0.0
+        assert t.reward == pytest.approx(expected), t
+    for t in by_domain["reward_model"]:
+        assert t.reward == pytest.approx(t.reward_components["logit"]), t
+    assert len({t.reward for t in by_domain["reward_model"]}) > 1  # a real model, not a constant

@@ -59,6 +59,12 @@ from rollwire.services.core.watchdog import Watchdog
 from rollwire.services.core.wire import Trajectory
 
 log = logging.getLogger(__name__)
+
+
+class GroupsKeepFailing(RuntimeError):
+    """Every recent group failed: the run stops rather than retry prompts forever."""
+
+
 SESSION_CLOSE_SECONDS = 10.0
 """How long a stopping orchestrator waits for its cancelled episodes to close their sessions."""
 
@@ -78,6 +84,8 @@ class Orchestrator:
         self.resumed_gaps = 0
         self.completed = 0
         self.failed = 0
+        self.failed_in_a_row = 0
+        """Groups given up since the last one that finished."""
         self.filtered = 0
         self.dynamic_sampling = DynamicSampling(
             self.settings.filter_uniform_groups, self.settings.max_replacements_per_step
@@ -126,6 +134,7 @@ class Orchestrator:
                 extra={"excluded": dataset.excluded, "kept": len(dataset)},
             )
         self.held_out_excluded = dataset.excluded
+        self.check_prompts(dataset, "orchestrator.dataset")
         again, start = await self.resume_point(dataset)
         prompts = PromptQueue(again, cycle(dataset, start))
         evaluation = self.held_out_evaluation()
@@ -164,6 +173,18 @@ class Orchestrator:
         if self.agentic:
             await self.start_episodes()
 
+    def check_prompts(self, tasks: Sequence[Task], what: str, first: int = 64) -> None:
+        """Renders the prompt of the first tasks (each part of a mixture among them), so a
+        template naming a field the data lacks stops the run here, not group by group."""
+        for index in range(min(first, len(tasks))):
+            try:
+                task_at(tasks, index).prompt(self.settings.prompt_template)
+            except ValueError as error:
+                raise ValueError(
+                    f"{what}: {error}; set orchestrator.prompt_template (a file dataset's "
+                    "prompt is `{question}`)"
+                ) from None
+
     async def resume_point(self, tasks: Sequence[Task]) -> tuple[list[Task], int]:
         """Where a (re)started orchestrator begins: the prompts the buffer's ledger shows
         unfinished and not held (a group lost with the previous orchestrator, or only
@@ -186,6 +207,7 @@ class Orchestrator:
     def held_out_evaluation(self) -> Evaluation:
         """The evaluation of this run (of no tasks when `eval_dataset` is unset)."""
         tasks = load_tasks(self.settings.eval_dataset) if self.settings.eval_dataset else []
+        self.check_prompts(tasks, "orchestrator.eval_dataset")
         return Evaluation(
             tasks,
             self.greedy_reward,
@@ -240,6 +262,7 @@ class Orchestrator:
                 self.launched -= 1  # dropped by dynamic sampling: another prompt replaces it
             else:
                 self.completed += 1
+                self.failed_in_a_row = 0
 
     async def _group_failed(self, task: Task, error: BaseException, prompts: PromptQueue) -> None:
         """A group that failed is run again (first, before new prompts) up to
@@ -256,6 +279,13 @@ class Orchestrator:
             await self.producer.drop(task.ordinal, task.task_id, "failed")
         except BufferError as lost:  # the ledger keeps it a gap: a restart runs it again
             log.error("could not tell the buffer: %s", lost)
+        self.failed_in_a_row += 1
+        limit = self.settings.max_failed_groups_in_a_row
+        if limit and self.failed_in_a_row >= limit:
+            raise GroupsKeepFailing(
+                f"{self.failed_in_a_row} groups in a row were given up and none finished "
+                f"(orchestrator.max_failed_groups_in_a_row); the last one's error: {error}"
+            )
 
     # ------------------------------------------------------------ one group
 
@@ -553,6 +583,6 @@ def run_orchestrator(config: RunConfig) -> int:
 
     try:
         return asyncio.run(main())
-    except (OSError, ValueError, TimeoutError, grpc.aio.AioRpcError) as error:
+    except (OSError, ValueError, TimeoutError, GroupsKeepFailing, grpc.aio.AioRpcError) as error:
         log.error("orchestrator stopped: %s", describe_error(error))
         return 1

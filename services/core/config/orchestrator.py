@@ -178,6 +178,10 @@ class OrchestratorConfig(StrictModel):
     request_attempts: int = Field(5, ge=1)
     """Tries of a Generate or Score call that found its server unavailable, 0.25 s apart and
     doubling (about 4 s in all with 5), before its group is given up (counted, relaunched)."""
+    max_failed_groups_in_a_row: int = Field(32, ge=0)
+    """Groups given up one after another, none finishing between them, before the
+    orchestrator stops the run with the last error (a fault every prompt meets, not bad
+    luck); 0 never stops."""
     agent: AgentConfig = AgentConfig()
     """Multi-turn episodes, for an `env` dataset."""
     filter_uniform_groups: bool = False
