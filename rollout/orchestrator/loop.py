@@ -52,7 +52,7 @@ from rollwire.rollout.orchestrator.teacher import Teacher
 from rollwire.services.buffer.client import BufferError, BufferProducer
 from rollwire.services.buffer.protocol import PutAnswer
 from rollwire.services.core.client import describe_error
-from rollwire.services.core.config import EnvDataset, RunConfig
+from rollwire.services.core.config import EnvDataset, RunConfig, scored_domains
 from rollwire.services.core.datasets import Task, cycle, load_tasks, task_at, training_tasks
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.watchdog import Watchdog
@@ -135,6 +135,9 @@ class Orchestrator:
             )
         self.held_out_excluded = dataset.excluded
         self.check_prompts(dataset, "orchestrator.dataset")
+        self.servers.check_domains(
+            scored_domains(self.settings.dataset) | scored_domains(self.settings.eval_dataset)
+        )
         again, start = await self.resume_point(dataset)
         prompts = PromptQueue(again, cycle(dataset, start))
         evaluation = self.held_out_evaluation()

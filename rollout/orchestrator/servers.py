@@ -1,18 +1,32 @@
 """The rollout- and reward-servers, as the orchestrator calls them.
 
-Calls go round-robin over the servers of each kind. A call that finds its
-server unavailable (restarting) or past its deadline is tried again,
-`orchestrator.request_attempts` times in all, 0.25 s apart and doubling;
-each retry is counted in `orchestrator_retries{call}`.
+Generate calls go round-robin over the rollout-servers. A Score call goes to a
+reward-server that serves the items' domain (each one's `ListScorers`, asked at
+connect), the one with the fewest items in flight for its size. A call that finds
+its server unavailable (restarting) or past its deadline is tried again,
+`orchestrator.request_attempts` times in all, 0.25 s apart and doubling; each retry
+is counted in `orchestrator_retries{call}`. A reward-server that failed so is passed
+over for `REWARD_SERVER_PAUSE_SECONDS` while another serves the domain, so a lost
+server's items are scored by the others.
+
+A Score call's deadline grows with its batch: the server scores `parallel_items` at
+once, each within its item limit, so `ceil(items / parallel_items) x item limit`, plus
+a margin, leaves every item its own limit (the server cuts late items at the
+deadline with their error flag, never the whole call).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
+import math
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import grpc
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from rollwire.services.core.client import open_channel, wait_for_serving
@@ -26,6 +40,32 @@ T = TypeVar("T")
 
 # A server that is restarting (unavailable) or swamped (past the deadline) is tried again.
 _SERVER_BUSY = grpc_codes("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+REWARD_SERVER_PAUSE_SECONDS = 10.0
+"""How long a reward-server that was unavailable or late is passed over, while another
+serves the domain."""
+SCORE_DEADLINE_MARGIN_SECONDS = 5.0
+"""Added to a Score call's deadline beyond its items' limits: transport and queueing."""
+
+
+class NoScorer(ValueError):
+    """No reward-server serves a domain the run scores."""
+
+
+@dataclass(eq=False)
+class RewardServer:
+    """One reward-server: its stub and what its ListScorers said."""
+
+    address: str
+    stub: reward_pb2_grpc.RewardServiceStub
+    domains: frozenset[str] = frozenset()
+    parallel_items: int = 1
+    item_timeout_seconds: float = 10.0
+    in_flight: int = 0
+    """Items sent and not yet answered."""
+    passed_over_until: float = 0.0
+    """Event-loop time until which it is not chosen while another serves the domain."""
 
 
 def server_retries(config: RunConfig) -> RetryPolicy:
@@ -70,9 +110,11 @@ class Servers:
         self.rollout_channels = [open_channel(a, config.client) for a in endpoints.rollout_servers]
         self.reward_channels = [open_channel(a, config.client) for a in endpoints.reward_servers]
         self.rollout = [rollout_pb2_grpc.RolloutServiceStub(c) for c in self.rollout_channels]
-        self.reward = [reward_pb2_grpc.RewardServiceStub(c) for c in self.reward_channels]
+        self.reward = [
+            RewardServer(address, reward_pb2_grpc.RewardServiceStub(channel))
+            for address, channel in zip(endpoints.reward_servers, self.reward_channels, strict=True)
+        ]
         self._next_rollout = itertools.cycle(range(len(self.rollout)))
-        self._next_reward = itertools.cycle(range(len(self.reward)))
 
     async def wait_until_serving(self) -> None:
         """Returns once every server reports SERVING (or raises past the connect timeout)."""
@@ -82,6 +124,34 @@ class Servers:
             await wait_for_serving(
                 channel, timeout=self.config.client.connect_timeout_seconds, target=address
             )
+        for server in self.reward:
+            listed = await self._call(
+                lambda server=server: server.stub.ListScorers(reward_pb2.ListScorersRequest()),
+                "list scorers",
+            )
+            server.domains = frozenset(scorer.domain for scorer in listed.scorers)
+            server.parallel_items = max(1, listed.parallel_items)  # 0: a server before it said
+            server.item_timeout_seconds = listed.item_timeout_seconds or 10.0
+
+    def check_domains(self, domains: Iterable[str]) -> None:
+        """Raises NoScorer naming each domain no reward-server serves, and what they do."""
+        served = set().union(*(server.domains for server in self.reward))
+        missing = sorted(set(domains) - served)
+        if missing:
+            raise NoScorer(
+                f"no reward-server scores domain(s) {missing}; "
+                + "; ".join(f"{s.address} scores {sorted(s.domains)}" for s in self.reward)
+            )
+
+    def _reward_server_for(self, domain: str) -> RewardServer:
+        """The least loaded reward-server of `domain`, passing over one that just failed
+        while another serves it."""
+        serving = [server for server in self.reward if domain in server.domains]
+        if not serving:
+            self.check_domains([domain])
+        now = asyncio.get_running_loop().time()
+        healthy = [server for server in serving if server.passed_over_until <= now] or serving
+        return min(healthy, key=lambda server: server.in_flight / server.parallel_items)
 
     async def generate(
         self, prompt_ids: list[int], max_new_tokens: int, temperature: float
@@ -162,8 +232,28 @@ class Servers:
             )
             for i, text in enumerate(responses)
         ]
-        stub = self.reward[next(self._next_reward)]
-        reply = await self._call(lambda: stub.Score(reward_pb2.ScoreRequest(items=items)), "score")
+        request = reward_pb2.ScoreRequest(items=items)
+
+        async def attempt() -> reward_pb2.ScoreResponse:
+            server = self._reward_server_for(task.domain)
+            rounds = math.ceil(len(items) / server.parallel_items)
+            deadline = max(
+                self.config.client.default_timeout_seconds,
+                rounds * server.item_timeout_seconds + SCORE_DEADLINE_MARGIN_SECONDS,
+            )
+            server.in_flight += len(items)
+            try:
+                return await server.stub.Score(request, timeout=deadline)
+            except grpc.aio.AioRpcError as error:
+                if _SERVER_BUSY(error):
+                    loop = asyncio.get_running_loop()
+                    server.passed_over_until = loop.time() + REWARD_SERVER_PAUSE_SECONDS
+                    COUNTERS.inc("orchestrator_reward_server_failures", server=server.address)
+                raise
+            finally:
+                server.in_flight -= len(items)
+
+        reply = await self._call(attempt, "score")
         return sorted(reply.results, key=lambda r: int(r.item_id))
 
     async def score_episode(

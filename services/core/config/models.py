@@ -31,6 +31,7 @@ from rollwire.services.core.config.orchestrator import (
     OrchestratorConfig,
     ReasoningGymDataset,
     SingleDataset,
+    scored_domains,
     share_key,
 )
 from rollwire.services.core.config.pipelines import DistillConfig, DPOConfig, SFTConfig
@@ -99,6 +100,7 @@ __all__ = [
     "TrainerConfig",
     "WarmupConfig",
     "check_curve_key",
+    "scored_domains",
     "share_key",
 ]
 

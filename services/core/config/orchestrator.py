@@ -108,6 +108,16 @@ def share_key(dataset: ReasoningGymDataset | FileDataset, by: str) -> str:
     return dataset.name if isinstance(dataset, ReasoningGymDataset) else dataset.path.name
 
 
+def scored_domains(dataset: Any) -> set[str]:
+    """The reward domains a dataset's responses are scored in (an env's come from its
+    server, so none here)."""
+    if isinstance(dataset, MixtureDataset):
+        return set().union(*(scored_domains(part.dataset) for part in dataset.parts))
+    if isinstance(dataset, ReasoningGymDataset | FileDataset):
+        return {dataset.domain}
+    return set()
+
+
 DatasetConfig = Annotated[
     Annotated[ReasoningGymDataset, Tag("reasoning_gym")]
     | Annotated[FileDataset, Tag("file")]
