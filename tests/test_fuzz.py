@@ -229,7 +229,7 @@ async def test_reward_server_decoders(start_service) -> None:
             start_service, registrations, reward_pb2, "RewardService", valid
         )
     finally:
-        registrations[0].servicer.close()
+        await registrations[0].servicer.close()
     assert "Score" in outcomes
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import signal
 import socket
@@ -116,17 +117,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    """A vLLM OpenAI server on the default tiny model (256 tokens of context), with rollwire's
-    worker extension and the dev routes; killed by its process group at the end."""
-    if not HAS_VLLM:
-        pytest.skip("vLLM is not installed here")
-    from rollwire.services.core.tiny import ensure_tiny_model
-
-    path = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+def start_vllm(path, log, *, tokenizer: bool = False):
+    """A vLLM OpenAI server on the model at `path`, logging to `log`, with rollwire's worker
+    extension and the dev routes; without its tokenizer (token ids only) unless `tokenizer`.
+    Returns (process, base URL) once it answers."""
     port = free_port()
-    log = tmp_path_factory.mktemp("logs") / "vllm-server.log"
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -143,7 +138,7 @@ def vllm_server(tmp_path_factory):
                 "--model", str(path),
                 "--host", "127.0.0.1",
                 "--port", str(port),
-                "--skip-tokenizer-init",
+                *([] if tokenizer else ["--skip-tokenizer-init"]),
                 "--dtype", "float32",
                 "--enforce-eager",
                 "--logprobs-mode", "processed_logprobs",
@@ -155,18 +150,32 @@ def vllm_server(tmp_path_factory):
             start_new_session=True,
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/models", timeout=2).read()
+            return process, base
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                stop_group(process)
+                raise AssertionError(
+                    f"vLLM server did not come up:\n{log.read_text()[-3000:]}"
+                ) from None
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """A vLLM OpenAI server on the default tiny model (256 tokens of context), token ids
+    only; killed by its process group at the end."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed here")
+    from rollwire.services.core.tiny import ensure_tiny_model
+
+    path = ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    log = tmp_path_factory.mktemp("logs") / "vllm-server.log"
+    process, base = start_vllm(path, log)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/models", timeout=2).read()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"vLLM server did not come up:\n{log.read_text()[-3000:]}"
-                    ) from None
-                time.sleep(0.5)
         yield base, path
     finally:
         stop_group(process)
@@ -232,7 +241,8 @@ async def test_generation_updates_and_interruptions_against_vllm(vllm_server) ->
             await asyncio.sleep(0.005)
         assert engine.abort(["long"]) == 1
         aborted = await asyncio.wait_for(long, 60)
-        assert aborted.finish_reason == "abort" and 3 <= len(aborted.token_ids) < 240
+        # (an abort that lands as the stream ends still says so, with all 240 tokens)
+        assert aborted.finish_reason == "abort" and 3 <= len(aborted.token_ids) <= 240
 
         # An update mid-generation interrupts: tokens so far kept, the rest on the new version.
         # On a fast machine the stream can finish before the pause lands; that outcome is
@@ -305,3 +315,55 @@ def test_distill_generate_from_an_openai_compatible_teacher(vllm_server, tmp_pat
     refused = generate("distill.top_k=4")
     assert refused.returncode == 1
     assert "distill.top_k needs a teacher engine that scores given tokens" in refused.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not HAS_VLLM,
+    reason="vLLM is not installed here; tests/test_vllm_suite.py runs this in .venv-vllm",
+)
+async def test_a_yes_no_judge_on_vllm_reads_the_models_own_probabilities(tmp_path) -> None:
+    """The `judge` domain against a real OpenAI-compatible server (text in, the first
+    token's 20 most likely alternatives out): P(yes) / (P(yes) + P(no)) equals the model's."""
+    from transformers import AutoTokenizer
+
+    from rollwire.reward.judge import Judge
+    from rollwire.reward.scorers import ScoreInput
+    from rollwire.services.core.config import JudgeConfig
+    from rollwire.services.core.tiny import ensure_tiny_model
+
+    path = ensure_tiny_model(tmp_path / "tiny")
+    process, base = start_vllm(path, tmp_path / "vllm.log", tokenizer=True)
+    try:
+        model, tokenizer = hf_model(path), AutoTokenizer.from_pretrained(path)
+        rubric = "2+2|4|4|"
+        ids = tokenizer(rubric, add_special_tokens=False).input_ids
+        with torch.no_grad():
+            logprobs = model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+        top = [tokenizer.convert_ids_to_tokens(i) for i in logprobs.topk(20).indices.tolist()]
+        letters = [t for t in top if t is not None and len(t) == 1 and t.isalpha()]
+        yes, no = letters[0], next(t for t in letters if t.lower() != letters[0].lower())
+
+        def folded(word: str) -> float:  # what the judge adds up: case and spacing aside
+            return sum(
+                math.exp(logprobs[tokenizer.convert_tokens_to_ids(t)].item())
+                for t in top
+                if t is not None and t.strip().lower() == word.lower()
+            )
+
+        judge = Judge(
+            JudgeConfig(
+                base_url=base,
+                mode="yes_no",
+                chat=False,
+                yes=yes,
+                no=no,
+                template="{prompt}|{reference}|{response}|",
+            )
+        )
+        (score,) = await judge.score([ScoreInput(prompt="2+2", reference="4", response="4")], 60)
+        await judge.close()
+        assert score.reward == pytest.approx(folded(yes) / (folded(yes) + folded(no)), abs=1e-3)
+    finally:
+        stop_group(process)

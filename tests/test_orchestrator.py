@@ -26,7 +26,7 @@ def orchestrator(tmp_path, **settings) -> Orchestrator:
     return Orchestrator(config, build_tokenizer())
 
 
-def test_a_template_one_part_of_a_mixture_cannot_fill_is_refused_before_any_group(
+async def test_a_template_one_part_of_a_mixture_cannot_fill_is_refused_before_any_group(
     tmp_path,
 ) -> None:
     data = tmp_path / "sums.jsonl"

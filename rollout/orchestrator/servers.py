@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import logging
 import math
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -37,6 +38,7 @@ from rollwire.services.core.retry import RetryPolicy, call_with_retries, grpc_co
 from rollwire.services.core.structs import to_struct
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # A server that is restarting (unavailable) or swamped (past the deadline) is tried again.
 _SERVER_BUSY = grpc_codes("UNAVAILABLE", "DEADLINE_EXCEEDED")
@@ -62,6 +64,8 @@ class RewardServer:
     domains: frozenset[str] = frozenset()
     parallel_items: int = 1
     item_timeout_seconds: float = 10.0
+    discovered: bool = False
+    """Whether its ListScorers has answered."""
     in_flight: int = 0
     """Items sent and not yet answered."""
     passed_over_until: float = 0.0
@@ -115,6 +119,7 @@ class Servers:
             for address, channel in zip(endpoints.reward_servers, self.reward_channels, strict=True)
         ]
         self._next_rollout = itertools.cycle(range(len(self.rollout)))
+        self._discovery = asyncio.Lock()
 
     async def wait_until_serving(self) -> None:
         """Returns once every server reports SERVING (or raises past the connect timeout)."""
@@ -124,14 +129,32 @@ class Servers:
             await wait_for_serving(
                 channel, timeout=self.config.client.connect_timeout_seconds, target=address
             )
-        for server in self.reward:
-            listed = await self._call(
-                lambda server=server: server.stub.ListScorers(reward_pb2.ListScorersRequest()),
-                "list scorers",
-            )
-            server.domains = frozenset(scorer.domain for scorer in listed.scorers)
-            server.parallel_items = max(1, listed.parallel_items)  # 0: a server before it said
-            server.item_timeout_seconds = listed.item_timeout_seconds or 10.0
+        await self.discover_scorers()
+
+    async def discover_scorers(self) -> None:
+        """Asks each reward-server (until it answers) which domains it scores, how many
+        items at once and under which item limit; one that does not answer is asked again
+        at the next call."""
+        async with self._discovery:
+            for server in self.reward:
+                if server.discovered:
+                    continue
+                try:
+                    listed = await server.stub.ListScorers(
+                        reward_pb2.ListScorersRequest(),
+                        timeout=self.config.client.default_timeout_seconds,
+                    )
+                except grpc.aio.AioRpcError as error:
+                    log.warning(
+                        "reward-server %s did not say what it scores: %s",
+                        server.address,
+                        error.code().name,
+                    )
+                    continue
+                server.domains = frozenset(scorer.domain for scorer in listed.scorers)
+                server.parallel_items = max(1, listed.parallel_items)  # 0: an older server
+                server.item_timeout_seconds = listed.item_timeout_seconds or 10.0
+                server.discovered = True
 
     def check_domains(self, domains: Iterable[str]) -> None:
         """Raises NoScorer naming each domain no reward-server serves, and what they do."""
@@ -140,7 +163,12 @@ class Servers:
         if missing:
             raise NoScorer(
                 f"no reward-server scores domain(s) {missing}; "
-                + "; ".join(f"{s.address} scores {sorted(s.domains)}" for s in self.reward)
+                + "; ".join(
+                    f"{s.address} scores {sorted(s.domains)}"
+                    if s.discovered
+                    else f"{s.address} has not answered ListScorers"
+                    for s in self.reward
+                )
             )
 
     def _reward_server_for(self, domain: str) -> RewardServer:
@@ -235,6 +263,7 @@ class Servers:
         request = reward_pb2.ScoreRequest(items=items)
 
         async def attempt() -> reward_pb2.ScoreResponse:
+            await self.discover_scorers()
             server = self._reward_server_for(task.domain)
             rounds = math.ceil(len(items) / server.parallel_items)
             deadline = max(
