@@ -58,7 +58,13 @@ class JudgeTokenizer:
     for ids and `tokenizer_config.json` (or `chat_template.jinja`) for the chat template."""
 
     def __init__(self, folder: Path) -> None:
-        from tokenizers import Tokenizer
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise RuntimeError(
+                "a judge on a rollout-server reads its tokenizer with the tokenizers package "
+                "and jinja2: pip install 'rollwire[judge]'"
+            ) from None
 
         path = Path(folder) / "tokenizer.json"
         if not path.exists():
