@@ -43,7 +43,7 @@ from rollwire.envs.base import StepResult
 from rollwire.envs.host import EnvCallError, SessionHost
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
 from rollwire.services.core.config import EnvServerConfig
-from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.metrics import COUNTERS, GAUGES
 from rollwire.services.core.server import Registration
 from rollwire.services.core.structs import from_struct
 
@@ -86,6 +86,9 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         self.host = host if host is not None else SessionHost(config, clock=clock)
         self._streams: set[_MultiplexStream] = set()
         self._stopping = False
+        GAUGES.register(
+            "env_open_sessions", lambda: self.host.session_count, "sessions open on this server"
+        )
 
     @property
     def session_count(self) -> int:

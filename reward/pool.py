@@ -139,6 +139,10 @@ class ScoringPool:
         assert self._idle is not None
         self._idle.put_nowait(worker)
 
+    def idle_workers(self) -> int:
+        """Workers started, ready and not scoring."""
+        return 0 if self._idle is None else self._idle.qsize()
+
     def _queue(self) -> asyncio.Queue[_Worker]:
         if self._idle is None:
             self._idle = asyncio.Queue()

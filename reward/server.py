@@ -23,7 +23,7 @@ from rollwire.reward.pool import MAX_ERROR_CHARS, ScorerFailed, ScoringPool
 from rollwire.reward.scorers import Score, ScoreInput
 from rollwire.reward.table import scorer_table
 from rollwire.services.core.config import RewardServerConfig, SandboxConfig
-from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.metrics import COUNTERS, GAUGES
 from rollwire.services.core.sandbox import SandboxUnavailable
 from rollwire.services.core.server import Registration, reject
 from rollwire.services.core.structs import from_struct
@@ -65,6 +65,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             from rollwire.reward.reward_model import RewardModel
 
             self._batched["reward_model"] = RewardModel(config.reward_model)
+        GAUGES.register(
+            "reward_idle_workers", self._pool.idle_workers, "scorer workers free to take an item"
+        )
         log.info(
             "scorers: %s",
             ", ".join(f"{domain} -> {name}" for domain, name, _ in self.domains()),

@@ -27,7 +27,7 @@ from rollwire.rollout.server.weights import (
     WeightStreamError,
 )
 from rollwire.services.core.config import RolloutServerConfig
-from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.metrics import COUNTERS, GAUGES
 from rollwire.services.core.server import Registration, reject
 from rollwire.services.core.tokenizer import tokenizer_digest
 from rollwire.services.core.watchdog import Watchdog
@@ -70,6 +70,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._has_weights = asyncio.Event()
         if not await_weights:
             self._has_weights.set()
+        for name, read, help in (
+            ("rollout_policy_version", lambda: engine.version, "the weights' version served"),
+            ("rollout_running_requests", lambda: engine.running, "requests generating now"),
+            ("rollout_waiting_requests", lambda: engine.waiting, "requests queued"),
+            ("rollout_generated_tokens", lambda: engine.generated_tokens, "tokens generated"),
+        ):
+            GAUGES.register(name, read, help)
 
     async def _wait_for_weights(self, context: grpc.aio.ServicerContext) -> None:
         """Holds a request until the trainer's weights arrive, within its deadline."""

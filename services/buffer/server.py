@@ -60,7 +60,12 @@ from rollwire.services.buffer.protocol import (
 from rollwire.services.buffer.state import BufferState
 from rollwire.services.buffer.trajectory_log import TrajectoryLog
 from rollwire.services.core.curve import DENIED_COUNTER, ZapHandler, secure_server, server_keys
-from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.metrics import (
+    COUNTERS,
+    GAUGES,
+    MetricsEndpoint,
+    metrics_ready_file,
+)
 from rollwire.services.core.wire import Trajectory, WireError, decode_trajectory, encode
 
 if TYPE_CHECKING:
@@ -428,10 +433,28 @@ def run_buffer(config: Any) -> int:
         return 1
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())
+    metrics = None
+    if section.metrics_port is not None:
+        GAUGES.register(
+            "buffer",
+            lambda: {
+                field: float(value)
+                for field, value in asdict(state.status()).items()
+                if isinstance(value, int | float)
+            },
+            "what the buffer holds and has done (BufferStatus)",
+            label="field",
+        )
+        ready = None if section.ready_file is None else Path(section.ready_file)
+        metrics = MetricsEndpoint(section.host, section.metrics_port, metrics_ready_file(ready))
     if section.ready_file is not None:
         write_atomically(Path(section.ready_file), json.dumps(server.endpoints) + "\n")
     log.info("serving", extra=server.endpoints)
-    server.serve()
+    try:
+        server.serve()
+    finally:
+        if metrics is not None:
+            metrics.close()
     if section.ready_file is not None and Path(section.ready_file).exists():
         Path(section.ready_file).unlink()
     log.info("stopped", extra={"status": asdict(state.status()), "counters": COUNTERS.snapshot()})

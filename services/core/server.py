@@ -26,7 +26,7 @@ from opentelemetry import trace
 from rollwire.services.core.config import ServerConfig
 from rollwire.services.core.files import write_atomically
 from rollwire.services.core.interceptors import ServerInterceptor
-from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.metrics import COUNTERS, MetricsEndpoint, metrics_ready_file
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class ServiceRuntime:
         self.health = HealthServicer()
         self.address: str | None = None
         self._service_names: list[str] = []
+        self.metrics: MetricsEndpoint | None = None
         self._stopped = asyncio.Event()
         self._token = config.auth.resolve_token()  # read once: it may come from a file
         interceptor = ServerInterceptor(
@@ -114,6 +115,17 @@ class ServiceRuntime:
             registration.add_to_server(registration.servicer, self.server)
             self._service_names.append(registration.service_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if self.config.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            reflection.enable_server_reflection(
+                [
+                    *self._service_names,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ],
+                self.server,
+            )
         bind = f"{self.config.host}:{self.config.port}"
         credentials = server_credentials(self.config)
         try:
@@ -129,6 +141,12 @@ class ServiceRuntime:
         self.address = f"{_connectable_host(self.config.host)}:{port}"
         for service_name in ["", *self._service_names]:
             await self.health.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port is not None:
+            self.metrics = MetricsEndpoint(
+                self.config.host,
+                self.config.metrics_port,
+                metrics_ready_file(self.config.ready_file),
+            )
         if self.config.ready_file is not None:
             write_atomically(self.config.ready_file, self.address + "\n")
         log.info(
@@ -154,6 +172,8 @@ class ServiceRuntime:
         ready = self.config.ready_file
         if ready is not None and ready.exists() and ready.read_text().strip() == self.address:
             ready.unlink()
+        if self.metrics is not None:
+            self.metrics.close()
         log.info("stopped", extra={"counters": COUNTERS.snapshot()})
 
     async def serve_until_signalled(

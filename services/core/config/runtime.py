@@ -177,6 +177,12 @@ class ServerConfig(StrictModel):
     """TLS settings; plaintext when absent (fine on loopback or inside a mesh)."""
     auth: AuthConfig = AuthConfig()
     """Bearer-token check on every call."""
+    reflection: bool = True
+    """Offer gRPC server reflection, so grpcurl, grpcui and Postman list and call the
+    services without the .proto files (a token, when set, is needed for it too)."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus metrics (counters and gauges) at `http://host:PORT/metrics`; 0
+    picks a free port (its URL is written to `<ready_file>.metrics`); unset: none."""
 
     @model_validator(mode="after")
     def _server_tls_needs_cert(self) -> ServerConfig:

@@ -280,6 +280,10 @@ class BufferConfig(StrictModel):
     """Port the trainer requests batches from; 0 picks a free one."""
     ready_file: Path | None = None
     """Once bound, the producer and trainer endpoints are written here as JSON."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus metrics at `http://host:PORT/metrics` (the buffer's status as
+    `rollwire_buffer{field=...}`, its counters); 0 picks a free port (its URL is written to
+    `<ready_file>.metrics`); unset: none."""
     durable: bool = True
     """Write every accepted trajectory to a log on disk before acknowledging it, and
     rebuild from that log on restart; False holds trajectories in memory only."""
