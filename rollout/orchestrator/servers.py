@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import grpc
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from rollwire.services.core.client import open_channel, wait_for_serving
+from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.datasets import Task
 from rollwire.services.core.metrics import COUNTERS
@@ -83,12 +83,19 @@ def server_retries(config: RunConfig) -> RetryPolicy:
 async def call_server(call: Callable[[], Awaitable[T]], retries: RetryPolicy, what: str) -> T:
     """`call()`, tried again while its server is unavailable or past the deadline, each
     retry counted in `orchestrator_retries{call=what}`."""
+
+    def retrying(error: BaseException, attempt: int) -> None:
+        COUNTERS.inc("orchestrator_retries", call=what)
+        log.warning(
+            "%s call failed (%s); trying again (attempt %d of %s)",
+            what,
+            describe_error(error)[:300],
+            attempt + 1,
+            retries.attempts,
+        )
+
     return await call_with_retries(
-        call,
-        retries,
-        what=what,
-        retryable=_SERVER_BUSY,
-        on_retry=lambda error, attempt: COUNTERS.inc("orchestrator_retries", call=what),
+        call, retries, what=what, retryable=_SERVER_BUSY, on_retry=retrying
     )
 
 

@@ -24,7 +24,8 @@ from rollwire.services.app.launcher import (
     start_servers,
     thread_budget,
 )
-from rollwire.services.core.config import MixtureDataset, RunConfig, write_resolved_config
+from rollwire.services.app.liveness import Liveness, Target
+from rollwire.services.core.config import RunConfig, scored_domains, write_resolved_config
 from rollwire.services.core.files import latest_checkpoint
 from rollwire.services.core.sandbox import INSTALL_HINT, bwrap_path
 
@@ -52,18 +53,11 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def _domains(dataset: object) -> set[str]:
-    if isinstance(dataset, MixtureDataset):
-        return set().union(*(_domains(part.dataset) for part in dataset.parts))
-    domain = getattr(dataset, "domain", None)
-    return {domain} if isinstance(domain, str) else set()
-
-
 def check_sandbox(config: RunConfig) -> None:
     """A run that scores code on its own reward-server needs the sandbox: refused before
     anything starts, with the fix, rather than every item failing later."""
     orchestrator = config.orchestrator
-    domains = _domains(orchestrator.dataset) | _domains(orchestrator.eval_dataset)
+    domains = scored_domains(orchestrator.dataset) | scored_domains(orchestrator.eval_dataset)
     if (
         "code" in domains
         and "code" not in config.reward_server.custom_scorers
@@ -168,6 +162,15 @@ def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
     bar = tqdm(total=total, desc="training", unit="step", dynamic_ncols=True)
     trainer = next(s for s in stack.services if s.name == "trainer")
     orchestrator = next(s for s in stack.services if s.name == "orchestrator")
+    liveness = Liveness(
+        lambda: [
+            Target(s.name, s.replica_of or s.name, s.address)
+            for s in stack.services
+            if s.address is not None and s.process.poll() is None
+        ],
+        say=bar.write,
+        client=config.client,
+    ).start()
     shown = 0
     try:
         while True:
@@ -192,6 +195,7 @@ def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
                 return
             time.sleep(0.5)
     finally:
+        liveness.stop()
         bar.close()
 
 
