@@ -82,3 +82,13 @@ async def test_groups_that_all_fail_stop_the_run_with_the_last_error(tmp_path) -
             await runner._group_failed(last, ValueError("no scorer"), prompts)
     finally:
         runner.producer.close()
+
+
+async def test_an_env_dataset_needs_no_prompt_template(tmp_path) -> None:
+    runner = orchestrator(
+        tmp_path, dataset={"type": "env", "env_id": "guess_the_number"}, eval_dataset=None
+    )
+    try:
+        runner.check_prompts(load_tasks(runner.settings.dataset), "orchestrator.dataset")
+    finally:
+        runner.producer.close()

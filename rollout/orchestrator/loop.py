@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc.aio
+from opentelemetry import propagate, trace
 
 from rollwire.rollout.orchestrator.agent import ChatTurns
 from rollwire.rollout.orchestrator.episode import (
@@ -59,6 +60,7 @@ from rollwire.services.core.watchdog import Watchdog
 from rollwire.services.core.wire import Trajectory
 
 log = logging.getLogger(__name__)
+_TRACER = trace.get_tracer("rollwire.orchestrator")
 
 
 class GroupsKeepFailing(RuntimeError):
@@ -179,6 +181,8 @@ class Orchestrator:
     def check_prompts(self, tasks: Sequence[Task], what: str, first: int = 64) -> None:
         """Renders the prompt of the first tasks (each part of a mixture among them), so a
         template naming a field the data lacks stops the run here, not group by group."""
+        if self.agentic:  # an env writes its own first observation
+            return
         for index in range(min(first, len(tasks))):
             try:
                 task_at(tasks, index).prompt(self.settings.prompt_template)
@@ -295,7 +299,18 @@ class Orchestrator:
     async def run_group(self, task: Task) -> bool:
         """Samples, scores and sends one group; False when it was filtered out."""
         what = f"ordinal {task.ordinal} ({task.task_id})"
-        with self.watchdog.watch("group", what, self.watch_seconds):
+        attributes = {
+            "rollwire.ordinal": task.ordinal,
+            "rollwire.task_id": task.task_id,
+            "rollwire.domain": task.domain,
+        }
+        # One trace per group: its generation, env and scoring calls, and the buffer's puts.
+        # The span comes first: the watchdog then names its trace, rather than making an
+        # unsampled one of its own that the group's spans would inherit.
+        with (
+            _TRACER.start_as_current_span("group", attributes=attributes),
+            self.watchdog.watch("group", what, self.watch_seconds),
+        ):
             if self.agentic:
                 trajectories = await self.play_env_group(task)
             else:
@@ -305,6 +320,10 @@ class Orchestrator:
                 await self.teacher.score(trajectories)
                 for trajectory in trajectories:
                     trajectory.timings["teacher"] = time.perf_counter() - started
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            for trajectory in trajectories:
+                trajectory.trace_context = dict(carrier)
             return await self.send_group(trajectories)
 
     async def sample_group(self, task: Task) -> list[Trajectory]:
@@ -549,10 +568,15 @@ def run_orchestrator(config: RunConfig) -> int:
 
     quiet_transformers()
 
-    from rollwire.services.core.telemetry import configure_logging, dump_tasks_on_signal
+    from rollwire.services.core.telemetry import (
+        configure_logging,
+        configure_tracing,
+        dump_tasks_on_signal,
+    )
     from rollwire.services.core.tiny import default_model_path
 
     configure_logging("orchestrator", config.telemetry.log_level, config.telemetry.log_format)
+    provider = configure_tracing("orchestrator", config.telemetry.trace_exporter)
     endpoints = config.endpoints
     agentic = isinstance(config.orchestrator.dataset, EnvDataset)
     if (
@@ -589,3 +613,6 @@ def run_orchestrator(config: RunConfig) -> int:
     except (OSError, ValueError, TimeoutError, GroupsKeepFailing, grpc.aio.AioRpcError) as error:
         log.error("orchestrator stopped: %s", describe_error(error))
         return 1
+    finally:
+        if provider is not None:
+            provider.shutdown()  # sends the spans still batched

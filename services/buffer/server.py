@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from opentelemetry import propagate, trace
 from zmq.utils.monitor import recv_monitor_message
 
 from rollwire.services.buffer import protocol
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from rollwire.services.core.config.models import CurveServerConfig
 
 log = logging.getLogger(__name__)
+_TRACER = trace.get_tracer("rollwire.buffer")
 
 _HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
@@ -298,7 +300,17 @@ class BufferServer:
         except WireError as error:
             COUNTERS.inc("buffer_bad_frames")
             return False, f"bad frame: {error}"
-        return self._accept(trajectory, frame)
+        if not trajectory.trace_context:
+            return self._accept(trajectory, frame)
+        # The put joins the trajectory's trace (its group's, begun by the orchestrator).
+        with _TRACER.start_as_current_span(
+            "buffer put",
+            context=propagate.extract(trajectory.trace_context),
+            attributes={"rollwire.trajectory_id": trajectory.trajectory_id},
+        ) as span:
+            accepted, reason = self._accept(trajectory, frame)
+            span.set_attribute("rollwire.outcome", reason)
+            return accepted, reason
 
     def _accept(self, trajectory: Trajectory, frame: bytes) -> tuple[bool, str]:
         """Logs, then holds, a trajectory the state would take; a log that cannot be
@@ -395,9 +407,10 @@ _TRAINER_REQUESTS: dict[
 def run_buffer(config: Any) -> int:
     """`rollwire buffer`: serve until SIGTERM/SIGINT; returns the exit code."""
     from rollwire.services.core.server import write_atomically
-    from rollwire.services.core.telemetry import configure_logging
+    from rollwire.services.core.telemetry import configure_logging, configure_tracing
 
     configure_logging("buffer", config.telemetry.log_level, config.telemetry.log_format)
+    provider = configure_tracing("buffer", config.telemetry.trace_exporter)
     section = config.buffer
     state = BufferState(
         group_size=config.rl.group_size,
@@ -455,6 +468,8 @@ def run_buffer(config: Any) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        if provider is not None:
+            provider.shutdown()  # sends the spans still batched
     if section.ready_file is not None and Path(section.ready_file).exists():
         Path(section.ready_file).unlink()
     log.info("stopped", extra={"status": asdict(state.status()), "counters": COUNTERS.snapshot()})

@@ -81,12 +81,23 @@ def configure_logging(service: str, level: str = "info", fmt: str = "json") -> N
     root.setLevel(level.upper())
 
 
+OTLP_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+"""The standard variables naming an OTLP collector; either turns OTLP export on."""
+
+
 def configure_tracing(service: str, exporter: str = "none") -> trace.TracerProvider | None:
     """Installs a tracer provider for this process when spans should be exported.
 
-    With `exporter="none"` nothing is installed: spans are not recorded, but
-    trace context is still propagated through calls so other services can join it.
+    `otlp` sends them over OTLP/gRPC to the collector the standard variables name
+    (`OTEL_EXPORTER_OTLP_ENDPOINT`, e.g. `http://collector:4317`); `none` with one of
+    those variables set means `otlp` too. With `none` and no variable nothing is
+    installed: spans are not recorded, but trace context is still propagated through
+    calls so other services can join it.
     """
+    import os
+
+    if exporter == "none" and any(os.environ.get(name) for name in OTLP_VARIABLES):
+        exporter = "otlp"
     if exporter == "none":
         return None
     from opentelemetry.sdk.resources import Resource
@@ -96,6 +107,10 @@ def configure_tracing(service: str, exporter: str = "none") -> trace.TracerProvi
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     if exporter == "console":
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+    elif exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     else:
         raise ValueError(f"unknown trace exporter {exporter!r}")
     trace.set_tracer_provider(provider)

@@ -215,8 +215,10 @@ class TelemetryConfig(StrictModel):
     """Least severe level written."""
     log_format: Literal["json", "text"] = "json"
     """`json`: one object per line with service, trace and span ids; `text` for people."""
-    trace_exporter: Literal["none", "console"] = "none"
-    """Where spans go. Trace context is propagated in call metadata either way."""
+    trace_exporter: Literal["none", "console", "otlp"] = "none"
+    """Where spans go: nowhere, stderr, or an OTLP collector over gRPC (the one
+    `OTEL_EXPORTER_OTLP_ENDPOINT` names; with that variable set, `none` means `otlp`).
+    Trace context is propagated in call metadata either way."""
     watchdog_seconds: float = Field(300.0, gt=0)
     """Work running longer than this (a group or episode, a generation request, an
     evaluation, the trainer's wait for a batch or its step) is logged as stuck with its
