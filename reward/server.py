@@ -2,8 +2,9 @@
 
 Items are scored in worker processes (`rollwire.reward.pool`), each under its
 own time limit; the `judge` and `reward_model` domains, when configured, score their
-items of a call together (`rollwire.reward.judge`, `rollwire.reward.reward_model`). A scorer that raises or runs out of time gives its item reward
-0 with `error` set and a counter; the call still succeeds. A malformed request
+items of a call together (`rollwire.reward.judge`, `rollwire.reward.reward_model`).
+A scorer that raises or runs out of time gives its item reward 0 with `error` set
+and a counter; the call still succeeds. A malformed request
 (no items, duplicate ids, unknown domain, too many items) is refused as a
 whole with a status that says what to fix.
 """
