@@ -114,6 +114,22 @@ async def test_a_servers_counters_and_gauges_are_scraped_from_its_metrics_endpoi
     )
     url = (tmp_path / "env.ready.metrics").read_text().strip()
     assert url == runtime.metrics.url and url.endswith("/metrics")
+
+    def resets(metrics: dict) -> float:
+        return sum(
+            value
+            for labels, value in metrics.get("rollwire_rpc_calls", [])
+            if labels["method"] == "/rollwire.v1.EnvService/Reset"
+        )
+
+    def not_found(metrics: dict) -> float:
+        return sum(
+            value
+            for labels, value in metrics.get("rollwire_rpc_errors", [])
+            if labels.get("code") == "NOT_FOUND"
+        )
+
+    before = await asyncio.to_thread(scrape, url)  # counters are the process's: earlier tests
     async with open_channel(runtime.address) as channel:
         stub = env_pb2_grpc.EnvServiceStub(channel)
         for seed in range(3):
@@ -122,14 +138,8 @@ async def test_a_servers_counters_and_gauges_are_scraped_from_its_metrics_endpoi
             await stub.Reset(env_pb2.ResetRequest(env_id="no_such_env"))
     metrics = await asyncio.to_thread(scrape, url)
     assert metrics["rollwire_env_open_sessions"] == [({}, 3.0)]
-    calls = {
-        labels["method"]: value
-        for labels, value in metrics["rollwire_rpc_calls"]
-        if labels["method"].endswith("/Reset")
-    }
-    assert calls == {"/rollwire.v1.EnvService/Reset": 4.0}
-    errors = metrics["rollwire_rpc_errors"]
-    assert any(labels.get("code") == "NOT_FOUND" and value == 1.0 for labels, value in errors)
+    assert resets(metrics) == resets(before) + 4
+    assert not_found(metrics) == not_found(before) + 1
     await runtime.stop(grace=0)
     assert not (tmp_path / "env.ready.metrics").exists()
 
