@@ -366,7 +366,9 @@ def test_a_service_that_fails_stops_the_run_with_its_log(tmp_path) -> None:
         timeout=240,
     )
     assert result.returncode == 1
-    assert "orchestrator exited with code 1" in result.stdout
+    # A setting no restart mends ends the run at the first exit, with the reason.
+    assert "orchestrator stopped on an error a restart cannot mend (exit code 2)" in result.stdout
+    assert "restarting it" not in result.stdout
     assert "reasoning-gym dataset 'no_such_task'" in result.stdout  # the tail of its log is shown
     assert_no_process_left(run_dir)
 

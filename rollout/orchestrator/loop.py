@@ -56,6 +56,7 @@ from rollwire.services.core.client import describe_error
 from rollwire.services.core.config import EnvDataset, RunConfig, scored_domains
 from rollwire.services.core.datasets import Task, cycle, load_tasks, task_at, training_tasks
 from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.server import EXIT_NO_RESTART
 from rollwire.services.core.watchdog import Watchdog
 from rollwire.services.core.wire import Trajectory
 
@@ -610,7 +611,10 @@ def run_orchestrator(config: RunConfig) -> int:
 
     try:
         return asyncio.run(main())
-    except (OSError, ValueError, TimeoutError, GroupsKeepFailing, grpc.aio.AioRpcError) as error:
+    except (ValueError, GroupsKeepFailing) as error:  # settings or data: the same next time
+        log.error("orchestrator stopped: %s", describe_error(error))
+        return EXIT_NO_RESTART
+    except (OSError, TimeoutError, grpc.aio.AioRpcError) as error:
         log.error("orchestrator stopped: %s", describe_error(error))
         return 1
     finally:

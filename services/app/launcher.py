@@ -24,6 +24,7 @@ from typing import IO, Any
 
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.files import cache_dir, staged_directory
+from rollwire.services.core.server import EXIT_NO_RESTART
 
 SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
 RESTARTABLE = (
@@ -184,6 +185,11 @@ class Stack:
                 continue
             if service.name in expected_to_finish and code == 0:
                 continue
+            if code == EXIT_NO_RESTART:
+                raise LaunchError(
+                    f"{service.name} stopped on an error a restart cannot mend (exit code "
+                    f"{code}); its log ({service.log_path}) ends:\n{service.tail()}"
+                )
             command = service.replica_of or service.name.rsplit("-", 1)[0]
             if (
                 (service.name in RESTARTABLE or command in RESTARTABLE)

@@ -30,6 +30,11 @@ from rollwire.services.core.metrics import COUNTERS, MetricsEndpoint, metrics_re
 
 log = logging.getLogger(__name__)
 
+EXIT_NO_RESTART = 2
+"""Exit code of a service that stopped on an error a restart cannot mend (its settings or
+its data): the launcher reports it at once instead of restarting it. argparse's usage
+errors exit with the same code."""
+
 
 @dataclass(frozen=True)
 class Registration:
