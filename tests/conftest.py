@@ -113,6 +113,14 @@ def spawn() -> Iterator:
 ROLLWIRE = [sys.executable, "-m", "rollwire.services.app.cli"]
 
 
+def rollout_server_args(model_path: Path, ready: Path) -> list[str]:
+    """`rollwire rollout-server` on a free port serving `model_path`, its address to `ready`."""
+    return [
+        *ROLLWIRE, "rollout-server", "--port", "0", "--ready-file", str(ready),
+        "--set", f"rollout_server.model_path={model_path}",
+    ]  # fmt: skip
+
+
 # ---------------------------------------------------------------- TLS material
 
 

@@ -346,7 +346,7 @@ async def test_the_reward_server_routes_judge_and_reward_model_items_in_one_call
 def test_a_judge_and_a_reward_model_score_a_runs_trajectories(tmp_path, spawn) -> None:
     """`rollwire train` on a mixture of two file datasets, one scored by the trained judge
     (served by its own rollout-server), one by the tiny reward model."""
-    from conftest import ROLLWIRE
+    from conftest import rollout_server_args
     from test_sft import rollwire
 
     from rollwire.services.buffer.durable_log import DurableLog
@@ -358,18 +358,7 @@ def test_a_judge_and_a_reward_model_score_a_runs_trajectories(tmp_path, spawn) -
     (tmp_path / "judged.jsonl").write_text(rows)
     (tmp_path / "ranked.jsonl").write_text(rows)
     ready = tmp_path / "judge.ready"
-    server = spawn(
-        [
-            *ROLLWIRE,
-            "rollout-server",
-            "--port",
-            "0",
-            "--ready-file",
-            str(ready),
-            "--set",
-            f"rollout_server.model_path={judge}",
-        ]
-    )
+    server = spawn(rollout_server_args(judge, ready))
     address = server.wait_for_file(ready, timeout=120)
     run = tmp_path / "run"
     parts = ", ".join(

@@ -496,20 +496,11 @@ def test_rollout_server_process(spawn, tmp_path, tiny_model_path) -> None:
     import subprocess
     import sys
 
+    from conftest import rollout_server_args
+
     ready = tmp_path / "ready"
     cli = [sys.executable, "-m", "rollwire.services.app.cli"]
-    child = spawn(
-        [
-            *cli,
-            "rollout-server",
-            "--port",
-            "0",
-            "--ready-file",
-            str(ready),
-            "--set",
-            f"rollout_server.model_path={tiny_model_path}",
-        ]
-    )
+    child = spawn(rollout_server_args(tiny_model_path, ready))
     address = child.wait_for_file(ready, timeout=60)
     health = subprocess.run(
         [*cli, "health", address, "--service", "rollwire.v1.RolloutService"],
