@@ -155,6 +155,19 @@ def _health(args: argparse.Namespace) -> int:
     )
 
     config = _load(args)
+    if (args.address is None) == (args.ready_file is None):
+        raise SystemExit("rollwire health: give an ADDRESS or --ready-file PATH (one of them)")
+    if args.ready_file is not None:
+        try:
+            text = Path(args.ready_file).read_text().strip()
+        except OSError:
+            text = ""
+        if not text:
+            print(f"{args.ready_file}: no address yet (the service is not serving)", file=sys.stderr)
+            return 1
+        if text.startswith("{"):  # the buffer: ZeroMQ endpoints, no gRPC health service
+            return _buffer_health(text, args.timeout)
+        args.address = text
 
     async def probe() -> str:
         async with open_channel(args.address, config.client) as channel:
@@ -172,6 +185,24 @@ def _health(args: argparse.Namespace) -> int:
         return 1
     print(status)
     return 0 if status == "SERVING" else 1
+
+
+def _buffer_health(ready: str, timeout: float) -> int:
+    """SERVING when both of the buffer's ZeroMQ ports (from its ready file) accept a connection."""
+    import json
+    import socket
+
+    endpoints = json.loads(ready)
+    for name in ("producer", "trainer"):
+        host, _, port = endpoints[name].removeprefix("tcp://").rpartition(":")
+        host = "127.0.0.1" if host in ("0.0.0.0", "*") else host.strip("[]")
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except OSError as error:
+            print(f"buffer {name} endpoint {endpoints[name]}: {error}", file=sys.stderr)
+            return 1
+    print("SERVING")
+    return 0
 
 
 def _show_config(args: argparse.Namespace) -> int:
@@ -406,6 +437,24 @@ def _add_distill(commands: Any) -> None:
     sub.set_defaults(handler=run)
 
 
+def _add_prepare(commands: Any) -> None:
+    help_text = (
+        "write the run's model (the configured one, or the built-in tiny one with its "
+        "warm-up) into a folder other machines or containers share"
+    )
+    sub = commands.add_parser("prepare", help=help_text, description=help_text)
+    _add_config_options(sub)
+    sub.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="the folder to write the model to"
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        module = importlib.import_module("rollwire.services.app.run")
+        return module.run_prepare(_load(args), args.out)
+
+    sub.set_defaults(handler=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollwire",
@@ -441,10 +490,17 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=_process(command, runner))
     _add_eval(commands)
     _add_distill(commands)
+    _add_prepare(commands)
     _add_env_check(commands)
     _add_mismatch(commands)
     health = commands.add_parser("health", help="ask a service for its gRPC health status")
-    health.add_argument("address", help="host:port of the service")
+    health.add_argument("address", nargs="?", help="host:port of the service")
+    health.add_argument(
+        "--ready-file",
+        metavar="PATH",
+        help="read the address from a service's ready file instead (a container's health "
+        "check; for the buffer, both of its ZeroMQ ports must accept a connection)",
+    )
     health.add_argument(
         "--service", default="", help="service name to ask about ('' = the whole server)"
     )

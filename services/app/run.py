@@ -26,7 +26,7 @@ from rollwire.services.app.launcher import (
 )
 from rollwire.services.app.liveness import Liveness, Target
 from rollwire.services.core.config import RunConfig, scored_domains, write_resolved_config
-from rollwire.services.core.files import latest_checkpoint
+from rollwire.services.core.files import latest_checkpoint, staged_directory
 from rollwire.services.core.sandbox import INSTALL_HINT, bwrap_path
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,37 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
         }
     )
     return config, run_dir
+
+
+PREPARED_FROM = ".rollwire-prepared-from"
+"""In a folder `rollwire prepare` wrote: the model folder it was copied from."""
+
+
+def run_prepare(config: RunConfig, out: Path) -> int:
+    """`rollwire prepare --out DIR`: the run's model (the configured one, or the built-in
+    tiny one and its warm-up, as `rollwire train` makes it) copied into DIR, for services
+    that do not share this machine's cache: a compose stack's volume, a cluster's shared
+    disk. Done again only when the model it comes from changed."""
+    import shutil
+
+    try:
+        model = prepare_model(config).resolve()
+    except (LaunchError, ValueError, OSError) as error:
+        print(f"rollwire prepare: {error}")
+        return 1
+    out = out.resolve()
+    marker = out / PREPARED_FROM
+    if (out / "config.json").exists() and marker.exists() and marker.read_text() == str(model):
+        print(f"model: {out} (already prepared from {model})")
+        return 0
+    if model == out:
+        print(f"model: {out}")
+        return 0
+    with staged_directory(out) as staging:
+        shutil.copytree(model, staging, dirs_exist_ok=True)
+        (staging / PREPARED_FROM).write_text(str(model))
+    print(f"model: {out} (prepared from {model})")
+    return 0
 
 
 def run_up(config: RunConfig) -> int:

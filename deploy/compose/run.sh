@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# One command: a run as a docker-compose stack, from images to the held-out result.
+#
+#   bash deploy/compose/run.sh                                  # the built-in default run
+#   bash deploy/compose/run.sh -c examples/agentic.yaml --env-servers 4
+#   bash deploy/compose/run.sh --set rl.max_steps=20 --out runs/compose
+#
+# Starts a Docker engine if none answers (and stops it after), builds rollwire:light and
+# rollwire:full if they are missing (--build: always), brings the stack up, follows the
+# trainer's and orchestrator's logs until both have finished, copies the run folder
+# (metrics, checkpoints, logs) to --out, prints the held-out reward, and takes the stack
+# down with its volumes (--keep: leaves it up). Exit status: 0 when the run finished.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+project_root="$(cd "$here/../.." && pwd)"
+config="$here/default.yaml"
+env_servers=0
+out="runs/compose"
+build=0
+keep=0
+timeout_s=3600
+name="rollwire"
+sets=()
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "options: -c FILE, --set KEY=VALUE, --env-servers N, --out DIR, --build, --keep, --timeout S, --project NAME"; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+  -c | --config) config="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
+  --set) sets+=("$2"); shift 2 ;;
+  --env-servers) env_servers="$2"; shift 2 ;;
+  --out) out="$2"; shift 2 ;;
+  --build) build=1; shift ;;
+  --keep) keep=1; shift ;;
+  --timeout) timeout_s="$2"; shift 2 ;;
+  --project) name="$2"; shift 2 ;;
+  -h | --help) usage; exit 0 ;;
+  *) echo "run.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
+  esac
+done
+[ -f "$config" ] || { echo "run.sh: no config file $config" >&2; exit 2; }
+
+state="$(mktemp -d)"
+compose=(docker-compose --project-directory "$here" -f "$here/docker-compose.yml" -p "$name")
+follower=""
+finish() {
+  status=$?
+  [ -n "$follower" ] && kill "$follower" 2>/dev/null || true
+  if [ "$keep" -eq 0 ]; then
+    "${compose[@]}" --profile env down --volumes --remove-orphans --timeout 20 >/dev/null 2>&1 || true
+  fi
+  bash "$here/../images/dockerd.sh" stop "$state/docker" >/dev/null || true
+  rm -rf "$state"
+  exit "$status"
+}
+trap finish EXIT
+trap 'exit 130' INT TERM
+
+bash "$here/../images/dockerd.sh" start "$state/docker"
+if [ "$build" -eq 1 ] || ! docker image inspect rollwire:full rollwire:light >/dev/null 2>&1; then
+  PYTHON="${PYTHON:-python3}" bash "$here/../images/build.sh"
+fi
+
+# --set KEY=VALUE -> ROLLWIRE__KEY=VALUE (the services read these over the file).
+: >"$state/overrides.env"
+for assignment in "${sets[@]+"${sets[@]}"}"; do
+  key="${assignment%%=*}"
+  value="${assignment#*=}"
+  [ "$key" != "$assignment" ] || { echo "run.sh: --set $assignment is not KEY=VALUE" >&2; exit 2; }
+  printf 'ROLLWIRE__%s=%s\n' "$(echo "$key" | tr '[:lower:]' '[:upper:]' | sed 's/\./__/g')" "$value" >>"$state/overrides.env"
+done
+export ROLLWIRE_CONFIG="$config" ROLLWIRE_ENV_FILE="$state/overrides.env"
+
+profile=()
+scale=()
+if [ "$env_servers" -gt 0 ]; then
+  profile=(--profile env)
+  scale=(--scale "env-server=$env_servers")
+fi
+echo "compose: project $name, config $config${env_servers:+, env-servers $env_servers}"
+started=$(date +%s)
+"${compose[@]}" "${profile[@]}" up -d "${scale[@]}" 2>&1 | grep -v '^Creating\|^Starting' || true
+"${compose[@]}" logs -f --no-color --tail 0 prepare trainer orchestrator &
+follower=$!
+
+# Until the trainer and the orchestrator have both exited (restarts: on-failure).
+deadline=$((started + timeout_s))
+result=""
+while :; do
+  trainer_id=$("${compose[@]}" ps -q trainer)
+  orchestrator_id=$("${compose[@]}" ps -q orchestrator)
+  prepare_id=$("${compose[@]}" ps -q prepare)
+  if [ -n "$prepare_id" ] && [ "$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$prepare_id")" = "exited 1" ]; then
+    result="prepare failed"; break
+  fi
+  if [ -n "$trainer_id" ] && [ -n "$orchestrator_id" ]; then
+    t=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}} {{.State.Restarting}}' "$trainer_id")
+    o=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}} {{.State.Restarting}}' "$orchestrator_id")
+    if [ "$t" = "exited 0 false" ] && [ "$o" = "exited 0 false" ]; then result="finished"; break; fi
+    case "$t $o" in *"exited 2"*) result="stopped on an error a restart cannot mend"; break ;; esac
+  fi
+  [ "$(date +%s)" -lt "$deadline" ] || { result="timed out after ${timeout_s}s"; break; }
+  sleep 2
+done
+kill "$follower" 2>/dev/null || true
+follower=""
+elapsed=$(( $(date +%s) - started ))
+
+mkdir -p "$out"
+rm -rf "$out/run"
+if [ -n "${orchestrator_id:-}" ]; then
+  docker cp "$orchestrator_id:/run-data" "$out/run" >/dev/null 2>&1 || true
+fi
+mkdir -p "$out/run/logs"
+for service in prepare buffer reward-server rollout-server env-server trainer orchestrator; do
+  "${compose[@]}" "${profile[@]}" logs --no-color "$service" >"$out/run/logs/$service.compose.log" 2>&1 || true
+done
+echo "compose: $result in ${elapsed}s; run folder: $out/run"
+python3 - "$out/run/metrics/eval.jsonl" <<'PY' || true
+import json, sys
+try:
+    rows = [json.loads(line) for line in open(sys.argv[1])]
+except OSError:
+    sys.exit(0)
+if rows:
+    first, last = rows[0], rows[-1]
+    print(f"held-out eval reward: {first['eval_reward']:.3f} (version {first['policy_version']}) -> "
+          f"{last['eval_reward']:.3f} (version {last['policy_version']})")
+PY
+[ "$result" = "finished" ]
