@@ -8,6 +8,7 @@
 #   .venv-gem/      rollwire with gem-llm, which pins its own reasoning-gym (the gem tests)
 #   examples/node-env/node_modules/   the locked @grpc packages of the Node env example
 #   bubblewrap      the code sandbox (`bwrap`, rollwire.services.core.sandbox), from apt
+#   docker.io, docker-compose, debootstrap, kubectl   the container and manifest tests, from apt
 #
 # Safe to run again: each step brings its environment up to date.
 set -euo pipefail
@@ -27,6 +28,27 @@ if ! command -v bwrap >/dev/null; then
     || { "${apt[@]}" update && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y bubblewrap; }
 fi
 bwrap --version
+
+step "containers and manifests: docker.io, docker-compose, debootstrap, kubectl"
+# The compose tests start a Docker engine of their own (deploy/images/dockerd.sh) and build
+# the images offline from a Debian base (debootstrap); the manifest tests render the
+# Kubernetes overlays with `kubectl kustomize`.
+missing=()
+command -v dockerd >/dev/null || missing+=(docker.io)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+command -v kubectl >/dev/null || missing+=(kubernetes-client)
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then apt=(apt-get); elif command -v sudo >/dev/null; then apt=(sudo apt-get); else apt=(); fi
+  if [ "${#apt[@]}" -eq 0 ] || ! command -v apt-get >/dev/null; then
+    echo "install ${missing[*]} with your system's package manager, then run this again" >&2
+    exit 1
+  fi
+  DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y "${missing[@]}" \
+    || { "${apt[@]}" update && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y "${missing[@]}"; }
+fi
+docker --version
+docker-compose version --short
 
 step "main environment: .venv"
 python3 -m venv .venv

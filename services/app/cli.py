@@ -163,7 +163,9 @@ def _health(args: argparse.Namespace) -> int:
         except OSError:
             text = ""
         if not text:
-            print(f"{args.ready_file}: no address yet (the service is not serving)", file=sys.stderr)
+            print(
+                f"{args.ready_file}: no address yet (the service is not serving)", file=sys.stderr
+            )
             return 1
         if text.startswith("{"):  # the buffer: ZeroMQ endpoints, no gRPC health service
             return _buffer_health(text, args.timeout)
@@ -455,6 +457,40 @@ def _add_prepare(commands: Any) -> None:
     sub.set_defaults(handler=run)
 
 
+STATUS_HELP = "a live view of a running stack: every service's health, version, queues, rates"
+STATUS_EPILOG = """\
+WHAT is a run folder (`rollwire train`/`up` wrote its resolved_config.yaml and
+logs there) or one or more addresses: host:port for a gRPC service (what it
+serves is asked), tcp://host:port for a buffer's producer endpoint. Each refresh
+asks every service with a 2-second deadline, so a frozen one shows as not
+answering. Exit status (with --once or --json): 0 when every service answered
+SERVING, 1 otherwise, 2 when WHAT is neither."""
+
+
+def _add_status(commands: Any) -> None:
+    sub = commands.add_parser(
+        "status",
+        help=STATUS_HELP,
+        description=STATUS_HELP,
+        epilog=STATUS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub.add_argument("what", nargs="+", metavar="WHAT", help="a run folder, or addresses")
+    sub.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
+    sub.add_argument("--once", action="store_true", help="print one table and exit")
+    sub.add_argument(
+        "--interval", type=_positive, default=2.0, metavar="S", help="seconds between refreshes (2)"
+    )
+    _add_config_options(sub)
+
+    def run(args: argparse.Namespace) -> int:
+        from rollwire.services.app.status import run_status
+
+        return run_status(args.what, _load(args).client, args.json, args.once, args.interval)
+
+    sub.set_defaults(handler=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollwire",
@@ -491,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(commands)
     _add_distill(commands)
     _add_prepare(commands)
+    _add_status(commands)
     _add_env_check(commands)
     _add_mismatch(commands)
     health = commands.add_parser("health", help="ask a service for its gRPC health status")

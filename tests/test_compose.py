@@ -1,0 +1,217 @@
+"""The real stack in containers: the images, docker-compose runs, an env-server killed.
+
+Starts a Docker engine of its own when none answers (deploy/images/dockerd.sh, stopped
+again by pid at the end with the iptables rules, docker0 and ip_forward as they were),
+builds rollwire:light and rollwire:full offline (deploy/images/build.sh: a Debian base
+made with debootstrap once and kept, the host's wheels), and runs `deploy/compose/run.sh`
+(which takes its stack down with its volumes). Afterwards no container, network or
+volume of these projects is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGES = REPO / "deploy" / "images"
+RUN_SH = REPO / "deploy" / "compose" / "run.sh"
+
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        shutil.which("docker") is None or shutil.which("docker-compose") is None,
+        reason="docker.io and docker-compose are not installed: run `bash deploy/install.sh` "
+        "(the README's install command)",
+    ),
+]
+
+
+def _docker(*args: str, timeout: float = 60) -> str:
+    result = subprocess.run(
+        ["docker", *args], capture_output=True, text=True, timeout=timeout, check=True
+    )
+    return result.stdout
+
+
+def _left_of(project: str) -> dict[str, str]:
+    """Containers, networks and volumes that still carry the compose project's label."""
+    label = f"label=com.docker.compose.project={project}"
+    return {
+        kind: _docker(*command, "--filter", label, "-q").strip()
+        for kind, command in (
+            ("containers", ("ps", "-a")),
+            ("networks", ("network", "ls")),
+            ("volumes", ("volume", "ls")),
+        )
+    }
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Iterator[None]:
+    """A running engine (ours, unless one was running) and freshly built images."""
+    state = tmp_path_factory.mktemp("dockerd")
+    if os.geteuid() != 0 and subprocess.run(["docker", "info"], capture_output=True).returncode:
+        pytest.skip("no Docker engine answers and starting one needs root")
+    subprocess.run(
+        ["bash", str(IMAGES / "dockerd.sh"), "start", str(state)], check=True, timeout=120
+    )
+    try:
+        started = time.perf_counter()
+        build = subprocess.run(
+            ["bash", str(IMAGES / "build.sh")],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
+        assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+        print(f"images built in {time.perf_counter() - started:.0f}s:")
+        print("\n".join(line for line in build.stdout.splitlines() if "MB" in line))
+        yield
+    finally:
+        subprocess.run(["bash", str(IMAGES / "dockerd.sh"), "stop", str(state)], timeout=120)
+
+
+def _compose_run(out: Path, project: str, *args: str, timeout: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["bash", str(RUN_SH), "--out", str(out), "--project", project, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+
+
+def _finish(process: subprocess.Popen, timeout: float) -> str:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGTERM)  # run.sh takes its stack down on the way out
+        output, _ = process.communicate(timeout=120)
+        pytest.fail(f"the compose run did not finish within {timeout:.0f}s:\n{output[-3000:]}")
+    return output
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(900)
+def test_the_default_run_in_containers_learns(images, tmp_path) -> None:
+    project = f"rwtest{os.getpid()}d"
+    process = _compose_run(
+        tmp_path,
+        project,
+        "--set",
+        "rl.max_steps=20",
+        "--set",
+        "orchestrator.eval_every=10",
+        timeout=600,
+    )
+    output = _finish(process, 600)
+    assert process.returncode == 0, output[-4000:]
+    run = tmp_path / "run"
+    steps = _jsonl(run / "metrics" / "trainer.jsonl")
+    assert [row["step"] for row in steps] == list(range(1, 21))
+    curve = [
+        (e["policy_version"], e["eval_reward"]) for e in _jsonl(run / "metrics" / "eval.jsonl")
+    ]
+    print(f"held-out greedy reward by version, in containers: {curve}")
+    assert [version for version, _ in curve] == [0, 10, 20]
+    assert max(reward for _, reward in curve[1:]) > curve[0][1], curve
+    progress = _jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
+    assert progress["groups_failed"] == 0
+    assert (run / "checkpoints" / "step_000020" / "config.json").exists()
+    assert _left_of(project) == {"containers": "", "networks": "", "volumes": ""}
+
+
+def _logs(container: str) -> str:
+    result = subprocess.run(
+        ["docker", "logs", container], capture_output=True, text=True, timeout=30
+    )
+    return result.stdout + result.stderr
+
+
+def _service_containers(project: str, service: str) -> list[str]:
+    return _docker(
+        "ps",
+        "-q",
+        "--filter",
+        f"label=com.docker.compose.project={project}",
+        "--filter",
+        f"label=com.docker.compose.service={service}",
+    ).split()
+
+
+@pytest.mark.timeout(1200)
+def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
+    images, tmp_path
+) -> None:
+    """examples/agentic.yaml with `--env-servers 3`: the orchestrator finds all three by
+    DNS; one is killed mid-run (its process, SIGKILL: `restart: on-failure` brings the
+    container back) and no episode is lost."""
+    project = f"rwtest{os.getpid()}a"
+    process = _compose_run(
+        tmp_path,
+        project,
+        "-c",
+        str(REPO / "examples" / "agentic.yaml"),
+        "--env-servers",
+        "3",
+        "--set",
+        "rl.max_steps=10",
+        "--set",
+        "orchestrator.eval_every=5",
+        timeout=900,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not _service_containers(project, "trainer"):
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no trainer container within 600 s"
+            time.sleep(1)
+        env_servers = _service_containers(project, "env-server")
+        assert len(env_servers) == 3
+        # Mid-run: the first evaluation is done and groups are being played on all three.
+        orchestrator = _service_containers(project, "orchestrator")[0]
+        while '"evaluated"' not in _logs(orchestrator):
+            assert process.poll() is None, process.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no evaluation within 600 s"
+            time.sleep(1)
+        time.sleep(10)
+        victim = env_servers[0]
+        init = int(_docker("inspect", "-f", "{{.State.Pid}}", victim).strip())
+        children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+        os.kill(int(children[0]) if children else init, signal.SIGKILL)
+        output = _finish(process, 900)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=120)
+    assert process.returncode == 0, output[-4000:]
+    run = tmp_path / "run"
+    steps = _jsonl(run / "metrics" / "trainer.jsonl")
+    assert [row["step"] for row in steps] == list(range(1, 11))
+    # Every trained group was whole: 8 episodes of each of 16 groups per step.
+    assert all(row["sequences"] == 128 for row in steps), [row["sequences"] for row in steps]
+    progress = _jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
+    assert progress["groups_failed"] == 0, "an episode was lost with its server"
+    assert progress["env_servers_lost"] >= 1
+    curve = [
+        (e["policy_version"], e["eval_reward"]) for e in _jsonl(run / "metrics" / "eval.jsonl")
+    ]
+    print(f"held-out greedy success by version, in containers: {curve}")
+    assert [version for version, _ in curve] == [0, 5, 10]
+    assert _left_of(project) == {"containers": "", "networks": "", "volumes": ""}
