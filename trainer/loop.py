@@ -104,7 +104,7 @@ async def train(
     """Steps until rl.max_steps or a stop, checkpointing as configured and at the end."""
     trainer = config.trainer
     run_dir = Path(config.run.output_dir)
-    metrics_log = MetricsLog(run_dir)
+    metrics_log = MetricsLog(run_dir, config)
     trained_log = open_trained_log(run_dir, state)
     watchdog, watch_seconds = Watchdog("trainer"), config.telemetry.watchdog_seconds
     watchdog.start()

@@ -4,6 +4,7 @@
 #   bash deploy/compose/run.sh                                  # the built-in default run
 #   bash deploy/compose/run.sh -c examples/agentic.yaml --env-servers 4
 #   bash deploy/compose/run.sh --set rl.max_steps=20 --out runs/compose
+#   bash deploy/compose/run.sh -c run.yaml --model models/my-model   # a model folder of yours
 #
 # Starts a Docker engine if none answers (and stops it after), builds rollwire:light and
 # rollwire:full if they are missing (--build: always), brings the stack up, follows the
@@ -20,14 +21,16 @@ build=0
 keep=0
 timeout_s=3600
 name="rollwire"
+model=""
 sets=()
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "options: -c FILE, --set KEY=VALUE, --env-servers N, --out DIR, --build, --keep, --timeout S, --project NAME"; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "options: -c FILE, --set KEY=VALUE, --env-servers N, --model DIR, --out DIR, --build, --keep, --timeout S, --project NAME"; }
 while [ $# -gt 0 ]; do
   case "$1" in
   -c | --config) config="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
   --set) sets+=("$2"); shift 2 ;;
   --env-servers) env_servers="$2"; shift 2 ;;
   --out) out="$2"; shift 2 ;;
+  --model) model="$(cd "$2" && pwd)"; shift 2 ;;
   --build) build=1; shift ;;
   --keep) keep=1; shift ;;
   --timeout) timeout_s="$2"; shift 2 ;;
@@ -40,6 +43,20 @@ done
 
 state="$(mktemp -d)"
 compose=(docker-compose --project-directory "$here" -f "$here/docker-compose.yml" -p "$name")
+if [ -n "$model" ]; then
+  # `prepare` copies this host folder into the models volume instead of building one. The
+  # containers run as uid 10001: the folder must be readable by others (chmod -R o+rX).
+  [ -f "$model/config.json" ] || { echo "run.sh: $model is not a Hugging Face model folder (no config.json)" >&2; exit 2; }
+  cat >"$state/model.yml" <<YAML
+version: "3.9"
+services:
+  prepare:
+    volumes: ["$model:/host-model:ro"]
+    environment:
+      ROLLWIRE__TRAINER__MODEL_PATH: /host-model
+YAML
+  compose+=(-f "$state/model.yml")
+fi
 follower=""
 finish() {
   status=$?

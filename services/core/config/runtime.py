@@ -223,3 +223,13 @@ class TelemetryConfig(StrictModel):
     """Work running longer than this (a group or episode, a generation request, an
     evaluation, the trainer's wait for a batch or its step) is logged as stuck with its
     trace id and counted in `watchdog_stuck`, and again after each further period."""
+    trackers: list[Literal["tensorboard", "wandb"]] = ["tensorboard"]
+    """Where the trainer's per-step metrics go besides `metrics/trainer.jsonl`:
+    `tensorboard` (`<run>/tensorboard`), `wandb` (Weights & Biases, `pip install wandb`;
+    its files in `<run>/wandb`). SwanLab is not offered: its releases pin protobuf below
+    7, which rollwire's generated code needs."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """`offline` needs no network or account (`wandb sync <run>/wandb/offline-run-*`
+    uploads later); `online` logs in as the `wandb` tool does (WANDB_API_KEY)."""
+    wandb_project: str = "rollwire"
+    """The W&B project; the run is named by `run.name`."""
