@@ -85,7 +85,7 @@ def images(tmp_path_factory) -> Iterator[None]:
         subprocess.run(["bash", str(IMAGES / "dockerd.sh"), "stop", str(state)], timeout=120)
 
 
-def _compose_run(out: Path, project: str, *args: str, timeout: float) -> subprocess.Popen:
+def _compose_run(out: Path, project: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         ["bash", str(RUN_SH), "--out", str(out), "--project", project, *args],
         stdout=subprocess.PIPE,
@@ -120,7 +120,6 @@ def test_the_default_run_in_containers_learns(images, tmp_path) -> None:
         "rl.max_steps=20",
         "--set",
         "orchestrator.eval_every=10",
-        timeout=600,
     )
     output = _finish(process, 600)
     assert process.returncode == 0, output[-4000:]
@@ -189,7 +188,6 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
         "rl.max_steps=10",
         "--set",
         "orchestrator.eval_every=5",
-        timeout=900,
     )
     try:
         deadline = time.monotonic() + 600
@@ -233,3 +231,38 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
     assert max(reward for _, reward in curve[1:]) >= curve[0][1] + 0.3, curve
     assert _left_of(project) == {"containers": "", "networks": "", "volumes": ""}
     shutil.rmtree(shared)
+
+
+GUESS_CONFIG = """\
+orchestrator:
+  dataset: {type: env, env_id: guess_the_number, env_kwargs: {low: 1, high: 8}}
+  eval_dataset: {type: env, env_id: guess_the_number, env_kwargs: {low: 1, high: 8},
+                 seed: 100000, size: 8}
+  agent: {max_turns: 4, max_episode_tokens: 200}
+  max_new_tokens: 4
+  eval_every: 2
+rl: {groups_per_step: 4, group_size: 4, max_steps: 3}
+warmup: {steps: 10}
+run: {tiny_model: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2}}
+"""
+
+
+@pytest.mark.timeout(600)
+def test_episodes_on_the_node_env_server_container(images, tmp_path) -> None:
+    """The Node.js env example as one more service (`--node-env`): the only env server of
+    the stack (endpoints.env_servers names it alone), so every episode was played there."""
+    project = f"rwtest{os.getpid()}n"
+    config = tmp_path / "guess.yaml"
+    config.write_text(GUESS_CONFIG)
+    config.chmod(0o644)
+    process = _compose_run(tmp_path / "out", project, "-c", str(config), "--node-env")
+    output = _finish(process, 540)
+    assert process.returncode == 0, output[-4000:]
+    run = tmp_path / "out" / "run"
+    steps = _jsonl(run / "metrics" / "trainer.jsonl")
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    assert all(row["sequences"] == 16 for row in steps)
+    logs = run / "logs"
+    assert "node-env-server" in (logs / "node-env-server.compose.log").read_text()
+    assert "serving" in (logs / "node-env-server.compose.log").read_text().lower()
+    assert _left_of(project) == {"containers": "", "networks": "", "volumes": ""}

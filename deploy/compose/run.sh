@@ -5,6 +5,7 @@
 #   bash deploy/compose/run.sh -c examples/agentic.yaml --env-servers 4
 #   bash deploy/compose/run.sh --set rl.max_steps=20 --out runs/compose
 #   bash deploy/compose/run.sh -c run.yaml --model models/my-model   # a model folder of yours
+#   bash deploy/compose/run.sh -c guess.yaml --node-env      # episodes on the Node env server
 #
 # Starts a Docker engine if none answers (and stops it after), builds rollwire:light and
 # rollwire:full if they are missing (--build: always), brings the stack up, follows the
@@ -16,6 +17,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 project_root="$(cd "$here/../.." && pwd)"
 config="$here/default.yaml"
 env_servers=0
+node_env=0
 out="runs/compose"
 build=0
 keep=0
@@ -23,12 +25,13 @@ timeout_s=3600
 name="rollwire"
 model=""
 sets=()
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "options: -c FILE, --set KEY=VALUE, --env-servers N, --model DIR, --out DIR, --build, --keep, --timeout S, --project NAME"; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "options: -c FILE, --set KEY=VALUE, --env-servers N, --node-env, --model DIR, --out DIR, --build, --keep, --timeout S, --project NAME"; }
 while [ $# -gt 0 ]; do
   case "$1" in
   -c | --config) config="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
   --set) sets+=("$2"); shift 2 ;;
   --env-servers) env_servers="$2"; shift 2 ;;
+  --node-env) node_env=1; shift ;;
   --out) out="$2"; shift 2 ;;
   --model) model="$(cd "$2" && pwd)"; shift 2 ;;
   --build) build=1; shift ;;
@@ -62,7 +65,7 @@ finish() {
   status=$?
   [ -n "$follower" ] && kill "$follower" 2>/dev/null || true
   if [ "$keep" -eq 0 ]; then
-    "${compose[@]}" --profile env down --volumes --remove-orphans --timeout 20 >/dev/null 2>&1 || true
+    "${compose[@]}" --profile env --profile node down --volumes --remove-orphans --timeout 20 >/dev/null 2>&1 || true
   fi
   bash "$here/../images/dockerd.sh" stop "$state/docker" >/dev/null || true
   rm -rf "$state"
@@ -91,6 +94,10 @@ scale=()
 if [ "$env_servers" -gt 0 ]; then
   profile=(--profile env)
   scale=(--scale "env-server=$env_servers")
+fi
+if [ "$node_env" -eq 1 ]; then
+  profile+=(--profile node)
+  export ROLLWIRE_ENV_SERVERS='["dns:///node-env-server:7004"]'
 fi
 echo "compose: project $name, config $config${env_servers:+, env-servers $env_servers}"
 started=$(date +%s)
@@ -127,7 +134,7 @@ if [ -n "${orchestrator_id:-}" ]; then
   docker cp "$orchestrator_id:/run-data" "$out/run" >/dev/null 2>&1 || true
 fi
 mkdir -p "$out/run/logs"
-for service in prepare buffer reward-server rollout-server env-server trainer orchestrator; do
+for service in prepare buffer reward-server rollout-server env-server node-env-server trainer orchestrator; do
   "${compose[@]}" "${profile[@]}" logs --no-color "$service" >"$out/run/logs/$service.compose.log" 2>&1 || true
 done
 echo "compose: $result in ${elapsed}s; run folder: $out/run"

@@ -2,12 +2,16 @@
 # The base image for machines without an image registry: Debian 12 (minbase) from the
 # mirror apt already uses, with Python 3.11, imported into the local engine.
 #
-#   bash deploy/images/base.sh [TAG]     # default tag: rollwire-base:bookworm
+#   bash deploy/images/base.sh [TAG [PACKAGES]]   # default tag: rollwire-base:bookworm
+#
+# PACKAGES: more Debian packages, comma-separated (build.sh makes rollwire-base-node:bookworm
+# with nodejs for the Node env example's image).
 #
 # Skipped when the tag exists (remove it with `docker image rm TAG` to rebuild). With a
 # registry, skip this script: the Dockerfile's default base is python:3.11-slim-bookworm.
 set -euo pipefail
 tag="${1:-rollwire-base:bookworm}"
+extra="${2:+,$2}"
 if docker image inspect "$tag" >/dev/null 2>&1; then
   echo "base image $tag: present"
   exit 0
@@ -21,8 +25,8 @@ fi
 mirror="${mirror:-http://deb.debian.org/debian}"
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
-echo "base image $tag: debootstrap bookworm from $mirror"
-debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+echo "base image $tag: debootstrap bookworm from $mirror${2:+ (with $2)}"
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates$extra \
   bookworm "$root" "$mirror" >"$root.log" 2>&1 || { tail -20 "$root.log" >&2; rm -f "$root.log"; exit 1; }
 rm -f "$root.log"
 # Smaller and reproducible: no apt lists or caches, no docs.
