@@ -8,6 +8,7 @@ the same services, commands, ports, images and wiring.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -155,8 +156,11 @@ def test_the_kubernetes_manifests_are_in_step_with_the_compose_file() -> None:
         for d in documents
         if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("rollwire-env-")
     )
+    # Compose's `${VARIABLE:-default}` as compose reads it with the variable unset.
     wiring = {
-        key: value for key, value in compose["x-config"].items() if key.startswith("ROLLWIRE__")
+        key: re.sub(r"\$\{[A-Z_]+:-(.*)\}", r"\1", value)
+        for key, value in compose["x-config"].items()
+        if key.startswith("ROLLWIRE__")
     }
     assert env_config["data"] == wiring
     for name, service in services.items():
