@@ -82,7 +82,13 @@ def images(tmp_path_factory) -> Iterator[None]:
         print("\n".join(line for line in build.stdout.splitlines() if "MB" in line))
         yield
     finally:
+        ours = (state / "dockerd.pid").exists()
         subprocess.run(["bash", str(IMAGES / "dockerd.sh"), "stop", str(state)], timeout=120)
+    if ours:  # the engine this test started left nothing behind
+        rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
+        assert "DOCKER" not in rules and "docker0" not in rules, rules
+        assert not Path("/sys/class/net/docker0").exists()
+        assert subprocess.run(["docker", "info"], capture_output=True).returncode != 0
 
 
 def _compose_run(out: Path, project: str, *args: str) -> subprocess.Popen:

@@ -47,9 +47,20 @@ stop)
   fi
   # containerd, started by dockerd as its child, ends with it; wait for it to go.
   for _ in $(seq 1 20); do pgrep -P "$pid" >/dev/null 2>&1 || break; sleep 0.5; done
-  if [ -f "$state/iptables.before" ]; then
-    iptables-restore <"$state/iptables.before" 2>/dev/null || true
-  fi
+  # What dockerd added: its rules (those naming a DOCKER chain or docker0) and chains,
+  # in the filter and nat tables; then the FORWARD policy it set to DROP, back as it was.
+  for table in filter nat; do
+    iptables -t "$table" -S 2>/dev/null | grep -E '^-A .*(DOCKER|docker0)' | sed 's/^-A /-D /' |
+      while read -r rule; do eval "iptables -t $table $rule" 2>/dev/null || true; done
+    for chain in $(iptables -t "$table" -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^DOCKER/ {print $2}'); do
+      iptables -t "$table" -F "$chain" 2>/dev/null || true
+    done
+    for chain in $(iptables -t "$table" -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^DOCKER/ {print $2}'); do
+      iptables -t "$table" -X "$chain" 2>/dev/null || true
+    done
+  done
+  policy=$(grep -oE '^:FORWARD [A-Z]+' "$state/iptables.before" 2>/dev/null | awk '{print $2}' || true)
+  iptables -P FORWARD "${policy:-ACCEPT}" 2>/dev/null || true
   [ -f "$state/docker0.before" ] || ip link delete docker0 2>/dev/null || true
   if [ -s "$state/ip_forward.before" ]; then
     sysctl -qw "net.ipv4.ip_forward=$(cat "$state/ip_forward.before")" || true
