@@ -43,13 +43,28 @@ def _compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def test_the_compose_file_follows_the_compose_specification() -> None:
-    result = subprocess.run(
-        [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+def _check_compose(path: Path) -> subprocess.CompletedProcess:
+    """check-jsonschema against the Compose Specification's schema it ships."""
+    return subprocess.run(
+        [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def _validate(path: Path) -> subprocess.CompletedProcess:
+    """kubernetes-validate, strict: unknown fields are errors."""
+    return subprocess.run(
+        [str(BIN / "kubernetes-validate"), "--strict", "--quiet", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_compose_file_follows_the_compose_specification() -> None:
+    result = _check_compose(COMPOSE)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -59,12 +74,7 @@ def test_a_broken_compose_file_is_caught(tmp_path) -> None:
     broken["services"]["buffer"]["restart_policy"] = "always"  # not a service key
     path = tmp_path / "docker-compose.yml"
     path.write_text(yaml.safe_dump(broken))
-    result = subprocess.run(
-        [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _check_compose(path)
     assert result.returncode != 0
 
 
@@ -74,12 +84,7 @@ def test_the_kubernetes_overlays_render_and_validate_strictly(overlay, tmp_path)
     rendered = tmp_path / f"{overlay}.yaml"
     documents = _render(overlay)
     rendered.write_text(yaml.safe_dump_all(documents))
-    result = subprocess.run(
-        [str(BIN / "kubernetes-validate"), "--strict", "--quiet", str(rendered)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _validate(rendered)
     assert result.returncode == 0, result.stdout + result.stderr
     kinds = sorted(
         f"{d['kind']}/{d['metadata']['name']}" for d in documents if d["kind"] != "ConfigMap"
@@ -118,12 +123,7 @@ def test_the_kubernetes_manifests_fail_strict_validation_when_broken(tmp_path) -
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
     rendered = tmp_path / "broken.yaml"
     rendered.write_text(yaml.safe_dump_all(documents))
-    result = subprocess.run(
-        [str(BIN / "kubernetes-validate"), "--strict", "--quiet", str(rendered)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _validate(rendered)
     assert result.returncode != 0
 
 

@@ -26,7 +26,7 @@ fi
 bash "$here/wheelhouse.sh" "${PYTHON:-python3}"
 for target in light full; do
   echo "image rollwire:$target (base $base)"
-  docker build --quiet --build-arg "BASE_IMAGE=$base" --target "$target" -t "rollwire:$target" "$here" >/dev/null
+  docker build --quiet --build-arg "BASE_IMAGE=$base" --build-arg "FLAVOR=$target" -t "rollwire:$target" "$here" >/dev/null
   echo "image rollwire:$target: $(docker image inspect -f '{{.Size}}' "rollwire:$target" | awk '{printf "%.0f MB", $1/1e6}')"
 done
 project="$(cd "$here/../.." && pwd)"
