@@ -99,7 +99,7 @@ if [ "$node_env" -eq 1 ]; then
   profile+=(--profile node)
   export ROLLWIRE_ENV_SERVERS='["dns:///node-env-server:7004"]'
 fi
-echo "compose: project $name, config $config${env_servers:+, env-servers $env_servers}"
+echo "compose: project $name, config $config, env-servers $env_servers$([ "$node_env" -eq 1 ] && echo ', the Node env server')"
 started=$(date +%s)
 "${compose[@]}" "${profile[@]}" up -d "${scale[@]}" 2>&1 | grep -v '^Creating\|^Starting' || true
 "${compose[@]}" logs -f --no-color --tail 0 prepare trainer orchestrator &
@@ -112,8 +112,11 @@ while :; do
   trainer_id=$("${compose[@]}" ps -q trainer)
   orchestrator_id=$("${compose[@]}" ps -q orchestrator)
   prepare_id=$("${compose[@]}" ps -q prepare)
-  if [ -n "$prepare_id" ] && [ "$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$prepare_id")" = "exited 1" ]; then
-    result="prepare failed"; break
+  if [ -n "$prepare_id" ]; then
+    case "$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$prepare_id")" in
+    "exited 0") ;;
+    exited*) result="prepare failed"; break ;;
+    esac
   fi
   if [ -n "$trainer_id" ] && [ -n "$orchestrator_id" ]; then
     t=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}} {{.State.Restarting}}' "$trainer_id")

@@ -15,6 +15,7 @@ import contextlib
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,51 @@ def last_problem(log: Path | None) -> str:
     return ""
 
 
+def _rollout(view: ServiceView, status: Any) -> None:
+    view.version = status.policy_version
+    view.detail.update(
+        engine=status.engine,
+        running=status.running_requests,
+        waiting=status.waiting_requests,
+        generated_tokens=status.generated_tokens,
+    )
+
+
+def _trainer(view: ServiceView, status: Any) -> None:
+    view.version = status.policy_version
+    view.detail.update(state=status.state, step=status.step, trained=status.trained_trajectories)
+
+
+KINDS: dict[str, tuple[Callable[[grpc.aio.Channel], Any], Callable[[ServiceView, Any], None]]] = {
+    "rollout-server": (
+        lambda channel: rollout_pb2_grpc.RolloutServiceStub(channel).GetStatus(
+            rollout_pb2.RolloutStatusRequest(), timeout=PROBE_SECONDS
+        ),
+        _rollout,
+    ),
+    "trainer": (
+        lambda channel: trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(
+            trainer_pb2.TrainerStatusRequest(), timeout=PROBE_SECONDS
+        ),
+        _trainer,
+    ),
+    "env-server": (
+        lambda channel: env_pb2_grpc.EnvServiceStub(channel).ListEnvs(
+            env_pb2.ListEnvsRequest(), timeout=PROBE_SECONDS
+        ),
+        lambda view, reply: view.detail.update(envs=len(reply.envs)),
+    ),
+    "reward-server": (
+        lambda channel: reward_pb2_grpc.RewardServiceStub(channel).ListScorers(
+            reward_pb2.ListScorersRequest(), timeout=PROBE_SECONDS
+        ),
+        lambda view, reply: view.detail.update(domains=len(reply.scorers)),
+    ),
+}
+"""Each gRPC service's one cheap call and what its reply shows. An address of unknown
+kind is the first whose call is implemented (its reply is then shown, not asked twice)."""
+
+
 async def _probe_grpc(target: Target, client: ClientConfig) -> ServiceView:
     view = ServiceView(target.name, target.kind, target.address)
     async with open_channel(target.address, client) as channel:
@@ -141,73 +187,24 @@ async def _probe_grpc(target: Target, client: ClientConfig) -> ServiceView:
         except (grpc.aio.AioRpcError, TimeoutError) as error:
             view.health = f"not answering: {describe_error(error)}"
             return view
-        if view.kind == "unknown":
-            view.kind = await _identify(channel)
-            if view.name == view.address:  # an address given alone: name it by what it is
-                view.name = view.kind
-        try:
-            await _fill(view, channel)
-        except grpc.aio.AioRpcError as error:
-            view.detail["status"] = describe_error(error)
+        kinds = list(KINDS) if view.kind == "unknown" else [view.kind]
+        for kind in kinds:
+            call, show = KINDS[kind]
+            try:
+                reply = await call(channel)
+            except grpc.aio.AioRpcError as error:
+                if view.kind == "unknown" and error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    continue
+                view.detail["status"] = describe_error(error)
+                reply = None
+            if view.kind == "unknown":
+                view.kind = kind
+                if view.name == view.address:  # an address given alone: name it by what it is
+                    view.name = kind
+            if reply is not None:
+                show(view, reply)
+            break
     return view
-
-
-async def _identify(channel: grpc.aio.Channel) -> str:
-    """Which rollwire service an address serves: the one whose cheap call is implemented."""
-    calls = {
-        "rollout-server": lambda: rollout_pb2_grpc.RolloutServiceStub(channel).GetStatus(
-            rollout_pb2.RolloutStatusRequest(), timeout=PROBE_SECONDS
-        ),
-        "trainer": lambda: trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(
-            trainer_pb2.TrainerStatusRequest(), timeout=PROBE_SECONDS
-        ),
-        "env-server": lambda: env_pb2_grpc.EnvServiceStub(channel).ListEnvs(
-            env_pb2.ListEnvsRequest(), timeout=PROBE_SECONDS
-        ),
-        "reward-server": lambda: reward_pb2_grpc.RewardServiceStub(channel).ListScorers(
-            reward_pb2.ListScorersRequest(), timeout=PROBE_SECONDS
-        ),
-    }
-    for kind, call in calls.items():
-        try:
-            await call()
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
-                continue
-        return kind
-    return "unknown"
-
-
-async def _fill(view: ServiceView, channel: grpc.aio.Channel) -> None:
-    if view.kind == "rollout-server":
-        status = await rollout_pb2_grpc.RolloutServiceStub(channel).GetStatus(
-            rollout_pb2.RolloutStatusRequest(), timeout=PROBE_SECONDS
-        )
-        view.version = status.policy_version
-        view.detail.update(
-            engine=status.engine,
-            running=status.running_requests,
-            waiting=status.waiting_requests,
-            generated_tokens=status.generated_tokens,
-        )
-    elif view.kind == "trainer":
-        status = await trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(
-            trainer_pb2.TrainerStatusRequest(), timeout=PROBE_SECONDS
-        )
-        view.version = status.policy_version
-        view.detail.update(
-            state=status.state, step=status.step, trained=status.trained_trajectories
-        )
-    elif view.kind == "env-server":
-        envs = await env_pb2_grpc.EnvServiceStub(channel).ListEnvs(
-            env_pb2.ListEnvsRequest(), timeout=PROBE_SECONDS
-        )
-        view.detail["envs"] = len(envs.envs)
-    elif view.kind == "reward-server":
-        scorers = await reward_pb2_grpc.RewardServiceStub(channel).ListScorers(
-            reward_pb2.ListScorersRequest(), timeout=PROBE_SECONDS
-        )
-        view.detail["domains"] = len(scorers.scorers)
 
 
 async def _probe_buffer(target: Target, client: ClientConfig) -> ServiceView:
@@ -355,10 +352,13 @@ def run_status(
         views = asyncio.run(probe(targets, client))
         return views, progress_of_run(run_dir) if run_dir is not None else {}
 
+    def exit_status(views: list[ServiceView]) -> int:
+        return 0 if all(v.health == "SERVING" for v in views) else 1
+
     if as_json_once:
         views, progress = snapshot()
         print(as_json(views, progress))
-        return 0 if all(v.health == "SERVING" for v in views) else 1
+        return exit_status(views)
     from rich.console import Console
     from rich.live import Live
 
@@ -366,7 +366,7 @@ def run_status(
     views, progress = snapshot()
     if once:
         console.print(render(views, progress, title))
-        return 0 if all(v.health == "SERVING" for v in views) else 1
+        return exit_status(views)
     try:
         with Live(render(views, progress, title), console=console, auto_refresh=False) as live:
             while True:
