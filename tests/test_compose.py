@@ -10,7 +10,6 @@ volume of these projects is left.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -23,9 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROLLWIRE
+from tests.test_train import jsonl
+
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = REPO / "deploy" / "images"
-ROLLWIRE = [sys.executable, "-m", "rollwire.services.app.cli"]
 RUN_SH = REPO / "deploy" / "compose" / "run.sh"
 
 pytestmark = [
@@ -91,6 +92,15 @@ def images(tmp_path_factory) -> Iterator[None]:
         assert subprocess.run(["docker", "info"], capture_output=True).returncode != 0
 
 
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A folder the containers' user (uid 10001) can read: pytest's own are root's only."""
+    folder = Path(tempfile.mkdtemp(prefix="rollwire-model-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _compose_run(out: Path, project: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         ["bash", str(RUN_SH), "--out", str(out), "--project", project, *args],
@@ -112,10 +122,6 @@ def _finish(process: subprocess.Popen, timeout: float) -> str:
     return output
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.mark.timeout(900)
 def test_the_default_run_in_containers_learns(images, tmp_path) -> None:
     project = f"rwtest{os.getpid()}d"
@@ -130,15 +136,13 @@ def test_the_default_run_in_containers_learns(images, tmp_path) -> None:
     output = _finish(process, 600)
     assert process.returncode == 0, output[-4000:]
     run = tmp_path / "run"
-    steps = _jsonl(run / "metrics" / "trainer.jsonl")
+    steps = jsonl(run / "metrics" / "trainer.jsonl")
     assert [row["step"] for row in steps] == list(range(1, 21))
-    curve = [
-        (e["policy_version"], e["eval_reward"]) for e in _jsonl(run / "metrics" / "eval.jsonl")
-    ]
+    curve = [(e["policy_version"], e["eval_reward"]) for e in jsonl(run / "metrics" / "eval.jsonl")]
     print(f"held-out greedy reward by version, in containers: {curve}")
     assert [version for version, _ in curve] == [0, 10, 20]
     assert max(reward for _, reward in curve[1:]) > curve[0][1], curve
-    progress = _jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
+    progress = jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
     assert progress["groups_failed"] == 0
     assert (run / "checkpoints" / "step_000020" / "config.json").exists()
     assert _left_of(project) == {"containers": "", "networks": "", "volumes": ""}
@@ -164,7 +168,7 @@ def _service_containers(project: str, service: str) -> list[str]:
 
 @pytest.mark.timeout(1200)
 def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
-    images, tmp_path
+    images, tmp_path, shared
 ) -> None:
     """examples/agentic.yaml with `--env-servers 3`: the orchestrator finds all three by
     DNS; one is killed mid-run (its process, SIGKILL: `restart: on-failure` brings the
@@ -174,8 +178,6 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
     # The warm model from this machine's cache (the local agentic tests made it), handed
     # to the stack with --model: the warm-up is the same code in a container, and twice as
     # slow there beside the other services.
-    shared = Path(tempfile.mkdtemp(prefix="rollwire-model-"))
-    shared.chmod(0o755)  # the containers run as uid 10001
     prepare = [*ROLLWIRE, "prepare", "-c", str(config), "--out", str(shared / "model")]
     prepared = subprocess.run(prepare, capture_output=True, text=True, timeout=900)
     assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
@@ -221,22 +223,19 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
             process.wait(timeout=120)
     assert process.returncode == 0, output[-4000:]
     run = tmp_path / "run"
-    steps = _jsonl(run / "metrics" / "trainer.jsonl")
+    steps = jsonl(run / "metrics" / "trainer.jsonl")
     assert [row["step"] for row in steps] == list(range(1, 11))
     # Every trained group was whole: 8 episodes of each of 16 groups per step.
     assert all(row["sequences"] == 128 for row in steps), [row["sequences"] for row in steps]
-    progress = _jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
+    progress = jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
     assert progress["groups_failed"] == 0, "an episode was lost with its server"
     assert progress["env_servers_lost"] >= 1
-    curve = [
-        (e["policy_version"], e["eval_reward"]) for e in _jsonl(run / "metrics" / "eval.jsonl")
-    ]
+    curve = [(e["policy_version"], e["eval_reward"]) for e in jsonl(run / "metrics" / "eval.jsonl")]
     print(f"held-out greedy success by version, in containers: {curve}")
     assert [version for version, _ in curve] == [0, 5, 10]
     # Local runs of this example: 0.14 -> 1.00 at version 5 (warm-up seed 1).
     assert max(reward for _, reward in curve[1:]) >= curve[0][1] + 0.3, curve
     assert _left_of(project) == {"containers": "", "networks": "", "volumes": ""}
-    shutil.rmtree(shared)
 
 
 GUESS_CONFIG = """\
@@ -265,7 +264,7 @@ def test_episodes_on_the_node_env_server_container(images, tmp_path) -> None:
     output = _finish(process, 540)
     assert process.returncode == 0, output[-4000:]
     run = tmp_path / "out" / "run"
-    steps = _jsonl(run / "metrics" / "trainer.jsonl")
+    steps = jsonl(run / "metrics" / "trainer.jsonl")
     assert [row["step"] for row in steps] == [1, 2, 3]
     assert all(row["sequences"] == 16 for row in steps)
     logs = run / "logs"
