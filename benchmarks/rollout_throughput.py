@@ -4,8 +4,10 @@ behind the rollout-server over gRPC.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rollout_throughput.py [--model PATH]
 
 Each row generates `batch` sequences of `--tokens` new tokens (no stop token)
-from the same model with one torch thread, and reports tokens/s and the ratio
-to HF generate() at the same batch size.
+from the same model with one torch thread, and reports tokens/s, the engine's
+ratio to HF generate() at the same batch size, and the rollout-server's ratio to
+the same engine in-process (what the gRPC service costs: one request per sequence,
+as `Generate` calls arrive).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -105,6 +108,8 @@ def main() -> None:
                 "--set",
                 f"rollout_server.model_path={model_path}",
                 "--set",
+                f"rollout_server.max_batch_size={max(args.batches)}",
+                "--set",
                 "telemetry.log_level=warning",
             ],
             env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -117,13 +122,14 @@ def main() -> None:
             address = ready.read_text().strip()
 
             async def measure() -> list[tuple[int, float, float, float]]:
-                engine = HFEngine(model_path, max_batch_size=64, batch_wait_seconds=0.005)
+                # The server's own batching settings: only the gRPC service differs.
+                engine = HFEngine(model_path, max_batch_size=max(args.batches))
                 await engine.start()
                 rows = []
                 async with open_channel(address) as channel:
                     await wait_for_serving(channel, timeout=60, target=address)
                     stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-                    for batch in (1, 8, 32):
+                    for batch in args.batches:
                         hf = best(
                             [hf_generate(model, batch, args.tokens) for _ in range(args.repeats)]
                         )
@@ -151,11 +157,13 @@ def main() -> None:
         f"{args.tokens} new tokens per sequence, 1 torch thread, tokens/s (best of {args.repeats})"
     )
     print(
-        f"{'batch':>6}{'HF generate':>14}{'engine':>10}{'vs HF':>8}{'rollout-server':>16}{'vs HF':>8}"
+        f"{'batch':>6}{'HF generate':>14}{'engine':>10}{'vs HF':>8}"
+        f"{'rollout-server':>16}{'vs engine':>11}"
     )
     for batch, hf, local, remote in rows:
         print(
-            f"{batch:>6}{hf:>14.0f}{local:>10.0f}{local / hf:>7.2f}x{remote:>16.0f}{remote / hf:>7.2f}x"
+            f"{batch:>6}{hf:>14.0f}{local:>10.0f}{local / hf:>7.2f}x"
+            f"{remote:>16.0f}{remote / local:>10.2f}x"
         )
 
 

@@ -155,6 +155,20 @@ def _logs(container: str) -> str:
     return result.stdout + result.stderr
 
 
+def _kill_server_process(container: str) -> None:
+    """SIGKILL to the server in `container` (under docker-init, `init: true`), once it runs:
+    `restart: on-failure` brings the container back."""
+    deadline = time.monotonic() + 60
+    while True:
+        init = int(_docker("inspect", "-f", "{{.State.Pid}}", container).strip())
+        children = Path(f"/proc/{init}/task/{init}/children").read_text().split() if init else []
+        if children:
+            os.kill(int(children[0]), signal.SIGKILL)
+            return
+        assert time.monotonic() < deadline, f"{container} has no server process after 60 s"
+        time.sleep(1)
+
+
 def _service_containers(project: str, service: str) -> list[str]:
     return _docker(
         "ps",
@@ -211,11 +225,19 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
             assert process.poll() is None, process.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "no evaluation within 600 s"
             time.sleep(1)
-        time.sleep(10)
+        # A kill lands only if an episode is running on the victim then: while the
+        # orchestrator waits at the staleness bound none is, and the restarted server
+        # answers the next episode as if nothing happened. So it is killed again, every
+        # 20 s, until the orchestrator's log says it noticed (or the run ends).
         victim = env_servers[0]
-        init = int(_docker("inspect", "-f", "{{.State.Pid}}", victim).strip())
-        children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
-        os.kill(int(children[0]) if children else init, signal.SIGKILL)
+        while process.poll() is None and "env-server lost" not in _logs(orchestrator):
+            assert time.monotonic() < deadline + 600, "the loss was never noticed"
+            _kill_server_process(victim)
+            noticed_by = time.monotonic() + 20
+            while process.poll() is None and time.monotonic() < noticed_by:
+                if "env-server lost" in _logs(orchestrator):
+                    break
+                time.sleep(1)
         output = _finish(process, 900)
     finally:
         if process.poll() is None:

@@ -275,6 +275,46 @@ async def test_a_request_joins_a_running_batch_and_is_answered_when_its_row_ends
     )
 
 
+async def test_rows_join_and_leave_a_running_batch_on_its_kv_cache(tiny_model_path) -> None:
+    """Newcomers' prompts are computed alone and put beside the running cache (one as
+    short as one token, one longer than the cache is wide); finished rows leave it. No
+    request sees anything but its own tokens: every logprob is that of a lone forward."""
+    engine = HFEngine(tiny_model_path, max_batch_size=8)
+    await engine.start()
+    try:
+        slow_down(engine)
+        first = asyncio.ensure_future(
+            engine.generate("first", [5, 6, 7], SamplingSpec(max_new_tokens=40, seed=1))
+        )
+        await until_running(engine)
+        await asyncio.sleep(0.03)
+        prompts = {"one": [9], "long": list(range(4, 34)), "mid": [12, 13, 14, 15]}
+        specs = {
+            "one": SamplingSpec(max_new_tokens=6, seed=2),
+            "long": SamplingSpec(max_new_tokens=20, seed=3),
+            "mid": SamplingSpec(max_new_tokens=8, temperature=0.0),
+        }
+        joined = await asyncio.wait_for(
+            asyncio.gather(*(engine.generate(key, prompts[key], specs[key]) for key in prompts)),
+            30,
+        )
+        result = await asyncio.wait_for(first, 30)
+    finally:
+        await engine.close()
+    assert engine.joined_rows == 3
+    assert engine.layouts == 1, "a join laid the batch out again instead of keeping its cache"
+    assert engine.cache_merges >= 2  # the joins, and the finished rows dropped
+    for key, generation in zip(prompts, joined, strict=True):
+        assert len(generation.token_ids) == specs[key].max_new_tokens
+        assert generation.logprobs == pytest.approx(
+            reference_logprobs(engine.model, prompts[key], generation.token_ids), abs=1e-4
+        ), key
+    assert len(result.token_ids) == 40
+    assert result.logprobs == pytest.approx(
+        reference_logprobs(engine.model, [5, 6, 7], result.token_ids), abs=1e-4
+    )
+
+
 async def test_an_engine_that_is_not_interruptible_updates_between_batches(
     tiny_model_path,
 ) -> None:

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -43,7 +44,7 @@ from rollwire.rollout.server.engine import (
     validate_request,
     validate_scoring,
 )
-from rollwire.rollout.server.sampling import SamplingSpec, sample_next
+from rollwire.rollout.server.sampling import SamplingBatch, SamplingSpec
 
 __all__ = ["ContextTooLong", "Generation", "HFEngine", "RequestError"]
 
@@ -114,12 +115,23 @@ class HFEngine:
         self._arrived = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.joined_rows = 0
+        self.layouts = 0
+        """Batches laid out with a fresh KV cache: each new batch, and each weight update
+        mid-batch (and a join whose cache could not be edited)."""
+        self.cache_merges = 0
+        """Changes of rows made on the running KV cache (joins, finished rows dropped)."""
         self._inflight: dict[str, _Pending] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
         self.generated_tokens = 0
         self.running = 0
+        self._aborts = 0
+        """Counts abort calls: the decoding loop looks at its rows' abort flags only after one."""
+        # Prefill computes logits for the last position only, where the model's forward
+        # takes `logits_to_keep` (the vocabulary projection of every prompt token is waste).
+        forward = inspect.signature(self.model.forward).parameters
+        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -178,6 +190,7 @@ class HFEngine:
             return await pending.future
         except asyncio.CancelledError:  # the caller went away (deadline, hang-up): stop its row
             pending.aborted.set()
+            self._aborts += 1
             raise
         finally:
             self._inflight.pop(request_id, None)
@@ -191,6 +204,7 @@ class HFEngine:
         )
         for pending in targets:
             pending.aborted.set()
+        self._aborts += 1
         return len(targets)
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float:
@@ -358,17 +372,24 @@ class HFEngine:
         """The decoding loop of one batch. Rows are (re)laid out left-padded with a fresh
         KV cache when requests join it between two steps (continuous batching) or new
         weights arrive (interruptible generation); finished rows answer at once and stay
-        in the batch, ignored, until the next layout drops them."""
+        in the batch, ignored, until the next layout drops them.
+
+        A step does no Python work per row: sampling, stop tokens and length limits are
+        tensor operations over the batch (`_Layout`), and a row's tokens become Python
+        lists only when it finishes or the batch is laid out again."""
         rows.extend(_Row.start(pending) for pending in batch)
         version = self._version
-        layout = True
         interrupted = False
-        cache = step_ids = step_positions = attention = None
-        while any(row.finish is None for row in rows):
+        layout: _Layout | None = None
+        aborts_seen = -1
+        step_ids = step_positions = attention = cache = None
+        while layout is None or layout.live:
+            relayout = layout is None
             if self._pending_update is not None and self._take_update():
                 self.interrupted_batches += not interrupted
-                version, layout, interrupted = self._version, True, True
-            room = self.max_batch_size - sum(row.finish is None for row in rows)
+                version, relayout, interrupted = self._version, True, True
+            live = len(rows) if layout is None else layout.live
+            room = self.max_batch_size - live
             joining = []
             while room > 0 and self._intake and not self._draining:
                 try:
@@ -378,39 +399,129 @@ class HFEngine:
                 room -= 1
             if joining:
                 self.joined_rows += len(joining)
-                layout = True
-            if layout:
+            if layout is not None and not relayout and (joining or 2 * layout.live < len(rows)):
+                # Newcomers, or half the rows done: the cache is kept (its finished rows
+                # dropped, the newcomers' prompts computed alone and put beside it) where
+                # its layout allows; otherwise everything is laid out again below.
+                merged = self._merge(
+                    layout, rows, joining, cache, step_ids, attention, step_positions
+                )
+                if merged is None:
+                    relayout = True
+                else:
+                    cache, step_ids, attention, step_positions = merged
+                    self.cache_merges += 1
+                    layout = _Layout(rows, version)
+                    aborts_seen = -1
+            elif joining:
+                relayout = True
+            if relayout:
+                if layout is not None:
+                    layout.flush()
                 rows[:] = [row for row in rows if row.finish is None] + joining
+                layout = _Layout(rows, version)
+                self.layouts += 1
                 step_ids, attention = self._left_padded([row.sequence for row in rows])
                 step_positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-                cache, layout = None, False
-            self.running = len(rows)
+                cache = None
+                aborts_seen = -1
+            self.running = layout.live
             out = self.model(
                 input_ids=step_ids.to(self.device),
                 attention_mask=attention.to(self.device),
                 position_ids=step_positions.to(self.device),
                 past_key_values=cache,
                 use_cache=True,
+                **self._last_logits_only,
             )
             cache = out.past_key_values
-            tokens, chosen = sample_next(
-                out.logits[:, -1, :].cpu(),
-                [row.pending.spec for row in rows],
-                [row.generator for row in rows],
-            )
-            for index, row in enumerate(rows):
-                if row.finish is not None:
-                    continue
-                if row.pending.aborted.is_set():
-                    row.finish = "abort"
-                else:
-                    row.add(int(tokens[index]), float(chosen[index]), version)
-                if row.finish is not None:
-                    self.generated_tokens += len(row.tokens)
-                    self._deliver(row.pending, row.result(version))
+            if self._aborts != aborts_seen:  # an abort since the last look: which rows
+                aborts_seen = self._aborts
+                for index in layout.aborted():
+                    self._finish(rows[index], layout.version)
+            tokens, chosen = layout.sampler.sample(out.logits[:, -1, :].cpu())
+            for index in layout.advance(tokens, chosen):
+                self._finish(rows[index], layout.version)
             step_ids = tokens[:, None]
             attention = torch.cat([attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
             step_positions = step_positions[:, -1:] + 1
+
+    def _merge(
+        self,
+        layout: _Layout,
+        rows: list[_Row],
+        joining: list[_Row],
+        cache: object,
+        step_ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[object, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Keeps the KV cache across a change of rows: the finished ones leave it, and the
+        newcomers' prompts (all but their last token, which is their first step's input)
+        are computed alone and put beside it, both left-padded to one width. Sets `rows`
+        to the rows now in the batch; returns the next step's cache and inputs, or None
+        for a cache this cannot edit (not a plain `DynamicCache`: sliding windows and
+        other layouts are laid out again instead)."""
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        if type(cache) is not DynamicCache or any(
+            type(layer) is not DynamicLayer or layer.keys is None for layer in cache.layers
+        ):
+            return None
+        keep = layout.active.nonzero().squeeze(1)
+        layout.flush()
+        rows[:] = [rows[index] for index in keep.tolist()]
+        if len(keep) < attention.shape[0]:
+            cache.batch_select_indices(keep)
+            step_ids, attention, positions = step_ids[keep], attention[keep], positions[keep]
+        if not joining:
+            return cache, step_ids, attention, positions
+        # Widths are those of the cache: the input token's column of `attention` is last.
+        held = attention.shape[1] - 1
+        prefixes = [row.sequence[:-1] for row in joining]
+        longest = max(len(prefix) for prefix in prefixes)
+        width = max(held, longest)
+        if longest:
+            ids, mask = self._left_padded(prefixes)
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=((mask.cumsum(dim=1) - 1).clamp(min=0)).to(self.device),
+                use_cache=True,
+                **self._last_logits_only,
+            )
+            added = out.past_key_values
+            if type(added) is not DynamicCache or len(added.layers) != len(cache.layers):
+                return None
+            parts = [(layer.keys, layer.values) for layer in added.layers]
+        else:
+            mask = torch.zeros((len(joining), 0), dtype=torch.long)
+            parts = [(None, None)] * len(cache.layers)
+        for layer, (keys, values) in zip(cache.layers, parts, strict=True):
+            if keys is None:
+                shape = (len(joining), *layer.keys.shape[1:2], 0, layer.keys.shape[3])
+                keys = values = layer.keys.new_zeros(shape)
+            layer.keys = torch.cat([_pad_left(layer.keys, width, 2), _pad_left(keys, width, 2)])
+            layer.values = torch.cat(
+                [_pad_left(layer.values, width, 2), _pad_left(values, width, 2)]
+            )
+        one = torch.ones((len(joining), 1), dtype=torch.long)
+        attention = torch.cat(
+            [
+                torch.cat([_pad_left(attention[:, :-1], width, 1), attention[:, -1:]], dim=1),
+                torch.cat([_pad_left(mask, width, 1), one], dim=1),
+            ]
+        )
+        step_ids = torch.cat([step_ids, torch.tensor([[row.sequence[-1]] for row in joining])])
+        positions = torch.cat(
+            [positions, torch.tensor([[len(prefix)] for prefix in prefixes], dtype=positions.dtype)]
+        )
+        rows.extend(joining)
+        return cache, step_ids, attention, positions
+
+    def _finish(self, row: _Row, version: int) -> None:
+        self.generated_tokens += len(row.tokens)
+        self._deliver(row.pending, row.result(version))
 
     def _left_padded(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         longest = max(len(sequence) for sequence in sequences)
@@ -420,6 +531,91 @@ class HFEngine:
             ids[row, longest - len(sequence) :] = torch.tensor(sequence)
             attention[row, longest - len(sequence) :] = 1
         return ids, attention
+
+
+def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`tensor` zero-padded at the front of `dim` to `width`."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+class _Layout:
+    """The live rows of one batch layout as tensors: which still generate, how many tokens
+    each has, its limit and stop tokens, and the tokens sampled since the layout began
+    (one column per step). Rows take their tokens as lists when they finish (`advance`,
+    `aborted`) or when the batch is laid out again (`flush`)."""
+
+    def __init__(self, rows: list[_Row], version: int) -> None:
+        self.rows = rows
+        self.version = version
+        self.live = len(rows)
+        specs = [row.pending.spec for row in rows]
+        self.sampler = SamplingBatch(specs, [row.generator for row in rows])
+        self.active = torch.ones(len(rows), dtype=torch.bool)
+        self.count = torch.tensor([len(row.tokens) for row in rows])
+        self.limit = torch.tensor([spec.max_new_tokens for spec in specs])
+        widest = max(1, *(len(spec.stop_token_ids) for spec in specs))
+        self.stops = torch.full((len(rows), widest), -1, dtype=torch.long)
+        for index, spec in enumerate(specs):
+            if spec.stop_token_ids:
+                self.stops[index, : len(spec.stop_token_ids)] = torch.tensor(
+                    sorted(spec.stop_token_ids)
+                )
+        room = int((self.limit - self.count).max()) if rows else 0
+        self.tokens = torch.zeros((len(rows), room), dtype=torch.long)
+        self.logprobs = torch.zeros((len(rows), room), dtype=torch.float32)
+        self.steps = 0
+        self.flushed = False
+
+    def advance(self, tokens: torch.Tensor, chosen: torch.Tensor) -> list[int]:
+        """Records one step's tokens; returns the rows it finished (their reason set)."""
+        self.tokens[:, self.steps] = tokens
+        self.logprobs[:, self.steps] = chosen
+        self.steps += 1
+        stopped = (tokens[:, None] == self.stops).any(dim=1)
+        self.count += self.active
+        done = self.active & (stopped | (self.count >= self.limit))
+        if not bool(done.any()):
+            return []
+        self.active &= ~done
+        finished = done.nonzero().squeeze(1).tolist()
+        for index in finished:
+            self._take(index, self.steps, "stop" if bool(stopped[index]) else "length")
+        return finished
+
+    def aborted(self) -> list[int]:
+        """Live rows whose request was aborted: they end with the tokens they have."""
+        found = [
+            index
+            for index in self.active.nonzero().squeeze(1).tolist()
+            if self.rows[index].pending.aborted.is_set()
+        ]
+        for index in found:
+            self.active[index] = False
+            self._take(index, self.steps, "abort")
+        return found
+
+    def flush(self) -> None:
+        """Hands the live rows their tokens so far, before the batch is laid out again
+        (once: the layout is done with after it)."""
+        if self.flushed:
+            return
+        self.flushed = True
+        for index in self.active.nonzero().squeeze(1).tolist():
+            self._take(index, self.steps, None)
+
+    def _take(self, index: int, steps: int, finish: str | None) -> None:
+        row = self.rows[index]
+        row.tokens.extend(self.tokens[index, :steps].tolist())
+        row.logprobs.extend(self.logprobs[index, :steps].tolist())
+        row.versions.extend([self.version] * steps)
+        row.finish = finish
+        if finish is not None:
+            self.live -= 1
 
 
 @dataclass
@@ -445,15 +641,6 @@ class _Row:
     @property
     def sequence(self) -> list[int]:
         return self.pending.prompt_ids + self.tokens
-
-    def add(self, token: int, logprob: float, version: int) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(version)
-        if token in self.pending.spec.stop_token_ids:
-            self.finish = "stop"
-        elif len(self.tokens) >= self.pending.spec.max_new_tokens:
-            self.finish = "length"
 
     def result(self, version: int) -> Generation:
         return Generation(

@@ -28,49 +28,89 @@ class SamplingSpec:
     seed: int | None = None
 
 
-def processed_logprobs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-    """Per-row log-distribution after temperature, top-k and top-p: [B, V] -> [B, V].
+class SamplingBatch:
+    """The sampling parameters of a batch's rows as tensors, built once per batch layout
+    so each decoding step does no per-row Python work (seeded rows excepted: each draws
+    from its own generator)."""
 
-    Greedy rows (temperature 0) keep the untempered distribution; their token is the argmax.
-    """
-    logits = logits.float()
-    temperature = torch.tensor(
-        [s.temperature if s.temperature > 0 else 1.0 for s in specs], dtype=logits.dtype
-    )
-    scaled = logits / temperature[:, None]
-    top_k = [s.top_k for s in specs]
-    top_p = [s.top_p for s in specs]
-    if any(0 < k < logits.shape[1] for k in top_k) or any(0 < p < 1 for p in top_p):
-        sorted_logits, order = scaled.sort(dim=1, descending=True)
-        positions = torch.arange(logits.shape[1])[None, :]
-        k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k])[:, None]
-        remove = positions >= k
-        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=1)
-        p = torch.tensor([p if 0 < p < 1 else 1.0 for p in top_p], dtype=probs.dtype)[:, None]
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
-        remove |= (probs.cumsum(dim=1) - probs) >= p
-        remove[:, 0] = False
-        scaled = scaled.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
-    return torch.log_softmax(scaled, dim=1)
+    def __init__(
+        self, specs: list[SamplingSpec], generators: list[torch.Generator | None] | None = None
+    ) -> None:
+        self.size = len(specs)
+        self.temperature = torch.tensor(
+            [s.temperature if s.temperature > 0 else 1.0 for s in specs], dtype=torch.float32
+        )[:, None]
+        self.top_k = [s.top_k for s in specs]
+        self.top_p = [s.top_p for s in specs]
+        self._truncated: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.sampled = torch.tensor([s.temperature > 0 for s in specs], dtype=torch.bool)
+        generators = generators or [None] * len(specs)
+        self.seeded = [
+            (row, generator)
+            for row, (spec, generator) in enumerate(zip(specs, generators, strict=True))
+            if spec.temperature > 0 and generator is not None
+        ]
+        shared = self.sampled.clone()
+        for row, _ in self.seeded:
+            shared[row] = False
+        self.shared = shared.nonzero().squeeze(1) if shared.any() else None
+        self.all_shared = bool(shared.all())
+        self.any_greedy = not bool(self.sampled.all())
+
+    def _truncation(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k [B, 1], p [B, 1]) when some row truncates its distribution, else None."""
+        if not (any(0 < k < vocab for k in self.top_k) or any(0 < p < 1 for p in self.top_p)):
+            return None
+        if self._truncated is None:
+            self._truncated = (
+                torch.tensor([k if 0 < k < vocab else vocab for k in self.top_k])[:, None],
+                torch.tensor([p if 0 < p < 1 else 1.0 for p in self.top_p])[:, None],
+            )
+        return self._truncated
+
+    def logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-row log-distribution after temperature, top-k and top-p: [B, V] -> [B, V].
+
+        Greedy rows (temperature 0) keep the untempered distribution; their token is the
+        argmax."""
+        scaled = logits.float() / self.temperature
+        truncation = self._truncation(logits.shape[1])
+        if truncation is not None:
+            k, p = truncation
+            sorted_logits, order = scaled.sort(dim=1, descending=True)
+            positions = torch.arange(logits.shape[1])[None, :]
+            remove = positions >= k
+            probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=1)
+            # Drop a token when the mass before it already reaches top_p (the first stays).
+            remove |= (probs.cumsum(dim=1) - probs) >= p.to(probs.dtype)
+            remove[:, 0] = False
+            scaled = scaled.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+        return torch.log_softmax(scaled, dim=1)
+
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draws one token per row; returns (tokens [B], their logprobs [B]). Rows with a
+        seed draw from their own generator (reproducible); the others in one call."""
+        logprobs = self.logprobs(logits)
+        probs = logprobs.exp()
+        if self.all_shared:
+            tokens = torch.multinomial(probs, 1).squeeze(1)
+        else:
+            tokens = logprobs.argmax(dim=1)
+            if self.shared is not None:
+                tokens[self.shared] = torch.multinomial(probs[self.shared], 1).squeeze(1)
+            for row, generator in self.seeded:
+                tokens[row] = torch.multinomial(probs[row], 1, generator=generator)[0]
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, chosen
+
+
+def processed_logprobs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+    """Per-row log-distribution after temperature, top-k and top-p: [B, V] -> [B, V]."""
+    return SamplingBatch(specs).logprobs(logits)
 
 
 def sample_next(
     logits: torch.Tensor, specs: list[SamplingSpec], generators: list[torch.Generator | None]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draws one token per row; returns (tokens [B], their logprobs [B]).
-
-    Rows with a seed draw from their own generator (reproducible); the others
-    are drawn together in one call.
-    """
-    logprobs = processed_logprobs(logits, specs)
-    tokens = logprobs.argmax(dim=1)
-    sampled = [row for row, spec in enumerate(specs) if spec.temperature > 0]
-    shared = [row for row in sampled if generators[row] is None]
-    probs = logprobs.exp()
-    if shared:
-        tokens[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
-    for row in sampled:
-        if generators[row] is not None:
-            tokens[row] = int(torch.multinomial(probs[row], 1, generator=generators[row]))
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, chosen
+    """Draws one token per row; returns (tokens [B], their logprobs [B])."""
+    return SamplingBatch(specs, generators).sample(logits)
