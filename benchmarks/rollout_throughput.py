@@ -6,8 +6,9 @@ behind the rollout-server over gRPC.
 Each row generates `batch` sequences of `--tokens` new tokens (no stop token)
 from the same model with one torch thread, and reports tokens/s, the engine's
 ratio to HF generate() at the same batch size, and the rollout-server's ratio to
-the same engine in-process (what the gRPC service costs: one request per sequence,
-as `Generate` calls arrive).
+the same engine in-process (what the gRPC service costs), asked two ways: one
+`Generate` call per sequence, and `GenerateGroup` calls of `--group` samples of a
+prompt (what the orchestrator sends).
 """
 
 from __future__ import annotations
@@ -75,6 +76,26 @@ async def server_generate(stub, batch: int, tokens: int) -> float:
     return batch * tokens / (time.perf_counter() - started)
 
 
+async def server_generate_groups(stub, batch: int, tokens: int, group: int) -> float:
+    """`batch` sequences as GenerateGroup calls of `group` samples (the orchestrator's way)."""
+    sampling = rollout_pb2.SamplingParams(temperature=1.0, max_new_tokens=tokens)
+    started = time.perf_counter()
+    await asyncio.gather(
+        *(
+            stub.GenerateGroup(
+                rollout_pb2.GenerateGroupRequest(
+                    request_id=uuid.uuid4().hex,
+                    prompt_token_ids=PROMPT,
+                    sampling=sampling,
+                    num_samples=min(group, batch),
+                )
+            )
+            for _ in range(max(1, batch // group))
+        )
+    )
+    return max(1, batch // group) * min(group, batch) * tokens / (time.perf_counter() - started)
+
+
 def best(values: list[float]) -> float:
     return max(values)
 
@@ -87,6 +108,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--group", type=int, default=8, help="samples per GenerateGroup call")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -145,7 +167,13 @@ def main() -> None:
                                 for _ in range(args.repeats)
                             ]
                         )
-                        rows.append((batch, hf, local, remote))
+                        grouped = best(
+                            [
+                                await server_generate_groups(stub, batch, args.tokens, args.group)
+                                for _ in range(args.repeats)
+                            ]
+                        )
+                        rows.append((batch, hf, local, remote, grouped))
                 await engine.close()
                 return rows
 
@@ -158,12 +186,12 @@ def main() -> None:
     )
     print(
         f"{'batch':>6}{'HF generate':>14}{'engine':>10}{'vs HF':>8}"
-        f"{'rollout-server':>16}{'vs engine':>11}"
+        f"{'server: Generate':>18}{'vs engine':>11}{f'GenerateGroup({args.group})':>19}{'vs engine':>11}"
     )
-    for batch, hf, local, remote in rows:
+    for batch, hf, local, remote, grouped in rows:
         print(
             f"{batch:>6}{hf:>14.0f}{local:>10.0f}{local / hf:>7.2f}x"
-            f"{remote:>16.0f}{remote / local:>10.2f}x"
+            f"{remote:>18.0f}{remote / local:>10.2f}x{grouped:>19.0f}{grouped / local:>10.2f}x"
         )
 
 

@@ -1,7 +1,7 @@
 """Generation with a Hugging Face causal LM, batching concurrent requests together.
 
-Requests that arrive within `batch_wait_seconds` of each other start as one
-left-padded batch with a KV cache; each row keeps its own sampling parameters,
+Requests that arrive within `batch_wait_seconds` of each other (up to
+`batch_max_wait_seconds` after the first) start as one left-padded batch with a KV cache; each row keeps its own sampling parameters,
 stop tokens, length limit and seed. Batching is continuous: a request that
 arrives while a batch runs joins it between two decoding steps (the batch is
 laid out again with the newcomers and its cache rebuilt), and each request is
@@ -71,6 +71,7 @@ class HFEngine:
         model_path: str | Path,
         max_batch_size: int = 32,
         batch_wait_seconds: float = 0.002,
+        batch_max_wait_seconds: float = 0.05,
         dtype: str = "float32",
         device: str = "cpu",
         initial_version: int = 0,
@@ -99,6 +100,7 @@ class HFEngine:
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
         self.max_batch_size = max_batch_size
         self.batch_wait_seconds = batch_wait_seconds
+        self.batch_max_wait_seconds = max(batch_max_wait_seconds, batch_wait_seconds)
         self._version = initial_version
         self.interruptible = interruptible
         # A weight update waiting for the generation loop's next step (worker thread).
@@ -318,11 +320,14 @@ class HFEngine:
             while not self._intake:
                 self._arrived.clear()
                 await self._arrived.wait()
-            deadline = loop.time() + self.batch_wait_seconds
-            while len(self._intake) < self.max_batch_size and loop.time() < deadline:
+            # Each arrival keeps the batch open for another `batch_wait_seconds`, up to
+            # `batch_max_wait_seconds` from the first.
+            cap = loop.time() + self.batch_max_wait_seconds
+            while len(self._intake) < self.max_batch_size and loop.time() < cap:
                 self._arrived.clear()
+                gap = min(self.batch_wait_seconds, cap - loop.time())
                 try:
-                    await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+                    await asyncio.wait_for(self._arrived.wait(), gap)
                 except TimeoutError:
                     break
             batch = [

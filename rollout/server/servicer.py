@@ -333,6 +333,7 @@ def build_engine(config: RolloutServerConfig) -> Engine:
         model_path,
         max_batch_size=config.max_batch_size,
         batch_wait_seconds=config.batch_wait_seconds,
+        batch_max_wait_seconds=config.batch_max_wait_seconds,
         dtype=config.dtype,
         device=config.device,
         interruptible=config.interruptible,

@@ -241,7 +241,11 @@ class RolloutServerConfig(StrictModel):
     max_batch_size: int = Field(32, ge=1)
     """Requests generated together in one batch."""
     batch_wait_seconds: float = Field(0.002, ge=0)
-    """How long the first request of a batch waits for others to join it."""
+    """A new batch starts once no request has arrived for this long (requests sent
+    together reach the server spread out: each one that comes keeps the batch open a
+    little longer), when it is full, or at `batch_max_wait_seconds`."""
+    batch_max_wait_seconds: float = Field(0.05, ge=0)
+    """The longest the first request of a batch waits for others to join it."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision the model runs in."""
     device: str = "cpu"
