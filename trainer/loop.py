@@ -31,6 +31,7 @@ from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.retry import RetryPolicy, call_with_retries
 from rollwire.services.core.server import Registration, ServiceRuntime
 from rollwire.services.core.telemetry import dump_tasks_on_signal
+from rollwire.services.core.timing import PhaseClock
 from rollwire.services.core.watchdog import Watchdog
 from rollwire.services.core.wire import Batch
 from rollwire.trainer.model import Policy
@@ -109,6 +110,7 @@ async def train(
     watchdog, watch_seconds = Watchdog("trainer"), config.telemetry.watchdog_seconds
     watchdog.start()
     clock = Clock()
+    phases = PhaseClock()
     try:
         while state.step < config.rl.max_steps and not state.stop_requested:
             state.state = "waiting_for_batch"
@@ -118,14 +120,21 @@ async def train(
             if batch is None:
                 break
             clock.idle += time.perf_counter() - waited_from
+            phases.add("wait", time.perf_counter() - waited_from)
             with watchdog.watch("step", f"{state.step + 1}", watch_seconds):
                 await _step(config, policy, state, rollout_stubs, buffer, batch, trained_log)
             metrics = state.last_metrics
-            metrics.update(clock.rates(state))
-            metrics_log.write(state.step, metrics)
             due = trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0
             if due or state.checkpoint_requests:
-                await checkpoint(policy, state, run_dir, buffer, trainer.batch_timeout_seconds)
+                with phases.phase("checkpoint"):
+                    await checkpoint(policy, state, run_dir, buffer, trainer.batch_timeout_seconds)
+            # The step's breakdown: waiting, the model's phases (`train_step` timed them),
+            # publishing, acknowledging, checkpointing; and the CPU the process used.
+            for key in ("publish", "ack"):
+                phases.add(key, metrics.pop(f"_{key}_seconds", 0.0))
+            metrics.update(phases.take())
+            metrics.update(clock.rates(state))
+            metrics_log.write(state.step, metrics)
         await checkpoint(policy, state, run_dir, buffer, trainer.batch_timeout_seconds)
     finally:
         watchdog.stop()
@@ -195,6 +204,7 @@ async def _step(
     metrics["publish_seconds"] = await publish(
         rollout_stubs, policy, state.version, trainer.weight_chunk_bytes, group=state.weight_group
     )
+    metrics["_publish_seconds"] = metrics["publish_seconds"]
     metrics["weights_by_group"] = float(
         state.weight_group is not None and state.weight_group.usable
     )
@@ -207,6 +217,7 @@ async def _step(
     }
     trained_log.write(json.dumps(record) + "\n")
     trained_log.flush()
+    acked_from = time.perf_counter()
     await _buffer_call(
         functools.partial(
             buffer.ack, batch.batch_id, state.version, trained_ids, commit_now, state.step
@@ -215,6 +226,7 @@ async def _step(
         trainer.batch_timeout_seconds,
         state,
     )
+    metrics["_ack_seconds"] = time.perf_counter() - acked_from
     if not commit_now:
         state.uncommitted_ids.extend(trained_ids)
     state.trained += len(trajectories)

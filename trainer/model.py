@@ -20,6 +20,7 @@ import torch
 
 from rollwire.services.core.config import LoraConfig, RLSection, TrainerConfig
 from rollwire.services.core.files import staged_directory
+from rollwire.services.core.timing import PhaseClock
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.advantages import Advantages
 from rollwire.trainer.algorithms import RunningMoments, final_token_rewards, lr_factor
@@ -329,27 +330,31 @@ class Policy(Advantages, PipelineSteps):
         )
         observed: list[Observed] = []
         parts = [part for minibatch_parts in plan for part in minibatch_parts]
+        clock = PhaseClock()
         if ahead:
-            observed.append(self.updater.proximal_pass(parts, trainer_version))
+            with clock.phase("proximal"):
+                observed.append(self.updater.proximal_pass(parts, trainer_version))
         if self.token_level:
             metrics.update(self._token_advantages(parts))
         backend = self.backend
         for _ in range(self.config.epochs_per_step):
             for parts, total in zip(plan, totals, strict=True):
                 backend.zero_grad()
-                rows, shares, seen = self.updater.accumulate(
-                    parts,
-                    trainer_version,
-                    observe=not ahead,
-                    total=total,
-                    ranks=backend.world_size,
-                    backward=backend.backward,
-                )
+                with clock.phase("forward_backward"):
+                    rows, shares, seen = self.updater.accumulate(
+                        parts,
+                        trainer_version,
+                        observe=not ahead,
+                        total=total,
+                        ranks=backend.world_size,
+                        backward=backend.backward,
+                    )
                 if seen is not None:
                     observed.append(seen)
                 learning_rate = self.learning_rate()
                 backend.set_lr(learning_rate)
-                grad_norm = backend.clip_and_step(self.config.max_grad_norm)
+                with clock.phase("optimizer"):
+                    grad_norm = backend.clip_and_step(self.config.max_grad_norm)
                 self.optimizer_steps += 1
                 # Every rank's parts: the minibatch's token means.
                 everyone = backend.all_gather_object((rows, shares))
@@ -363,7 +368,11 @@ class Policy(Advantages, PipelineSteps):
         if self.critic is not None:
             factor = self.learning_rate() / self.config.learning_rate
             tokens = [minibatch.tokens for minibatch in minibatches]
-            metrics.update(self.critic.update(plan, tokens, factor))
+            with clock.phase("critic"):
+                metrics.update(self.critic.update(plan, tokens, factor))
+        metrics.update(
+            (key, value) for key, value in clock.snapshot().items() if key.startswith("time_")
+        )
         seen_by_all = [part for parts in backend.all_gather_object(observed) for part in parts]
         metrics.update(Observed.merged(seen_by_all).metrics())
         metrics.update(
@@ -374,6 +383,7 @@ class Policy(Advantages, PipelineSteps):
             gather_started = time.perf_counter()
             self._gather()
             metrics["gather_seconds"] = time.perf_counter() - gather_started
+            metrics["time_gather_seconds"] = metrics["gather_seconds"]
         return metrics
 
     def _plan(self, minibatches: list[TokenBatch]) -> list[list[TokenBatch]]:

@@ -371,9 +371,10 @@ class Orchestrator:
             first = trajectories[0]
             await self.producer.drop(first.prompt_ordinal, first.group_id, "filtered")
             return False
-        answers = await put_group_with_backpressure(
-            self.producer, trajectories, self.config.trainer.batch_timeout_seconds
-        )
+        with self.servers.clock.phase("buffer_put"):
+            answers = await put_group_with_backpressure(
+                self.producer, trajectories, self.config.trainer.batch_timeout_seconds
+            )
         for trajectory, answer in zip(trajectories, answers, strict=True):
             self._note_answer(trajectory, answer)
         return True
@@ -540,6 +541,9 @@ class Orchestrator:
             "generated_tokens": self.generated_tokens,
             "tokens_per_second": self.generated_tokens / max(elapsed, 1e-9),
         }
+        # Where the time went since the start (seconds of calls, summed over those in
+        # flight together) and the CPU this process used: `rollwire train` prints it.
+        entry.update(self.servers.clock.snapshot())
         if self.episodes is not None:
             entry["episode_restarts"] = self.episodes.restarts
             entry["env_servers_lost"] = self.pool.lost_count

@@ -36,6 +36,7 @@ from rollwire.services.core.datasets import Task
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.retry import RetryPolicy, call_with_retries, grpc_codes
 from rollwire.services.core.structs import to_struct
+from rollwire.services.core.timing import PhaseClock
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -116,6 +117,9 @@ class Servers:
         self.settings = config.orchestrator
         self.eos = eos
         self.retries = server_retries(config)
+        self.clock = PhaseClock()
+        """Seconds in each kind of call (summed over calls in flight at once), and the
+        rollout-servers' own account of generation: queueing and generating."""
         endpoints = config.endpoints
         self.addresses = endpoints.rollout_servers + endpoints.reward_servers
         self.rollout_channels = [open_channel(a, config.client) for a in endpoints.rollout_servers]
@@ -224,6 +228,9 @@ class Servers:
             lambda: stub.GenerateGroup(request, timeout=self.settings.generate_timeout_seconds),
             "generate",
         )
+        if reply.samples:  # the server's side of the call: the slowest sample's
+            self.clock.add("rollout_queue", max(s.queue_seconds for s in reply.samples))
+            self.clock.add("rollout_generate", max(s.generate_seconds for s in reply.samples))
         return list(reply.samples)
 
     async def score_tokens(
@@ -303,7 +310,8 @@ class Servers:
         return result.reward, dict(result.components)
 
     async def _call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
-        return await call_server(call, self.retries, what)
+        with self.clock.phase(what.replace(" ", "_")):
+            return await call_server(call, self.retries, what)
 
     async def close(self) -> None:
         """Closes the connection to every server."""

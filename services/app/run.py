@@ -246,6 +246,7 @@ def summarise(run_dir: Path, seconds: float) -> str:
             f"trainer idle fraction {rows[-1]['trainer_idle_fraction']:.2f}, "
             f"{rows[-1]['trajectories_per_second']:.1f} trajectories/s"
         )
+    lines.extend(time_breakdown(rows, _read_jsonl(run_dir / "metrics" / "orchestrator.jsonl")))
     plot = plot_rewards(run_dir, rows, evals)
     if plot is not None:
         lines.append(f"reward curve: {plot}")
@@ -253,6 +254,54 @@ def summarise(run_dir: Path, seconds: float) -> str:
         f"metrics: {run_dir / 'metrics'}, logs: {run_dir / 'logs'}, checkpoints: {run_dir / 'checkpoints'}"
     )
     return "\n".join(lines)
+
+
+TRAINER_PHASES = ("wait", "proximal", "forward_backward", "optimizer", "critic", "gather")
+TRAINER_PHASES += ("publish", "ack", "checkpoint")
+
+
+def time_breakdown(steps: list[dict], progress: list[dict]) -> list[str]:
+    """Where the time went: the trainer's mean step by phase (with what it left out as
+    "other") and the orchestrator's calls per group, each with the CPU it used."""
+    lines = []
+    timed = [row for row in steps if "wall_seconds" in row]
+    if timed:
+        wall = sum(row["wall_seconds"] for row in timed) / len(timed)
+        parts = []
+        accounted = 0.0
+        for phase in TRAINER_PHASES:
+            seconds = sum(row.get(f"time_{phase}_seconds", 0.0) for row in timed) / len(timed)
+            if seconds >= 0.0005:
+                accounted += seconds
+                parts.append(f"{phase.replace('_', '/')} {seconds:.3f} ({seconds / wall:.0%})")
+        parts.append(f"other {max(wall - accounted, 0.0):.3f}")
+        cores = sum(row["cpu_cores"] for row in timed) / len(timed)
+        lines.append(
+            f"trainer step, mean of {len(timed)}: {wall:.3f}s = "
+            + ", ".join(parts)
+            + f"; CPU {cores:.2f} cores"
+        )
+    last = progress[-1] if progress else {}
+    groups = last.get("groups_completed", 0) + last.get("groups_failed", 0)
+    if "wall_seconds" in last and groups:
+        calls = [
+            ("generate", "generate"),
+            ("rollout_queue", "of it queued on the rollout-server"),
+            ("score", "score"),
+            ("score_tokens", "teacher scores"),
+            ("buffer_put", "buffer put"),
+        ]
+        parts = [
+            f"{label} {last[f'time_{key}_seconds'] / groups:.3f}"
+            for key, label in calls
+            if f"time_{key}_seconds" in last
+        ]
+        lines.append(
+            f"orchestrator, seconds per group ({groups} groups, calls overlap): "
+            + ", ".join(parts)
+            + f"; CPU {last['cpu_cores']:.2f} cores"
+        )
+    return lines
 
 
 def plot_rewards(run_dir: Path, rows: list[dict], evals: list[dict]) -> Path | None:
