@@ -5,6 +5,12 @@
 Runs `rollwire train` twice (rl.mode=sync, then rl.mode=async), each with a
 fresh run directory, and prints wall time, trajectories/s, the fraction of
 time the trainer sat idle waiting for data, and the held-out eval reward.
+
+Then the overlap bound: in the sync run the trainer's wait per step is the time
+generation (and scoring) took, and the rest of its step is training; async at
+its best takes max(generation, training) a step. The last line is that bound over
+async's measured step time (1.0: the overlap is perfect). Step 1 (warm-up) is
+left out of the per-step means.
 Extra `--set` options apply to both runs (e.g. --set rl.max_steps=50).
 """
 
@@ -52,7 +58,13 @@ def run(mode: str, overrides: list[str], root: Path, config: str | None) -> dict
     )
     if not evals:  # orchestrator.eval_dataset=null
         evals = [{"eval_reward": float("nan")}]
+    timed = [row for row in steps[1:] if "wall_seconds" in row] or steps
+    step = sum(row.get("wall_seconds", 0.0) for row in timed) / len(timed)
+    wait = sum(row.get("time_wait_seconds", 0.0) for row in timed) / len(timed)
     return {
+        "step_seconds": step,
+        "wait_seconds": wait,
+        "train_seconds": step - wait,
         "wall_seconds": wall,
         "training_seconds": steps[-1]["elapsed_seconds"],
         "trajectories_per_second": steps[-1]["trajectories_per_second"],
@@ -77,6 +89,9 @@ def main() -> None:
     for key, fmt in (
         ("wall_seconds", "{:.1f}"),
         ("training_seconds", "{:.1f}"),
+        ("step_seconds", "{:.3f}"),
+        ("wait_seconds", "{:.3f}"),
+        ("train_seconds", "{:.3f}"),
         ("trajectories_per_second", "{:.1f}"),
         ("trainer_idle_fraction", "{:.2f}"),
         ("staleness_mean", "{:.2f}"),
@@ -87,6 +102,12 @@ def main() -> None:
         print(
             f"{key:<26}{fmt.format(sync[key]):>10}{fmt.format(asynchronous[key]):>10}{ratio:>11.2f}x"
         )
+    bound = max(sync["wait_seconds"], sync["train_seconds"])
+    print(
+        f"overlap bound: max(sync generation {sync['wait_seconds']:.3f}s, sync training "
+        f"{sync['train_seconds']:.3f}s) = {bound:.3f}s a step; async takes "
+        f"{asynchronous['step_seconds']:.3f}s: {bound / asynchronous['step_seconds']:.2f} of the bound"
+    )
 
 
 if __name__ == "__main__":
