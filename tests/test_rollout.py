@@ -245,18 +245,24 @@ async def test_an_update_mid_generation_keeps_the_tokens_and_tags_each_with_its_
         assert result.logprobs[switch:] == pytest.approx(now[switch:], abs=1e-4)
 
 
+async def a_long_request_running(engine: HFEngine, max_new_tokens: int) -> asyncio.Future:
+    """A request for [5, 6, 7] generating on a slowed-down engine, a few steps in."""
+    slow_down(engine)
+    long = asyncio.ensure_future(
+        engine.generate("long", [5, 6, 7], SamplingSpec(max_new_tokens=max_new_tokens, seed=1))
+    )
+    await until_running(engine)
+    await asyncio.sleep(0.03)
+    return long
+
+
 async def test_a_request_joins_a_running_batch_and_is_answered_when_its_row_ends(
     tiny_model_path,
 ) -> None:
     engine = HFEngine(tiny_model_path, max_batch_size=8)
     await engine.start()
     try:
-        slow_down(engine)
-        long = asyncio.ensure_future(
-            engine.generate("long", [5, 6, 7], SamplingSpec(max_new_tokens=50, seed=1))
-        )
-        await until_running(engine)
-        await asyncio.sleep(0.03)
+        long = await a_long_request_running(engine, 50)
         short = await asyncio.wait_for(
             engine.generate("short", [9, 10], SamplingSpec(max_new_tokens=5, seed=2)), 10
         )
@@ -282,16 +288,11 @@ async def test_rows_join_and_leave_a_running_batch_on_its_kv_cache(tiny_model_pa
     engine = HFEngine(tiny_model_path, max_batch_size=8)
     await engine.start()
     try:
-        slow_down(engine)
-        first = asyncio.ensure_future(
-            engine.generate("first", [5, 6, 7], SamplingSpec(max_new_tokens=40, seed=1))
-        )
-        await until_running(engine)
-        await asyncio.sleep(0.03)
-        prompts = {"one": [9], "long": list(range(4, 34)), "mid": [12, 13, 14, 15]}
+        first = await a_long_request_running(engine, 40)
+        prompts = {"one": [9], "wide": list(range(4, 34)), "mid": [12, 13, 14, 15]}
         specs = {
             "one": SamplingSpec(max_new_tokens=6, seed=2),
-            "long": SamplingSpec(max_new_tokens=20, seed=3),
+            "wide": SamplingSpec(max_new_tokens=20, seed=3),
             "mid": SamplingSpec(max_new_tokens=8, temperature=0.0),
         }
         joined = await asyncio.wait_for(
