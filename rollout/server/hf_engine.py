@@ -1,11 +1,13 @@
 """Generation with a Hugging Face causal LM, batching concurrent requests together.
 
 Requests that arrive within `batch_wait_seconds` of each other (up to
-`batch_max_wait_seconds` after the first) start as one left-padded batch with a KV cache; each row keeps its own sampling parameters,
-stop tokens, length limit and seed. Batching is continuous: a request that
-arrives while a batch runs joins it between two decoding steps (the batch is
-laid out again with the newcomers and its cache rebuilt), and each request is
-answered as soon as its own row ends, not when the batch drains.
+`batch_max_wait_seconds` after the first) start as one left-padded batch with a
+KV cache; each row keeps its own sampling parameters, stop tokens, length limit
+and seed. Batching is continuous: a request that arrives while a batch runs
+joins it between two decoding steps (its prompt computed alone and put beside
+the running cache; finished rows leave the cache once they are half the batch),
+and each request is answered as soon as its own row ends, not when the batch
+drains.
 
 All model work runs on one worker thread, so a weight swap never overlaps a
 forward pass and no request sees half a model.
@@ -374,10 +376,11 @@ class HFEngine:
 
     @torch.inference_mode()
     def _decode(self, batch: list[_Pending], rows: list[_Row]) -> None:
-        """The decoding loop of one batch. Rows are (re)laid out left-padded with a fresh
-        KV cache when requests join it between two steps (continuous batching) or new
-        weights arrive (interruptible generation); finished rows answer at once and stay
-        in the batch, ignored, until the next layout drops them.
+        """The decoding loop of one batch. Requests join it between two steps on its KV
+        cache (`_merge`; continuous batching), and rows are laid out again left-padded with
+        a fresh cache when new weights arrive (interruptible generation) or the cache
+        cannot be edited; finished rows answer at once and stay in the batch, ignored,
+        until half of it is done or the next change of rows drops them.
 
         A step does no Python work per row: sampling, stop tokens and length limits are
         tensor operations over the batch (`_Layout`), and a row's tokens become Python
