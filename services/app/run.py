@@ -256,8 +256,11 @@ def summarise(run_dir: Path, seconds: float) -> str:
     return "\n".join(lines)
 
 
-TRAINER_PHASES = ("wait", "proximal", "forward_backward", "optimizer", "critic", "gather")
-TRAINER_PHASES += ("publish", "ack", "checkpoint")
+TRAINER_PHASES = (
+    *("wait", "proximal", "forward_backward", "optimizer", "critic", "gather"),
+    *("publish", "ack", "checkpoint"),
+)
+"""The phases of a trainer step, in order (`time_<phase>_seconds` in its metrics)."""
 
 
 def time_breakdown(steps: list[dict], progress: list[dict]) -> list[str]:
