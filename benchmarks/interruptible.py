@@ -75,7 +75,7 @@ def main() -> None:
                 json.loads(line)
                 for line in (root / "async" / "metrics" / "trainer.jsonl").read_text().splitlines()
             ]
-            rows[flag]["publish_s"] = sum(s["publish_seconds"] for s in steps) / len(steps)
+            rows[flag]["publish_s"] = sum(s["time_publish_seconds"] for s in steps) / len(steps)
     keys = list(rows["false"])
     print(f"{'':>26} " + " ".join(f"{k:>14}" for k in keys))
     for flag, label in (("false", "waits for the batch"), ("true", "interruptible")):

@@ -156,7 +156,7 @@ def worker(setting: str, model: Path, steps: int, out: Path) -> None:
         started = time.perf_counter()
         metrics = policy.train_step(batch, step)
         # The gather ends the step on sharded backends; it is timed on its own.
-        gathered.append(metrics.get("gather_seconds", 0.0))
+        gathered.append(metrics.get("time_gather_seconds", 0.0))
         seconds.append(time.perf_counter() - started - gathered[-1])
     gathered = statistics.median(gathered[1:])
     encoded = time.perf_counter()

@@ -122,7 +122,9 @@ async def train(
             clock.idle += time.perf_counter() - waited_from
             phases.add("wait", time.perf_counter() - waited_from)
             with watchdog.watch("step", f"{state.step + 1}", watch_seconds):
-                await _step(config, policy, state, rollout_stubs, buffer, batch, trained_log)
+                await _step(
+                    config, policy, state, rollout_stubs, buffer, batch, trained_log, phases
+                )
             metrics = state.last_metrics
             due = trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0
             if due or state.checkpoint_requests:
@@ -130,8 +132,6 @@ async def train(
                     await checkpoint(policy, state, run_dir, buffer, trainer.batch_timeout_seconds)
             # The step's breakdown: waiting, the model's phases (`train_step` timed them),
             # publishing, acknowledging, checkpointing; and the CPU the process used.
-            for key in ("publish", "ack"):
-                phases.add(key, metrics.pop(f"_{key}_seconds", 0.0))
             metrics.update(phases.take())
             metrics.update(clock.rates(state))
             metrics_log.write(state.step, metrics)
@@ -186,8 +186,10 @@ async def _step(
     buffer: BufferTrainerClient,
     batch: Batch,
     trained_log: Any,
+    phases: PhaseClock,
 ) -> None:
-    """Trains on `batch`, publishes the new weights, writes the record, acknowledges it.
+    """Trains on `batch`, publishes the new weights, writes the record, acknowledges it
+    (the last two timed on `phases`).
 
     With periodic checkpoints the buffer keeps the batch until the next one
     commits it; without, it is let go now.
@@ -201,10 +203,14 @@ async def _step(
     state.version += 1
     state.step += 1
     state.state = "publishing"
-    metrics["publish_seconds"] = await publish(
-        rollout_stubs, policy, state.version, trainer.weight_chunk_bytes, group=state.weight_group
-    )
-    metrics["_publish_seconds"] = metrics["publish_seconds"]
+    with phases.phase("publish"):
+        await publish(
+            rollout_stubs,
+            policy,
+            state.version,
+            trainer.weight_chunk_bytes,
+            group=state.weight_group,
+        )
     metrics["weights_by_group"] = float(
         state.weight_group is not None and state.weight_group.usable
     )
@@ -217,16 +223,15 @@ async def _step(
     }
     trained_log.write(json.dumps(record) + "\n")
     trained_log.flush()
-    acked_from = time.perf_counter()
-    await _buffer_call(
-        functools.partial(
-            buffer.ack, batch.batch_id, state.version, trained_ids, commit_now, state.step
-        ),
-        "ack",
-        trainer.batch_timeout_seconds,
-        state,
-    )
-    metrics["_ack_seconds"] = time.perf_counter() - acked_from
+    with phases.phase("ack"):
+        await _buffer_call(
+            functools.partial(
+                buffer.ack, batch.batch_id, state.version, trained_ids, commit_now, state.step
+            ),
+            "ack",
+            trainer.batch_timeout_seconds,
+            state,
+        )
     if not commit_now:
         state.uncommitted_ids.extend(trained_ids)
     state.trained += len(trajectories)

@@ -370,9 +370,6 @@ class Policy(Advantages, PipelineSteps):
             tokens = [minibatch.tokens for minibatch in minibatches]
             with clock.phase("critic"):
                 metrics.update(self.critic.update(plan, tokens, factor))
-        metrics.update(
-            (key, value) for key, value in clock.snapshot().items() if key.startswith("time_")
-        )
         seen_by_all = [part for parts in backend.all_gather_object(observed) for part in parts]
         metrics.update(Observed.merged(seen_by_all).metrics())
         metrics.update(
@@ -380,10 +377,9 @@ class Policy(Advantages, PipelineSteps):
             step_seconds=time.perf_counter() - started,
         )
         if self.sharded:
-            gather_started = time.perf_counter()
-            self._gather()
-            metrics["gather_seconds"] = time.perf_counter() - gather_started
-            metrics["time_gather_seconds"] = metrics["gather_seconds"]
+            with clock.phase("gather"):
+                self._gather()
+        metrics.update(clock.times())
         return metrics
 
     def _plan(self, minibatches: list[TokenBatch]) -> list[list[TokenBatch]]:

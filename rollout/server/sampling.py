@@ -36,26 +36,24 @@ class SamplingBatch:
     def __init__(
         self, specs: list[SamplingSpec], generators: list[torch.Generator | None] | None = None
     ) -> None:
-        self.size = len(specs)
         self.temperature = torch.tensor(
             [s.temperature if s.temperature > 0 else 1.0 for s in specs], dtype=torch.float32
         )[:, None]
         self.top_k = [s.top_k for s in specs]
         self.top_p = [s.top_p for s in specs]
         self._truncated: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.sampled = torch.tensor([s.temperature > 0 for s in specs], dtype=torch.bool)
+        sampled = torch.tensor([s.temperature > 0 for s in specs], dtype=torch.bool)
         generators = generators or [None] * len(specs)
         self.seeded = [
             (row, generator)
             for row, (spec, generator) in enumerate(zip(specs, generators, strict=True))
             if spec.temperature > 0 and generator is not None
         ]
-        shared = self.sampled.clone()
+        shared = sampled.clone()
         for row, _ in self.seeded:
             shared[row] = False
         self.shared = shared.nonzero().squeeze(1) if shared.any() else None
         self.all_shared = bool(shared.all())
-        self.any_greedy = not bool(self.sampled.all())
 
     def _truncation(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(k [B, 1], p [B, 1]) when some row truncates its distribution, else None."""

@@ -32,13 +32,16 @@ class PhaseClock:
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] += seconds
 
+    def times(self) -> dict[str, float]:
+        """`time_<phase>_seconds` for each phase since the last `take`."""
+        return {f"time_{name}_seconds": seconds for name, seconds in self.seconds.items()}
+
     def snapshot(self) -> dict[str, float]:
-        """`time_<phase>_seconds` for each phase, `cpu_seconds` and `cpu_cores` (CPU
-        seconds per wall second: 1.0 is one core kept busy), since the last `take`."""
+        """The `times`, with `wall_seconds`, `cpu_seconds` and `cpu_cores` (CPU seconds per
+        wall second: 1.0 is one core kept busy), since the last `take`."""
         wall = max(time.perf_counter() - self._wall, 1e-9)
         cpu = time.process_time() - self._cpu
-        out = {f"time_{name}_seconds": seconds for name, seconds in self.seconds.items()}
-        return out | {"wall_seconds": wall, "cpu_seconds": cpu, "cpu_cores": cpu / wall}
+        return self.times() | {"wall_seconds": wall, "cpu_seconds": cpu, "cpu_cores": cpu / wall}
 
     def take(self) -> dict[str, float]:
         """The snapshot, then starts counting afresh."""
