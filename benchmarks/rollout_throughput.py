@@ -79,6 +79,7 @@ async def server_generate(stub, batch: int, tokens: int) -> float:
 async def server_generate_groups(stub, batch: int, tokens: int, group: int) -> float:
     """`batch` sequences as GenerateGroup calls of `group` samples (the orchestrator's way)."""
     sampling = rollout_pb2.SamplingParams(temperature=1.0, max_new_tokens=tokens)
+    samples, calls = min(group, batch), max(1, batch // group)
     started = time.perf_counter()
     await asyncio.gather(
         *(
@@ -87,13 +88,13 @@ async def server_generate_groups(stub, batch: int, tokens: int, group: int) -> f
                     request_id=uuid.uuid4().hex,
                     prompt_token_ids=PROMPT,
                     sampling=sampling,
-                    num_samples=min(group, batch),
+                    num_samples=samples,
                 )
             )
-            for _ in range(max(1, batch // group))
+            for _ in range(calls)
         )
     )
-    return max(1, batch // group) * min(group, batch) * tokens / (time.perf_counter() - started)
+    return calls * samples * tokens / (time.perf_counter() - started)
 
 
 def best(values: list[float]) -> float:
