@@ -10,22 +10,26 @@ packing the frame's msgpack map inside the send loop or sending pre-packed
 bytes; the rate is counted at the receiver from its first message to its last.
 
 Buffer rows: `rollwire buffer` runs in its own process (the CLI, as deployed),
-fresh for every row, with its log in a temp dir under --dir. A producer
-process runs N concurrent BufferProducer instances on one asyncio loop (one
-DEALER each, one request in flight each, awaiting every ack); each puts whole
-groups of 8, one trajectory a message, or (the `put_group` rows, as the
-orchestrator does) a whole group a message. A trainer process takes batches of --batch-groups groups with
-BufferTrainerClient and acknowledges each at once, so the buffer never fills.
-The rate runs from the producers' first put to the trainer holding the last
-trajectory; it includes encoding in the producers and decoding in the buffer and
-trainer. Latency is put -> batch: each trajectory carries time.monotonic() at put
-in its timings (CLOCK_MONOTONIC, the same clock in every process), read when
-its batch has been decoded by the trainer; it includes waiting for the batch to fill.
+fresh for every row, with its log in a temp dir under --dir. A producer process
+runs P BufferProducer clients on one asyncio loop, each with K coroutines putting
+at once (the row's "P x K in flight"; every put awaits its ack). Each puts groups
+of 8, one trajectory a message (`put` rows) or, as the orchestrator does, a whole
+group a message (`put_group` rows). A trainer process takes batches of
+--batch-groups groups with BufferTrainerClient and acknowledges each at once, so
+the buffer never fills: decoding every frame in full (get_batch, what the trainer
+does), or, in the "frames" row, taking the frames as they come (get_frames: the
+data plane alone). The rate runs from the producers' first put to the trainer
+holding the last trajectory; it includes encoding in the producers, the buffer's
+header read (wire.peek) and log, and the trainer's decoding. Latency is put ->
+batch: each trajectory carries time.monotonic() at put in its timings
+(CLOCK_MONOTONIC, the same clock in every process), read when its batch has
+reached the trainer (in the frames row, from each batch's first trajectory); it
+includes waiting for the batch to fill.
 
 Ratios are against both raw rows, measured in the same run on the same machine.
 Buffer rows use three processes; on a 2-core machine they share the cores.
 --profile adds a cProfile run of the buffer process (durable, log_sync=batch,
-most producers) and prints where its time goes; that run is not in the table.
+put_group, 8 in flight) and prints where its time goes; that run is not in the table.
 """
 
 from __future__ import annotations
@@ -116,8 +120,15 @@ def raw_row(spawn: Any, count: int, pack_in_loop: bool) -> dict[str, Any]:
 
 
 def producers_main(
-    endpoint: str, producers: int, groups_each: int, results: Any, whole_groups: bool = False
+    endpoint: str,
+    producers: int,
+    in_flight: int,
+    groups_each: int,
+    results: Any,
+    whole_groups: bool = False,
 ) -> None:
+    """`producers` BufferProducers, each with `in_flight` coroutines putting
+    `groups_each` groups apiece (so that many requests in flight per producer)."""
     from rollwire.services.buffer.client import BufferProducer
 
     base = template()
@@ -149,7 +160,13 @@ def producers_main(
         clients = [BufferProducer(endpoint, timeout=TIMEOUT, attempts=1) for _ in range(producers)]
         await asyncio.gather(*(client.status() for client in clients))  # connected, warm
         started = time.monotonic()
-        refused = await asyncio.gather(*(produce(c, i) for i, c in enumerate(clients)))
+        refused = await asyncio.gather(
+            *(
+                produce(client, c * in_flight + k)
+                for c, client in enumerate(clients)
+                for k in range(in_flight)
+            )
+        )
         results.put(("producers", started, time.monotonic(), sum(refused)))
         for client in clients:
             client.close()
@@ -157,24 +174,38 @@ def producers_main(
     asyncio.run(run())
 
 
-def trainer_main(endpoint: str, total: int, batch_groups: int, results: Any) -> None:
+def trainer_main(
+    endpoint: str, total: int, batch_groups: int, results: Any, decode: bool = True
+) -> None:
+    """Takes batches until `total` trajectories came, acknowledging each at once. With
+    `decode`, as the trainer does (every frame decoded in full); without, the frames
+    as they come (the data plane alone), the latency read from each batch's first."""
     from rollwire.services.buffer.client import BufferTrainerClient
+    from rollwire.services.core.wire import decode_trajectory
 
     client = BufferTrainerClient(endpoint, timeout=TIMEOUT)
     client.status()
-    latencies = np.empty(total)
+    latencies = []
     received = 0
     while received < total:
         groups = min(batch_groups, (total - received) // GROUP_SIZE)
-        batch = client.get_batch(0, groups, wait_seconds=1.0)
-        if batch is None:
-            continue
-        now = time.monotonic()
-        for trajectory in batch.trajectories:
-            latencies[received] = now - trajectory.timings["put"]
-            received += 1
-        client.ack(batch.batch_id, 0)
-    results.put(("trainer", time.monotonic(), latencies))
+        if decode:
+            batch = client.get_batch(0, groups, wait_seconds=1.0)
+            if batch is None:
+                continue
+            batch_id, count = batch.batch_id, len(batch.trajectories)
+            now = time.monotonic()
+            latencies.extend(now - t.timings["put"] for t in batch.trajectories)
+        else:
+            served = client.get_frames(0, groups, wait_seconds=1.0)
+            if served is None:
+                continue
+            header, frames = served
+            batch_id, count = header.batch_id, len(frames)
+            latencies.append(time.monotonic() - decode_trajectory(frames[0]).timings["put"])
+        received += count
+        client.ack(batch_id, 0)
+    results.put(("trainer", time.monotonic(), np.array(latencies)))
     client.close()
 
 
@@ -213,29 +244,42 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    durable: bool = True
+    sync: str = "batch"
+    whole_groups: bool = False
+    producers: int = 1
+    in_flight: int = 1
+    decode: bool = True
+    records: int | None = None  # default: --records
+
+
 def buffer_row(
-    spawn: Any,
-    root: Path,
-    durable: bool,
-    sync: str,
-    producers: int,
-    records: int,
-    batch_groups: int,
-    profile: Path | None = None,
-    whole_groups: bool = False,
+    spawn: Any, root: Path, case: Case, records: int, batch_groups: int, profile: Path | None = None
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(dir=root))
-    buffer, endpoints = start_buffer(scratch, durable, sync, profile)
+    buffer, endpoints = start_buffer(scratch, case.durable, case.sync, profile)
     try:
-        groups_each = max(1, records // (GROUP_SIZE * producers))
-        total = groups_each * GROUP_SIZE * producers
+        senders = case.producers * case.in_flight
+        groups_each = max(1, records // (GROUP_SIZE * senders))
+        total = groups_each * GROUP_SIZE * senders
         results = spawn.Queue()
         trainer = spawn.Process(
-            target=trainer_main, args=(endpoints["trainer"], total, batch_groups, results)
+            target=trainer_main,
+            args=(endpoints["trainer"], total, batch_groups, results, case.decode),
         )
         producer = spawn.Process(
             target=producers_main,
-            args=(endpoints["producer"], producers, groups_each, results, whole_groups),
+            args=(
+                endpoints["producer"],
+                case.producers,
+                case.in_flight,
+                groups_each,
+                results,
+                case.whole_groups,
+            ),
         )
         trainer.start()
         producer.start()
@@ -262,6 +306,20 @@ def buffer_row(
     }
 
 
+CASES = [
+    Case("put, durable=false", durable=False, producers=8),
+    Case("put, log_sync=batch", producers=8),
+    Case("put, log_sync=always", sync="always", producers=8, records=-1),
+    Case("put_group, durable=false", durable=False, whole_groups=True, in_flight=8),
+    Case("put_group, log_sync=batch, 1 in flight", whole_groups=True),
+    Case("put_group, log_sync=batch", whole_groups=True, in_flight=8),
+    Case("put_group, log_sync=always", sync="always", whole_groups=True, in_flight=8),
+    Case("put_group, log_sync=batch, frames", whole_groups=True, in_flight=8, decode=False),
+]
+"""Rows: a producer process with `producers` clients, each `in_flight` requests at
+once; the trainer decoding every frame, or taking frames only ("frames")."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--raw-records", type=int, default=200_000, help="records per raw row")
@@ -269,47 +327,32 @@ def main() -> None:
     parser.add_argument(
         "--always-records", type=int, default=4_000, help="records for log_sync=always"
     )
-    parser.add_argument("--producers", default="1,8", help="producer counts, comma-separated")
     parser.add_argument("--batch-groups", type=int, default=8, help="groups of 8 per trainer batch")
     parser.add_argument(
         "--dir", type=Path, default=None, help="where the buffer's log goes (default: a temp dir)"
     )
     parser.add_argument("--profile", action="store_true", help="also cProfile the buffer process")
+    parser.add_argument(
+        "--only", default="", help="run only the buffer rows whose name contains this text"
+    )
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     spawn = multiprocessing.get_context("spawn")
-    counts = [int(n) for n in args.producers.split(",")]
     rows = [
         ("raw PUSH/PULL, msgpack.packb in the loop", raw_row(spawn, args.raw_records, True)),
         ("raw PUSH/PULL, pre-packed bytes", raw_row(spawn, args.raw_records, False)),
     ]
-    cases = [
-        ("buffer, durable=false", False, "batch", args.records, False),
-        ("buffer, durable, log_sync=batch", True, "batch", args.records, False),
-        ("buffer, durable, log_sync=always", True, "always", args.always_records, False),
-        ("buffer, durable=false, put_group", False, "batch", args.records, True),
-        ("buffer, durable, log_sync=batch, put_group", True, "batch", args.records, True),
-    ]
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         root = Path(scratch)
-        for name, durable, sync, records, whole_groups in cases:
-            for producers in counts:
-                row = buffer_row(
-                    spawn,
-                    root,
-                    durable,
-                    sync,
-                    producers,
-                    records,
-                    args.batch_groups,
-                    whole_groups=whole_groups,
-                )
-                rows.append((f"{name}, {producers} producer(s)", row))
+        for case in (c for c in CASES if args.only in c.name):
+            records = args.always_records if case.records == -1 else args.records
+            row = buffer_row(spawn, root, case, records, args.batch_groups)
+            flight = f"{case.producers} x {case.in_flight} in flight"
+            rows.append((f"buffer, {case.name} ({flight})", row))
         if args.profile:
             profile = root / "buffer.prof"
-            buffer_row(
-                spawn, root, True, "batch", max(counts), args.records, args.batch_groups, profile
-            )
+            headline = Case("profiled", whole_groups=True, in_flight=8)
+            buffer_row(spawn, root, headline, args.records, args.batch_groups, profile)
             profiled = pstats.Stats(str(profile))
     packing, packed = rows[0][1], rows[1][1]
     packing_rate = packing["records"] / packing["seconds"]

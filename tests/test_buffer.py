@@ -195,3 +195,89 @@ async def test_an_unanswered_put_is_sent_again_with_its_seq_and_the_resend_count
         producer.close()
         fake.join(timeout=5)
         router.close(0)
+
+
+def _undecodable(group: str, index: int, version: int = 0) -> Trajectory:
+    """A sample whose header fields are fine but whose logprob on a generated token is
+    NaN: the buffer admits it on `peek`, the trainer's full decode refuses it."""
+    broken = trajectory(group, index, version)
+    broken.behaviour_logprobs[2] = np.nan
+    return broken
+
+
+@pytest.mark.integration
+async def test_the_trainer_gets_the_frames_it_was_sent_and_a_bad_one_costs_its_group_only(
+    buffer_server,
+) -> None:
+    from rollwire.services.core.wire import encode
+
+    producer = BufferProducer(buffer_server.endpoints["producer"], timeout=2)
+    trainer = BufferTrainerClient(buffer_server.endpoints["trainer"], timeout=2)
+    try:
+        sent = [trajectory("whole", i, reward=i) for i in range(2)]
+        assert all(a.accepted for a in await producer.put_group(sent))
+        served = await asyncio.to_thread(trainer.get_frames, 0, 1, 1.0)
+        assert served is not None
+        header, frames = served
+        assert header.trajectories == 2 and frames == [encode(t) for t in sent]  # byte for byte
+        await asyncio.to_thread(trainer.ack, header.batch_id, 0)
+
+        before = COUNTERS.get("buffer_bad_frames_served")
+        assert all(a.accepted for a in await producer.put_group([trajectory("good", 0)]))
+        bad = [_undecodable("bad", 0), trajectory("bad", 1)]
+        assert all(a.accepted for a in await producer.put_group(bad))  # admitted on its header
+        assert (await producer.put_group([trajectory("good", 1)]))[0].accepted
+        batch = await asyncio.to_thread(trainer.get_batch, 0, 2, 1.0)
+        assert [t.trajectory_id for t in batch.trajectories] == ["good/0", "good/1"]
+        assert COUNTERS.get("buffer_bad_frames_served") == before + 2
+        await asyncio.to_thread(trainer.ack, batch.batch_id, 1)
+        status = await producer.status()
+        assert status.dropped == {"bad_frame": 2}
+        assert status.outcomes == {"trained": 2, "bad_frame": 1}
+        assert status.ready_groups == status.unacked_batches == 0  # nothing served again
+
+        # A batch of bad groups only is let go by the client itself: nothing to train on.
+        worse = [_undecodable("worse", i, version=1) for i in range(2)]
+        assert all(a.accepted for a in await producer.put_group(worse))
+        assert await asyncio.to_thread(trainer.get_batch, 1, 1, 1.0) is None
+        assert (await producer.status()).outcomes["bad_frame"] == 2
+    finally:
+        producer.close()
+        trainer.close()
+
+
+@pytest.mark.integration
+async def test_one_producer_has_many_puts_in_flight_and_each_gets_its_own_answer(
+    buffer_server,
+) -> None:
+    producer = BufferProducer(buffer_server.endpoints["producer"], timeout=2, attempts=1)
+    try:
+        puts = [producer.put(trajectory(f"many{g}", i)) for g in range(20) for i in range(2)]
+        answers = await asyncio.gather(*puts, producer.status(), producer.ledger())
+        acks, status = answers[:-2], answers[-2]
+        assert [a.reason for a in acks] == ["ok"] * 40
+        assert status.accepted <= 40  # answered while the puts were in flight
+        again = await asyncio.gather(*(producer.put(trajectory("many3", i)) for i in range(2)))
+        assert [a.reason for a in again] == ["duplicate", "duplicate"]
+        assert (await producer.status()).ready_groups == 20
+    finally:
+        producer.close()
+
+
+@pytest.mark.integration
+async def test_a_put_the_buffer_fails_on_is_refused_in_its_own_ack(buffer_server, monkeypatch):
+    def broken_check(trajectory):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(buffer_server.state, "check", broken_check)
+    producer = BufferProducer(buffer_server.endpoints["producer"], timeout=2, attempts=1)
+    try:
+        single, group = await asyncio.gather(
+            producer.put(trajectory("x", 0)), producer.put_group([trajectory("y", 0)])
+        )
+        assert not single.accepted and single.reason == "internal error: RuntimeError: a bug"
+        assert [a.reason for a in group] == ["internal error: RuntimeError: a bug"]
+        monkeypatch.undo()
+        assert (await producer.put(trajectory("x", 0))).accepted  # and it keeps serving
+    finally:
+        producer.close()

@@ -81,15 +81,15 @@ def test_the_log_keeps_trained_groups_out_of_service_and_the_ledger_past_deletio
         state.requeue_unacked()
         return state, trajectory_log
 
-    from rollwire.services.core.wire import encode
+    from rollwire.services.core.wire import TrajectoryFrame
 
     state, trajectory_log = reopen()
     names = [f"g{n}" for n in range(12)]
     for n, name in enumerate(names):
         for index in range(2):
-            t = trajectory(name, index, ordinal=n)
+            t = TrajectoryFrame.of(trajectory(name, index, ordinal=n))
             assert state.check(t) == (True, "ok")
-            trajectory_log.append_trajectory(t.trajectory_id, encode(t))
+            trajectory_log.append_trajectory(t.trajectory_id, t.frame)
             state.add(t)
     batches = [state.take(2) for _ in range(5)]  # ten groups served
     for batch in batches:

@@ -19,6 +19,7 @@ from rollwire.services.core.wire import (
     decode_batch,
     decode_trajectory,
     encode,
+    peek,
 )
 
 names = st.text(max_size=12)
@@ -263,3 +264,59 @@ def test_teacher_logprobs_are_optional_and_checked() -> None:
     scored.teacher_logprobs = np.full(6, np.nan, np.float32)
     with pytest.raises(WireError, match="teacher_logprobs: not finite"):
         decode_trajectory(encode(scored))
+
+
+@given(trajectories())
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+def test_peek_reads_what_a_full_decode_reads(trajectory: Trajectory) -> None:
+    frame = encode(trajectory)
+    held = peek(frame)
+    assert held.frame == frame and held.decode() == trajectory
+    for name in ("trajectory_id", "group_id", "sample_index", "prompt_ordinal", "source"):
+        assert getattr(held, name) == getattr(trajectory, name)
+    generated = trajectory.policy_versions[trajectory.loss_mask == 1]
+    assert held.oldest_version == (int(generated.min()) if generated.size else None)
+    assert held.trace_context == trajectory.trace_context
+
+
+@given(st.data())
+@settings(max_examples=300)
+def test_peek_of_mutated_frames_raises_wire_error_or_reads(data: st.DataObject) -> None:
+    frame = bytearray(encode(sample()))
+    for _ in range(data.draw(st.integers(1, 4))):
+        position = data.draw(st.integers(0, len(frame) - 1))
+        frame[position] = data.draw(st.integers(0, 255))
+    try:
+        held = peek(bytes(frame))
+    except WireError as error:
+        assert str(error)
+        return
+    assert isinstance(held.trajectory_id, str) and held.sample_index >= 0
+
+
+def test_peek_checks_the_fields_a_relay_uses_and_leaves_the_rest_to_decode() -> None:
+    broken = sample()
+    broken.behaviour_logprobs[broken.loss_mask == 1] = np.nan
+    frame = encode(broken)
+    assert peek(frame).trajectory_id == broken.trajectory_id  # admitted on its header
+    with pytest.raises(WireError, match="behaviour_logprobs: not finite"):
+        decode_trajectory(frame)
+
+    def short_versions(envelope):
+        envelope["body"]["policy_versions"]["shape"] = [2]
+
+    def wrong_mask_dtype(envelope):
+        envelope["body"]["loss_mask"]["dtype"] = "<i4"
+
+    def negative_ordinal(envelope):
+        envelope["body"]["prompt_ordinal"] = -1
+
+    for mutate, message in [
+        (short_versions, "policy_versions"),
+        (wrong_mask_dtype, "loss_mask"),
+        (negative_ordinal, "prompt_ordinal"),
+    ]:
+        with pytest.raises(WireError, match=message):
+            peek(_frame(mutate))
+    with pytest.raises(WireError, match="expected a trajectory frame"):
+        peek(encode(Batch("b", 0, [sample()])))

@@ -2,9 +2,8 @@
 
 Both speak the protocol in `rollwire.services.buffer.protocol` over a DEALER socket,
 send and read its records, and never wait without a timeout. A producer re-sends
-a put that was not acknowledged in time (through
-`rollwire.services.core.retry.call_with_retries`), with the same sequence number
-and trajectory id; the buffer keeps one copy, so a retry can never duplicate a
+a put that was not acknowledged in time, with the same sequence number and
+trajectory id; the buffer keeps one copy, so a retry can never duplicate a
 trajectory.
 
 With CURVE configured (`client.curve`) both clients encrypt and present this
@@ -15,7 +14,9 @@ in the usual "did not answer" timeout, whose message then points at the keys.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, TypeVar
 
 import zmq
@@ -24,6 +25,7 @@ import zmq.asyncio
 from rollwire.services.buffer import protocol
 from rollwire.services.buffer.protocol import (
     AckRequest,
+    BatchHeader,
     BufferStatus,
     CommitAnswer,
     CommitRequest,
@@ -39,8 +41,15 @@ from rollwire.services.buffer.protocol import (
 )
 from rollwire.services.core.curve import ClientKeys, client_keys, secure_client
 from rollwire.services.core.metrics import COUNTERS
-from rollwire.services.core.retry import RetryPolicy, call_with_retries
-from rollwire.services.core.wire import Batch, Trajectory, decode_batch, encode
+from rollwire.services.core.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Batch,
+    Trajectory,
+    WireError,
+    decode_trajectory,
+    encode,
+    peek,
+)
 
 if TYPE_CHECKING:
     from rollwire.services.core.config.models import CurveClientConfig
@@ -51,15 +60,13 @@ _CURVE_HINT = (
 )
 
 
+log = logging.getLogger(__name__)
+
 R = TypeVar("R", bound=Record)
 
 
 class BufferError(RuntimeError):
     """The buffer refused a request or did not answer in time."""
-
-
-class _NoAnswer(Exception):
-    """One try of a producer's request went unanswered within its timeout (retried)."""
 
 
 def _answer(record: type[R], body: bytes, endpoint: str) -> R:
@@ -84,7 +91,12 @@ def _dealer(context: zmq.Context, endpoint: str, curve: ClientKeys | None = None
 
 
 class BufferProducer:
-    """Sends trajectories to the buffer and waits for each acknowledgement (asyncio)."""
+    """Sends trajectories to the buffer and waits for each acknowledgement (asyncio).
+
+    Any number of requests may be in flight at once (one per coroutine awaiting
+    `put`, `put_group`, ...): each carries its own seq, and one reader hands every
+    answer to the request it belongs to.
+    """
 
     def __init__(
         self,
@@ -96,50 +108,74 @@ class BufferProducer:
         self.endpoint = endpoint
         self.timeout = timeout
         self.attempts = attempts
-        # The timeout is the wait between tries: no pause on top of it.
-        self._resends = RetryPolicy(attempts=attempts, first_pause=0.0, max_pause=0.0)
         self._curve = _client_keys(curve)
         self._socket = _dealer(zmq.asyncio.Context.instance(), endpoint, self._curve)
-        self._lock = asyncio.Lock()
         self._seq = 0
+        self._by_seq: dict[bytes, asyncio.Future[list[bytes]]] = {}
+        self._by_kind: dict[bytes, deque[asyncio.Future[list[bytes]]]] = {}  # status, ledger
+        self._reader: asyncio.Task[None] | None = None
+
+    def _start_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        """Hands each answer to its request: by seq, or (status, ledger) to the oldest
+        request of its kind; an [error] reply, which has no seq, to the oldest such."""
+        while True:
+            reply = await self._socket.recv_multipart()
+            kind = reply[0]
+            if kind == protocol.ACK and len(reply) >= 3:
+                waiter = self._by_seq.get(reply[1])
+            else:
+                kinds = list(self._by_kind) if kind == protocol.ERROR else [kind]
+                waiter = next(
+                    (f for k in kinds for f in self._by_kind.get(k, ()) if not f.done()), None
+                )
+            if waiter is not None and not waiter.done():
+                waiter.set_result(reply)
+            # Otherwise: an answer to a request already answered (and sent again) or given up.
 
     async def _request(self, parts: list[bytes], expect: bytes, seq: bytes | None) -> list[bytes]:
-        """The buffer's answer to `parts`: the first reply of kind `expect` (echoing `seq`,
-        when given), sent again each time `timeout` passes without one, `attempts` tries
-        in all. An [error] reply ends it at once."""
-
-        async def one_try() -> list[bytes]:
-            deadline = time.monotonic() + self.timeout
-            if not await self._send(parts, deadline):
-                raise _NoAnswer
-            while (remaining := deadline - time.monotonic()) > 0:
-                if not await self._socket.poll(remaining * 1000, zmq.POLLIN):
-                    break
-                reply = await self._socket.recv_multipart()
+        """The buffer's answer to `parts`: the reply of kind `expect` (echoing `seq`, when
+        given), sent again each time `timeout` passes without one, `attempts` tries in
+        all. An [error] reply ends it at once."""
+        self._start_reader()
+        answer: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        if seq is not None:
+            self._by_seq[seq] = answer
+        else:
+            self._by_kind.setdefault(expect, deque()).append(answer)
+        try:
+            for attempt in range(self.attempts):
+                if attempt:
+                    COUNTERS.inc("buffer_resends")
+                    self._start_reader()  # in case it ended with the loop of an earlier call
+                deadline = time.monotonic() + self.timeout
+                if not await self._send(parts, deadline):
+                    continue
+                remaining = max(0.0, deadline - time.monotonic())
+                try:
+                    reply = await asyncio.wait_for(asyncio.shield(answer), remaining)
+                except TimeoutError:
+                    continue
                 if reply[0] == protocol.ERROR:
                     raise BufferError(
                         f"buffer at {self.endpoint} refused the request: "
-                        f"{reply[1].decode(errors='replace')}"
+                        f"{reply[1].decode(errors='replace') if len(reply) > 1 else ''}"
                     )
-                if reply[0] == expect and (seq is None or reply[1] == seq):
-                    return reply
-                # An answer to an earlier, retried request: ignore it.
-            raise _NoAnswer
-
-        async with self._lock:  # one request in flight, so replies match their request
-            try:
-                return await call_with_retries(
-                    one_try,
-                    self._resends,
-                    what=f"buffer {parts[0].decode(errors='replace')}",
-                    retryable=lambda error: isinstance(error, _NoAnswer),
-                    on_retry=lambda _, __: COUNTERS.inc("buffer_resends"),
-                )
-            except _NoAnswer:
-                raise BufferError(
-                    f"buffer at {self.endpoint} did not answer {self.attempts} tries of "
-                    f"{self.timeout:g}s" + (_CURVE_HINT if self._curve is not None else "")
-                ) from None
+                return reply
+            raise BufferError(
+                f"buffer at {self.endpoint} did not answer {self.attempts} tries of "
+                f"{self.timeout:g}s" + (_CURVE_HINT if self._curve is not None else "")
+            )
+        finally:
+            if seq is not None:
+                self._by_seq.pop(seq, None)
+            else:
+                self._by_kind[expect].remove(answer)
+            if not answer.done():
+                answer.cancel()
 
     async def _send(self, parts: list[bytes], deadline: float) -> bool:
         # A DEALER with no usable peer (e.g. after a refused CURVE handshake) would
@@ -199,6 +235,8 @@ class BufferProducer:
         return _answer(BufferStatus, reply[1], self.endpoint)
 
     def close(self) -> None:
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
         self._socket.close(0)
 
 
@@ -206,10 +244,16 @@ class BufferTrainerClient:
     """The trainer's side: ask for a batch, acknowledge it once trained (blocking calls)."""
 
     def __init__(
-        self, endpoint: str, timeout: float = 30.0, curve: CurveClientConfig | None = None
+        self,
+        endpoint: str,
+        timeout: float = 30.0,
+        curve: CurveClientConfig | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self.max_frame_bytes = max_frame_bytes
+        self._bad_ids: dict[str, list[str]] = {}  # batch id -> ids its ack reports as bad
         self._curve = _client_keys(curve)
         self._socket = _dealer(zmq.Context.instance(), endpoint, self._curve)
 
@@ -255,13 +299,69 @@ class BufferTrainerClient:
         trainer_step: int | None = None,
     ) -> Batch | None:
         """A batch of `groups` whole groups, or None if none was ready within `wait_seconds`."""
+        served = self.get_frames(trainer_version, groups, wait_seconds, trainer_step)
+        if served is None:
+            return None
+        header, frames = served
+        trajectories: list[Trajectory] = []
+        bad: dict[str, str] = {}  # group id -> what was wrong with one of its frames
+        bad_ids: list[str] = []
+        for frame in frames:
+            try:
+                trajectories.append(decode_trajectory(frame, self.max_frame_bytes))
+            except WireError as error:
+                try:  # the buffer admitted it on these fields, so they read
+                    held = peek(frame, self.max_frame_bytes)
+                except WireError as unreadable:
+                    raise BufferError(
+                        f"buffer at {self.endpoint} served an unreadable frame: {unreadable}"
+                    ) from None
+                bad.setdefault(held.group_id, str(error))
+                bad_ids.append(held.trajectory_id)
+        if bad:
+            # Frames the buffer admitted on their header but whose arrays break the
+            # schema: their whole groups are left out, and the ack lets them go.
+            kept = [t for t in trajectories if t.group_id not in bad]
+            bad_ids += [t.trajectory_id for t in trajectories if t.group_id in bad]
+            self._bad_ids[header.batch_id] = bad_ids
+            COUNTERS.inc("buffer_bad_frames_served", amount=len(frames) - len(kept))
+            log.error(
+                "left out %d group(s) of batch %s that could not be decoded: %s",
+                len(bad),
+                header.batch_id,
+                "; ".join(f"{group}: {problem}" for group, problem in bad.items()),
+            )
+            trajectories = kept
+            if not trajectories:  # nothing left to train on: let the batch go now
+                self.ack(header.batch_id, trainer_version, trainer_step=trainer_step)
+                return None
+        return Batch(header.batch_id, header.trainer_version, trajectories)
+
+    def get_frames(
+        self,
+        trainer_version: int,
+        groups: int,
+        wait_seconds: float,
+        trainer_step: int | None = None,
+    ) -> tuple[BatchHeader, list[bytes]] | None:
+        """A batch as the buffer sends it: its header and the trajectories' frames, not
+        decoded; None if none was ready within `wait_seconds`."""
         request = GetRequest(trainer_version, groups, int(wait_seconds * 1000), trainer_step)
         reply = self._call(
             [protocol.GET, request.encode()],
             (protocol.BATCH, protocol.EMPTY),
             wait_seconds + self.timeout,
         )
-        return decode_batch(reply[1]) if reply[0] == protocol.BATCH else None
+        if reply[0] != protocol.BATCH:
+            return None
+        header = _answer(BatchHeader, reply[1] if len(reply) > 1 else b"", self.endpoint)
+        frames = reply[2:]
+        if len(frames) != header.trajectories:
+            raise BufferError(
+                f"buffer at {self.endpoint} sent {len(frames)} frames for a batch of "
+                f"{header.trajectories}"
+            )
+        return header, frames
 
     def ack(
         self,
@@ -275,8 +375,14 @@ class BufferTrainerClient:
         batch's trajectory ids, a buffer restarted since it served the batch still
         knows what was trained. With `commit=False` the buffer keeps the batch until
         `commit` says a checkpoint holds it (or `resume` that none does)."""
-        request = AckRequest(batch_id, trainer_version, commit, trajectory_ids, trainer_step)
+        bad_ids = self._bad_ids.get(batch_id)
+        if bad_ids and trajectory_ids is not None:
+            trajectory_ids = [*trajectory_ids, *bad_ids]  # a restarted buffer finds them too
+        request = AckRequest(
+            batch_id, trainer_version, commit, trajectory_ids, trainer_step, bad_ids
+        )
         self._call([protocol.ACK, request.encode()], (protocol.ACKED,), self.timeout)
+        self._bad_ids.pop(batch_id, None)
 
     def commit(self, trajectory_ids: list[str]) -> int:
         """A checkpoint now holds these: the buffer lets them go. Returns the groups committed."""

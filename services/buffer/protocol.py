@@ -9,7 +9,7 @@ producer socket (orchestrators)
     [b"ledger"]                     -> [b"ledger", LedgerView]
     [b"status"]                     -> [b"status", BufferStatus]
 trainer socket (one trainer)
-    [b"get", GetRequest]            -> [b"batch", wire Batch] or [b"empty", BufferStatus]
+    [b"get", GetRequest]            -> [b"batch", BatchHeader, frame, ...] or [b"empty", BufferStatus]
     [b"ack", AckRequest]            -> [b"acked", AckAnswer]
     [b"commit", CommitRequest]      -> [b"committed", CommitAnswer]
     [b"resume", ResumeRequest]      -> [b"resumed", ResumeAnswer]
@@ -19,7 +19,13 @@ either socket, on a request it cannot take
 
 `seq` is the producer's 8-byte big-endian sequence number, echoed in the answer;
 `frame` is a wire-encoded Trajectory (`rollwire.services.core.wire`). Every other
-body is one of the records below as a UTF-8 JSON object.
+body is one of the records below as a UTF-8 JSON object. A producer may have
+several requests with a seq in flight at once; their answers may come in any order.
+
+The buffer admits a put on what `wire.peek` reads (ids, group, ordinal, oldest
+policy version) and serves the frames as they came; the trainer decodes them in
+full. A frame that fails there is reported in the batch's ack (`bad_ids`) and its
+group is let go with the outcome "bad_frame", never trained on.
 
 Delivery guarantees (what callers may rely on):
 
@@ -43,7 +49,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cache
 from typing import Any, Self, get_type_hints
 
@@ -69,7 +75,9 @@ class Record:
 
     def encode(self) -> bytes:
         """The record as a JSON object; optional fields that are None are left out."""
-        return json.dumps({k: v for k, v in asdict(self).items() if v is not None}).encode()
+        # Fields hold JSON values only (no nested records), so no deep copy is needed.
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps({k: v for k, v in values.items() if v is not None}).encode()
 
     @classmethod
     def decode(cls, body: bytes) -> Self:
@@ -280,6 +288,22 @@ class AckRequest(Record):
     trajectory_ids: list[str] | None = None
     """The batch's trajectories: a buffer restarted since serving it still finds them."""
     trainer_step: int | None = None
+    bad_ids: list[str] | None = None
+    """Trajectories of the batch the trainer could not decode: their groups were not
+    trained and are let go with the outcome "bad_frame"."""
+
+
+@dataclass(frozen=True)
+class BatchHeader(Record):
+    """The first part of a batch reply; the trajectories' frames follow, one part each."""
+
+    batch_id: str
+    trainer_version: int
+    trajectories: int
+
+    def validate(self) -> None:
+        if self.trajectories < 0:
+            raise ProtocolError("BatchHeader.trajectories must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ the answer's record back.
 
 A put is acknowledged once the trajectory is held in memory and written to the
 buffer's log (`rollwire.services.buffer.trajectory_log`; a burst of puts shares
-one fsync before their acks go out). Anything malformed gets an answer that says
+one fsync before their acks go out). The buffer reads only a frame's header fields
+(`wire.peek`) and keeps and serves the bytes it was sent: it never decodes a
+trajectory's arrays nor encodes one again; the trainer decodes them in full. Anything malformed gets an answer that says
 what was wrong, a counter (`buffer_bad_messages`, `buffer_bad_frames`), and the
 buffer keeps serving. When the log cannot be written (disk full, directory gone)
 puts are refused with a reason starting "storage:", which producers treat like
@@ -48,6 +50,7 @@ from rollwire.services.buffer.durable_log import LogError, LogWriteError
 from rollwire.services.buffer.protocol import (
     AckAnswer,
     AckRequest,
+    BatchHeader,
     CommitAnswer,
     CommitRequest,
     DropRequest,
@@ -67,7 +70,7 @@ from rollwire.services.core.metrics import (
     MetricsEndpoint,
     metrics_ready_file,
 )
-from rollwire.services.core.wire import Trajectory, WireError, decode_trajectory, encode
+from rollwire.services.core.wire import TrajectoryFrame, WireError, peek
 
 if TYPE_CHECKING:
     from rollwire.services.core.config.models import CurveServerConfig
@@ -226,10 +229,7 @@ class BufferServer:
             except Exception as error:  # a bug on one message must not end the buffer
                 log.exception("buffer failed on a message")
                 COUNTERS.inc("buffer_internal_errors")
-                reply = [
-                    protocol.ERROR,
-                    f"internal error: {type(error).__name__}: {error}".encode(),
-                ]
+                reply = _internal_error(body, f"internal error: {type(error).__name__}: {error}")
             if reply is not None:
                 replies.append([identity, *reply])
         self._make_durable()  # one fsync for the whole burst, before any of its acks
@@ -296,30 +296,30 @@ class BufferServer:
 
     def _put_frame(self, frame: bytes) -> tuple[bool, str]:
         try:
-            trajectory = decode_trajectory(frame, self.max_frame_bytes)
+            trajectory = peek(frame, self.max_frame_bytes)
         except WireError as error:
             COUNTERS.inc("buffer_bad_frames")
             return False, f"bad frame: {error}"
         if not trajectory.trace_context:
-            return self._accept(trajectory, frame)
+            return self._accept(trajectory)
         # The put joins the trajectory's trace (its group's, begun by the orchestrator).
         with _TRACER.start_as_current_span(
             "buffer put",
             context=propagate.extract(trajectory.trace_context),
             attributes={"rollwire.trajectory_id": trajectory.trajectory_id},
         ) as span:
-            accepted, reason = self._accept(trajectory, frame)
+            accepted, reason = self._accept(trajectory)
             span.set_attribute("rollwire.outcome", reason)
             return accepted, reason
 
-    def _accept(self, trajectory: Trajectory, frame: bytes) -> tuple[bool, str]:
+    def _accept(self, trajectory: TrajectoryFrame) -> tuple[bool, str]:
         """Logs, then holds, a trajectory the state would take; a log that cannot be
         written refuses it with a "storage:" reason (producers wait and retry)."""
         if self.trajectory_log is not None:
             if self.state.check(trajectory)[1] != "ok":
                 return self.state.put(trajectory)  # counts duplicates, refuses the rest
             try:
-                self.trajectory_log.append_trajectory(trajectory.trajectory_id, frame)
+                self.trajectory_log.append_trajectory(trajectory.trajectory_id, trajectory.frame)
             except LogWriteError as error:
                 COUNTERS.inc("buffer_storage_errors")
                 return False, f"storage: {error}"
@@ -342,7 +342,9 @@ class BufferServer:
             return [protocol.ERROR, str(error).encode()]
         self._note_version(request.trainer_version, request.trainer_step)
         if isinstance(request, AckRequest):
-            known = self.state.ack(request.batch_id, request.trajectory_ids, request.commit)
+            known = self.state.ack(
+                request.batch_id, request.trajectory_ids, request.commit, request.bad_ids
+            )
             return self._durable_answer(
                 protocol.ACKED, AckAnswer(known, self.state.trainer_version)
             )
@@ -385,13 +387,30 @@ class BufferServer:
             batch = self.state.take(waiting.groups)
             self._make_durable()  # groups dropped as stale are consumed
             if batch is not None:
-                self.trainer.send_multipart([waiting.identity, protocol.BATCH, encode(batch)])
+                header = BatchHeader(batch.batch_id, batch.trainer_version, len(batch.trajectories))
+                frames = [t.frame for t in batch.trajectories]
+                self.trainer.send_multipart(
+                    [waiting.identity, protocol.BATCH, header.encode(), *frames], copy=False
+                )
             elif now >= waiting.deadline:
                 empty = self.state.status().encode()
                 self.trainer.send_multipart([waiting.identity, protocol.EMPTY, empty])
             else:
                 still.append(waiting)
         self._waiting = still
+
+
+def _internal_error(body: list[bytes], message: str) -> list[bytes]:
+    """The answer to a request the buffer failed on: a refused ack where the request had
+    a seq (so a producer with several requests in flight knows which), else [error]."""
+    kind = body[0] if body else b""
+    has_seq = len(body) >= 3 and len(body[1]) == 8
+    if has_seq and kind == protocol.PUT_GROUP:
+        answers = [{"accepted": False, "reason": message} for _ in body[2:]]
+        return [protocol.ACK, body[1], PutGroupAnswer(answers, 0).encode()]
+    if has_seq and kind in (protocol.PUT, protocol.DROP):
+        return [protocol.ACK, body[1], PutAnswer(False, message, 0, 0).encode()]
+    return [protocol.ERROR, message.encode()]
 
 
 _TRAINER_REQUESTS: dict[

@@ -1,6 +1,10 @@
 """What the replay buffer holds, apart from its sockets: groups being assembled,
 ready, served, trained; the ordinal ledger; the journal the trajectory log writes.
 
+The buffer holds trajectories as their wire frames (`TrajectoryFrame`: the bytes
+and the few fields read from them by `wire.peek`), never decoded: what it serves
+is the bytes it was sent.
+
 `BufferState` is plain data and methods, so it is unit-tested without ZeroMQ;
 `rollwire.services.buffer.server` serves it, and
 `rollwire.services.buffer.trajectory_log` writes its journal and rebuilds it.
@@ -14,18 +18,25 @@ from __future__ import annotations
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from rollwire.services.buffer.ledger import OrdinalLedger
 from rollwire.services.buffer.protocol import BufferStatus, LedgerView, ResumeAnswer
 from rollwire.services.core.metrics import COUNTERS
-from rollwire.services.core.wire import Batch, Trajectory
+from rollwire.services.core.wire import Trajectory, TrajectoryFrame
+
+Group: TypeAlias = list[TrajectoryFrame]
 
 
-def oldest_version(trajectory: Trajectory) -> int | None:
-    """The oldest policy version among the generated tokens; None if nothing was generated."""
-    generated = trajectory.policy_versions[trajectory.loss_mask == 1]
-    return int(generated.min()) if generated.size else None
+@dataclass
+class FrameBatch:
+    """Whole groups served to the trainer together, as the frames they came in."""
+
+    batch_id: str
+    trainer_version: int
+    """The trainer's version when the batch was assembled."""
+    trajectories: list[TrajectoryFrame]
+    """Whole groups, in group order."""
 
 
 @dataclass
@@ -43,11 +54,11 @@ class BufferState:
     max_ready_groups: int = 10_000
     trainer_version: int = 0
     trainer_step: int = 0
-    partial: dict[str, list[Trajectory]] = field(default_factory=dict)
-    ready: deque[list[Trajectory]] = field(default_factory=deque)
+    partial: dict[str, Group] = field(default_factory=dict)
+    ready: deque[Group] = field(default_factory=deque)
     seen: set[str] = field(default_factory=set)
-    unacked: OrderedDict[str, list[list[Trajectory]]] = field(default_factory=OrderedDict)
-    trained: OrderedDict[str, list[list[Trajectory]]] = field(default_factory=OrderedDict)
+    unacked: OrderedDict[str, list[Group]] = field(default_factory=OrderedDict)
+    trained: OrderedDict[str, list[Group]] = field(default_factory=OrderedDict)
     ledger: OrdinalLedger = field(default_factory=OrdinalLedger)
     accepted: int = 0
     served_trajectories: int = 0
@@ -57,14 +68,14 @@ class BufferState:
     """Groups per batch by domain (or source, per `share_by`); empty: arrival order."""
     share_by: str = "domain"
 
-    def _share_key(self, trajectory: Trajectory) -> str:
+    def _share_key(self, trajectory: TrajectoryFrame) -> str:
         return trajectory.domain if self.share_by == "domain" else trajectory.source
 
     def _drop(self, reason: str, count: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
         COUNTERS.inc("buffer_dropped", amount=count, reason=reason)
 
-    def check(self, trajectory: Trajectory) -> tuple[bool, str]:
+    def check(self, trajectory: TrajectoryFrame) -> tuple[bool, str]:
         """Whether `put` would take the trajectory, without changing anything."""
         if trajectory.trajectory_id in self.seen or self.ledger.finished(trajectory.prompt_ordinal):
             return True, "duplicate"
@@ -95,8 +106,10 @@ class BufferState:
             )
         return True, "ok"
 
-    def put(self, trajectory: Trajectory) -> tuple[bool, str]:
-        """Accepts a trajectory; returns (accepted, reason)."""
+    def put(self, trajectory: TrajectoryFrame | Trajectory) -> tuple[bool, str]:
+        """Accepts a trajectory (a decoded one is encoded first); returns (accepted, reason)."""
+        if isinstance(trajectory, Trajectory):
+            trajectory = TrajectoryFrame.of(trajectory)
         accepted, reason = self.check(trajectory)
         if reason == "duplicate":
             COUNTERS.inc("buffer_duplicates")
@@ -105,7 +118,7 @@ class BufferState:
         self.add(trajectory)
         return True, "ok"
 
-    def add(self, trajectory: Trajectory) -> None:
+    def add(self, trajectory: TrajectoryFrame) -> None:
         """Holds a trajectory `check` has passed."""
         self.seen.add(trajectory.trajectory_id)
         self.ledger.saw(trajectory.prompt_ordinal)
@@ -121,7 +134,7 @@ class BufferState:
         journal, self.journal = self.journal, []
         return journal
 
-    def _consume(self, groups: list[list[Trajectory]], outcome: str) -> None:
+    def _consume(self, groups: list[Group], outcome: str) -> None:
         """Groups that left the buffer for good: their ordinals are finished."""
         if not groups:
             return
@@ -132,11 +145,11 @@ class BufferState:
         self.seen.difference_update(ids)  # the ledger answers for them from now on
         self.journal.append((b"C", {"ids": ids, "ordinals": ordinals, "outcome": outcome}))
 
-    def _stale(self, group: list[Trajectory]) -> bool:
-        versions = [v for v in (oldest_version(t) for t in group) if v is not None]
+    def _stale(self, group: Group) -> bool:
+        versions = [t.oldest_version for t in group if t.oldest_version is not None]
         return bool(versions) and min(versions) < self.trainer_version - self.max_staleness
 
-    def take(self, groups: int) -> Batch | None:
+    def take(self, groups: int) -> FrameBatch | None:
         """`groups` whole groups within the staleness bound (per `shares` when set), oldest
         first, or None if there are not enough yet."""
         if self.shares:
@@ -159,15 +172,15 @@ class BufferState:
         batch_id = uuid.uuid4().hex
         self.unacked[batch_id] = chosen
         self.served_trajectories += sum(len(g) for g in chosen)
-        return Batch(batch_id, self.trainer_version, [t for group in chosen for t in group])
+        return FrameBatch(batch_id, self.trainer_version, [t for group in chosen for t in group])
 
-    def _take_shares(self) -> list[list[Trajectory]] | None:
+    def _take_shares(self) -> list[Group] | None:
         """The oldest groups of each share key, as many as its share, or None (nothing
         taken) while a key has too few; stale groups met on the way are dropped."""
         wanted = dict(self.shares)
-        picked: dict[str, list[list[Trajectory]]] = {key: [] for key in wanted}
-        fresh: deque[list[Trajectory]] = deque()  # the ready queue without stale groups
-        kept: deque[list[Trajectory]] = deque()  # and without the picked ones
+        picked: dict[str, list[Group]] = {key: [] for key in wanted}
+        fresh: deque[Group] = deque()  # the ready queue without stale groups
+        kept: deque[Group] = deque()  # and without the picked ones
         for group in self.ready:
             key = self._share_key(group[0])
             if self._stale(group):
@@ -188,20 +201,33 @@ class BufferState:
         return [group for key in wanted for group in picked[key]]
 
     def ack(
-        self, batch_id: str, trajectory_ids: list[str] | None = None, commit: bool = True
+        self,
+        batch_id: str,
+        trajectory_ids: list[str] | None = None,
+        commit: bool = True,
+        bad_ids: list[str] | None = None,
     ) -> bool:
         """Marks a served batch trained: consumed (`commit`), or held until the trainer's
         next checkpoint commits it. A batch this buffer does not know (served before a
         restart, requeued since) is found by its trajectory ids instead, so nothing the
-        trainer has trained on is served again."""
+        trainer has trained on is served again. Groups holding one of `bad_ids` (frames
+        the trainer could not decode) were not trained: they are let go at once, counted
+        as dropped "bad_frame"."""
         groups = self.unacked.pop(batch_id, None)
         if groups is None:
-            groups = self._pull(set(trajectory_ids or ()), (self.ready, self.unacked))
+            wanted = set(trajectory_ids or ()) | set(bad_ids or ())
+            groups = self._pull(wanted, (self.ready, self.unacked))
             if not groups:
                 return False
+        if bad_ids:
+            bad = set(bad_ids)
+            broken = [g for g in groups if any(t.trajectory_id in bad for t in g)]
+            groups = [g for g in groups if not any(g is b for b in broken)]
+            self._drop("bad_frame", sum(len(g) for g in broken))
+            self._consume(broken, "bad_frame")
         if commit:
             self._consume(groups, "trained")
-        else:
+        elif groups:
             self.trained[batch_id] = groups
             ids = [t.trajectory_id for group in groups for t in group]
             self.journal.append((b"P", {"ids": ids}))
@@ -219,7 +245,7 @@ class BufferState:
         it goes back to the front of the queue, to be trained again."""
         committed = self.commit(committed_ids)
         requeued = 0
-        back: list[list[Trajectory]] = []
+        back: list[Group] = []
         for groups in list(self.unacked.values()) + list(self.trained.values()):
             back.extend(groups)
         pending = [t.trajectory_id for groups in self.trained.values() for g in groups for t in g]
@@ -243,16 +269,14 @@ class BufferState:
         self.journal.append((b"C", {"ids": ids, "ordinals": [ordinal], "outcome": outcome}))
         return True
 
-    def _pull(
-        self, ids: set[str], places: tuple[deque | OrderedDict, ...]
-    ) -> list[list[Trajectory]]:
+    def _pull(self, ids: set[str], places: tuple[deque | OrderedDict, ...]) -> list[Group]:
         """Removes and returns the groups in `places` holding any of `ids`."""
-        found: list[list[Trajectory]] = []
+        found: list[Group] = []
         if not ids:
             return found
         for place in places:
             if isinstance(place, deque):
-                kept: deque[list[Trajectory]] = deque()
+                kept: deque[Group] = deque()
                 for group in place:
                     (found if any(t.trajectory_id in ids for t in group) else kept).append(group)
                 place.clear()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollwire.services.buffer.durable_log import DurableLog
 from rollwire.services.buffer.ledger import OrdinalLedger
-from rollwire.services.core.wire import Trajectory, decode_trajectory
+from rollwire.services.core.wire import TrajectoryFrame, peek
 
 if TYPE_CHECKING:
     from rollwire.services.buffer.state import BufferState
@@ -37,13 +37,13 @@ class TrajectoryLog:
 
     def restore(self, state: BufferState, max_frame_bytes: int) -> int:
         """Rebuilds `state` from the log; returns the number of trajectories back in it."""
-        trajectories: list[tuple[int, Trajectory]] = []
+        trajectories: list[tuple[int, TrajectoryFrame]] = []
         consumed: set[str] = set()
         pending: set[str] = set()
         for offset, record in self.log.replay():
             kind, body = record[:1], record[1:]
             if kind == b"T":
-                trajectories.append((offset, decode_trajectory(body, max_frame_bytes)))
+                trajectories.append((offset, peek(body, max_frame_bytes)))
                 continue
             if kind not in (b"C", b"P", b"R", b"L"):
                 raise ValueError(f"buffer log record {offset} has unknown kind {kind!r}")
