@@ -626,3 +626,23 @@ async def test_mismatch_tool_finds_the_hf_engine_agrees_with_the_trainer(
         assert "KL(engine || trainer)" in moved.table()
     finally:
         await servicer.close()
+
+
+@pytest.mark.integration
+async def test_the_threads_of_the_hf_engine_change_from_its_next_batch_on(rollout_stub) -> None:
+    stub, engine = rollout_stub
+    def on_worker() -> int:
+        return engine._worker.submit(torch.get_num_threads).result(timeout=10)
+
+    before = on_worker()
+    assert (await stub.GetStatus(rollout_pb2.RolloutStatusRequest())).threads == before
+    reply = await stub.SetThreads(rollout_pb2.SetThreadsRequest(threads=before + 1))
+    assert reply.applied and reply.threads == before + 1 and not reply.reason
+    assert on_worker() == before + 1  # on the thread that computes, not on this one
+    assert len((await stub.Generate(generate_request("after"))).token_ids) == 6
+    assert (await stub.GetStatus(rollout_pb2.RolloutStatusRequest())).threads == before + 1
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.SetThreads(rollout_pb2.SetThreadsRequest(threads=0))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await stub.SetThreads(rollout_pb2.SetThreadsRequest(threads=before))
+    assert on_worker() == before

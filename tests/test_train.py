@@ -409,3 +409,24 @@ def test_dynamic_sampling_replaces_uniform_groups_and_the_run_still_moves(tmp_pa
     progress = jsonl(run_dir / "metrics" / "orchestrator.jsonl")[-1]
     assert progress["groups_filtered"] >= 3 and progress["groups_failed"] == 0
     assert_no_process_left(run_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_a_sync_run_on_a_thread_plan_and_a_fresh_start_in_the_same_folder(tmp_path) -> None:
+    plan = ["rl.mode=sync", "run.cpu_threads=2", "trainer.checkpoint_every=2"]
+    run_dir, result = rollwire_train(tmp_path, *SHORT_RUN, *plan)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "threads: 2 shared (sync mode): trainer 2, rollout-server 1" in result.stdout
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [(s["threads_trainer"], s["threads_rollout"]) for s in steps] == [(2, 1)] * 4
+
+    # trainer.resume false in the same folder: the buffer's log of the run before goes
+    # too, so this run's orchestrator does not take the prompts as done (it hung so).
+    _, again = rollwire_train(tmp_path, *SHORT_RUN, *plan, "trainer.resume=false", timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "the buffer's log" in again.stdout and "resuming from" not in again.stdout
+    assert [s["step"] for s in jsonl(run_dir / "metrics" / "trainer.jsonl")] == [1, 2, 3, 4]
+    trained = [r for r in jsonl(run_dir / "metrics" / "trained_ids.jsonl") if "ids" in r]
+    assert len(trained) == 4  # this run's steps only
+    assert_no_process_left(run_dir)

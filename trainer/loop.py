@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc.aio
 
-from rollwire.proto.v1 import rollout_pb2_grpc, trainer_pb2_grpc
+from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc
 from rollwire.services.buffer.client import BufferError, BufferTrainerClient
 from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.core.config import RunConfig
@@ -37,6 +37,7 @@ from rollwire.services.core.wire import Batch
 from rollwire.trainer.model import Policy
 from rollwire.trainer.records import Clock, MetricsLog, open_trained_log
 from rollwire.trainer.servicer import TrainerServicer, TrainerState
+from rollwire.trainer.thread_plan import ThreadPlan
 from rollwire.trainer.weight_sender import catch_up, form_weight_group, publish, served_versions
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,10 @@ async def train(
     watchdog.start()
     clock = Clock()
     phases = PhaseClock()
+    plan = None
+    if config.run.cpu_threads:
+        plan = ThreadPlan.start(config.run.cpu_threads, config.rl.mode == "sync")
+        await follow_plan(plan, policy, rollout_stubs)  # whatever threads they started with
     try:
         while state.step < config.rl.max_steps and not state.stop_requested:
             state.state = "waiting_for_batch"
@@ -133,6 +138,11 @@ async def train(
             # The step's breakdown: waiting, the model's phases (`train_step` timed them),
             # publishing, acknowledging, checkpointing; and the CPU the process used.
             metrics.update(phases.take())
+            if plan is not None:
+                waited, wall = metrics.get("time_wait_seconds", 0.0), metrics["wall_seconds"]
+                if plan.observe(waited, wall):
+                    await follow_plan(plan, policy, rollout_stubs)
+                metrics["threads_trainer"], metrics["threads_rollout"] = plan.trainer, plan.rollout
             metrics.update(clock.rates(state))
             metrics_log.write(state.step, metrics)
         await checkpoint(policy, state, run_dir, buffer, trainer.batch_timeout_seconds)
@@ -236,6 +246,31 @@ async def _step(
         state.uncommitted_ids.extend(trained_ids)
     state.trained += len(trajectories)
     state.last_metrics = metrics
+
+
+async def follow_plan(plan: ThreadPlan, policy: Policy, rollout_stubs: list[Any]) -> None:
+    """Gives the trainer and the rollout-servers the plan's threads. A side that cannot
+    change its threads at run time fixes the plan where it is (logged once)."""
+    reasons = []
+    reason = policy.set_threads(plan.trainer)
+    if reason is not None:
+        reasons.append(f"trainer: {reason}")
+    request = rollout_pb2.SetThreadsRequest(threads=plan.per_server(len(rollout_stubs)))
+    for stub in rollout_stubs:
+        try:
+            reply = await stub.SetThreads(request, timeout=10.0)
+        except grpc.aio.AioRpcError as error:
+            log.warning(
+                "a rollout-server did not take its threads", extra={"error": describe_error(error)}
+            )
+            continue
+        if not reply.applied:
+            reasons.append(f"rollout-server: {reply.reason}")
+    if reasons:
+        plan.fixed = "; ".join(reasons)
+        log.warning("the thread plan stays as it is: %s", plan.fixed)
+    else:
+        log.info("threads moved", extra={"trainer": plan.trainer, "rollout": plan.rollout})
 
 
 STOP_PATIENCE_SECONDS = 10.0

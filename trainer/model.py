@@ -89,6 +89,7 @@ class Policy(Advantages, PipelineSteps):
 
         quiet_transformers()
         torch.set_num_threads(config.threads)
+        self.threads = config.threads
         self.config, self.rl = config, rl
         self.model_path = Path(model_path)
         if config.backend == "local":
@@ -250,8 +251,18 @@ class Policy(Advantages, PipelineSteps):
         Over several ranks each minibatch is split by tokens (`split_by_tokens`), every
         rank runs as many passes as the busiest (padding passes carry no tokens), and the
         metrics are those of the whole batch."""
+        if torch.get_num_threads() != self.threads:  # per thread: set in the one that computes
+            torch.set_num_threads(self.threads)
         self._lead("step", trajectories, trainer_version)
         return self._train_step(trajectories, trainer_version)
+
+    def set_threads(self, threads: int) -> str | None:
+        """Computes with `threads` CPU threads from the next step on: None, or why it cannot
+        (ranks of other processes keep the threads they started with)."""
+        if self.config.backend != "local":
+            return f"the {self.config.backend} backend's ranks keep the threads they started with"
+        self.threads = threads
+        return None
 
     def _train_step(self, trajectories: list[Trajectory], trainer_version: int) -> dict[str, float]:
         started = time.perf_counter()

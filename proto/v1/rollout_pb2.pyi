@@ -18,6 +18,22 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class SetThreadsRequest(_message.Message):
+    __slots__ = ("threads",)
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    threads: int
+    def __init__(self, threads: _Optional[int] = ...) -> None: ...
+
+class SetThreadsResponse(_message.Message):
+    __slots__ = ("applied", "threads", "reason")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    threads: int
+    reason: str
+    def __init__(self, applied: _Optional[bool] = ..., threads: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -131,7 +147,7 @@ class RolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("policy_version", "engine", "model", "running_requests", "waiting_requests", "generated_tokens", "tokenizer_digest")
+    __slots__ = ("policy_version", "engine", "model", "running_requests", "waiting_requests", "generated_tokens", "tokenizer_digest", "threads")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +155,7 @@ class RolloutStatus(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     engine: str
     model: str
@@ -146,7 +163,8 @@ class RolloutStatus(_message.Message):
     waiting_requests: int
     generated_tokens: int
     tokenizer_digest: str
-    def __init__(self, policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ...) -> None: ...
+    threads: int
+    def __init__(self, policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class JoinWeightGroupRequest(_message.Message):
     __slots__ = ("address", "port", "rank", "world_size", "backend", "group_id", "timeout_seconds")

@@ -74,6 +74,11 @@ class RolloutServiceStub:
                 request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensRequest.SerializeToString,
                 response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensResponse.FromString,
                 _registered_method=True)
+        self.SetThreads = channel.unary_unary(
+                '/rollwire.v1.RolloutService/SetThreads',
+                request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsRequest.SerializeToString,
+                response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -160,6 +165,16 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetThreads(self, request, context):
+        """The CPU threads the engine computes with, from its next batch on: a
+        machine-wide thread plan (`run.cpu_threads`) moves threads between the
+        trainer and generation. INVALID_ARGUMENT for threads < 1; an engine that
+        cannot change them at run time answers applied = false with the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +217,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.ScoreTokens,
                     request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensRequest.FromString,
                     response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensResponse.SerializeToString,
+            ),
+            'SetThreads': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetThreads,
+                    request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsRequest.FromString,
+                    response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -420,6 +440,33 @@ class RolloutService:
             '/rollwire.v1.RolloutService/ScoreTokens',
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensRequest.SerializeToString,
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.ScoreTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetThreads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.RolloutService/SetThreads',
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsRequest.SerializeToString,
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsResponse.FromString,
             options,
             channel_credentials,
             insecure,

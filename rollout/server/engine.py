@@ -86,6 +86,15 @@ class Engine(Protocol):
     async def score(
         self, sequences: list[tuple[list[int], int]], top_k: int
     ) -> tuple[list[Scores], int]: ...
+    @property
+    def threads(self) -> int:
+        """The CPU threads it computes with; 0 when not a CPU engine of this process."""
+        ...
+
+    def set_threads(self, threads: int) -> str | None:
+        """Computes with `threads` CPU threads from the next batch on: None, or why it
+        cannot change them at run time."""
+        ...
 
 
 def validate_request(

@@ -126,6 +126,7 @@ class HFEngine:
         """Changes of rows made on the running KV cache (joins, finished rows dropped)."""
         self._inflight: dict[str, _Pending] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._threads = torch.get_num_threads()  # the worker starts with the process's
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
         self.generated_tokens = 0
@@ -146,6 +147,18 @@ class HFEngine:
     @property
     def waiting(self) -> int:
         return len(self._intake)
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    def set_threads(self, threads: int) -> str | None:
+        """Takes effect on the worker thread (torch's thread count is per thread) once
+        the batch it is running ends: a job queued behind it."""
+        if threads != self._threads:
+            self._threads = threads
+            self._worker.submit(torch.set_num_threads, threads)
+        return None
 
     def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every parameter a weight update may set."""

@@ -155,6 +155,13 @@ class OpenAIEngine:
     def waiting(self) -> int:
         return 0  # the server queues; it does not say how much
 
+    @property
+    def threads(self) -> int:
+        return 0
+
+    def set_threads(self, threads: int) -> str | None:
+        return "the openai engine computes in another server; its threads are that server's"
+
     def parameter_specs(self) -> dict[str, Any]:
         return self._specs
 

@@ -263,6 +263,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             policy_version=version,
         )
 
+    async def SetThreads(
+        self, request: rollout_pb2.SetThreadsRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.SetThreadsResponse:
+        if request.threads < 1:
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "bad_request",
+                f"threads must be at least 1, got {request.threads}",
+            )
+        reason = self.engine.set_threads(int(request.threads))
+        if reason is None:
+            COUNTERS.inc("rollout_thread_changes")
+            log.info("threads set", extra={"threads": int(request.threads)})
+        return rollout_pb2.SetThreadsResponse(
+            applied=reason is None, threads=self.engine.threads, reason=reason or ""
+        )
+
     def tokenizer_digest(self) -> str:
         """The served tokenizer's digest (`rollwire.rollout.server.engine.tokenizer_digest`),
         read once."""
@@ -281,6 +299,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             waiting_requests=self.engine.waiting,
             generated_tokens=self.engine.generated_tokens,
             tokenizer_digest=await asyncio.to_thread(self.tokenizer_digest),
+            threads=self.engine.threads,
         )
 
     async def close(self) -> None:

@@ -199,6 +199,13 @@ class SGLangEngine:
     def waiting(self) -> int:
         return max(len(self._inflight) - len(self._running), 0)
 
+    @property
+    def threads(self) -> int:
+        return 0
+
+    def set_threads(self, threads: int) -> str | None:
+        return "SGLang sets its threads when it starts; they cannot change at run time"
+
     def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Checkpoint names -> (shape, dtype): what a weight stream from the trainer carries."""
         return self._specs

@@ -248,6 +248,13 @@ class VLLMEngine:
     def waiting(self) -> int:
         return len(self._intake)
 
+    @property
+    def threads(self) -> int:
+        return 0
+
+    def set_threads(self, threads: int) -> str | None:
+        return "vLLM binds its CPU threads when it starts (VLLM_CPU_OMP_THREADS_BIND); they cannot change at run time"
+
     def parameter_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Checkpoint names -> (shape, dtype): what a weight stream from the trainer carries."""
         return self._specs

@@ -16,6 +16,7 @@ import logging
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from rollwire.services.app.launcher import (
     LaunchError,
@@ -76,6 +77,8 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     if checkpoint is None:
         for stale in ("trainer.jsonl", "eval.jsonl", "orchestrator.jsonl"):
             (run_dir / "metrics" / stale).unlink(missing_ok=True)
+    if not config.trainer.resume:
+        _forget_the_run_before(config, run_dir)
     print(f"run directory: {run_dir}")
     if checkpoint is not None:
         print(
@@ -88,14 +91,42 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     # has left behind: they hold requests until the trainer sends the checkpoint's
     # weights, or episodes sampled from the base model would be dropped as stale.
     rollout_server = {"model_path": model, **({"await_weights": True} if checkpoint else {})}
+    trainer: dict[str, Any] = {"model_path": model}
+    if config.run.cpu_threads:
+        from rollwire.trainer.thread_plan import ThreadPlan
+
+        # The trainer and the rollout-server start with the plan's threads; in async
+        # mode the trainer moves them between the two as the run goes.
+        plan = ThreadPlan.start(config.run.cpu_threads, config.rl.mode == "sync")
+        rollout_server["threads"], trainer["threads"] = plan.rollout, plan.trainer
+        print(
+            f"threads: {plan.total} shared ({config.rl.mode} mode): trainer {plan.trainer}, "
+            f"rollout-server {plan.rollout}" + ("" if plan.sync else ", moved as the run goes")
+        )
     config = config.model_copy(
         update={
             "run": config.run.model_copy(update={"output_dir": run_dir}),
             "rollout_server": config.rollout_server.model_copy(update=rollout_server),
-            "trainer": config.trainer.model_copy(update={"model_path": model}),
+            "trainer": config.trainer.model_copy(update=trainer),
         }
     )
     return config, run_dir
+
+
+def _forget_the_run_before(config: RunConfig, run_dir: Path) -> None:
+    """`trainer.resume: false` starts afresh: the buffer's log and the record of trained
+    ids of a run before in this folder go too. Kept, the buffer would come back holding
+    that run's ledger, and the orchestrator would take its prompts as done and wait with
+    a trainer that starts again from step 0."""
+    import shutil
+
+    log_dir = config.buffer.data_dir or run_dir / "buffer"
+    trained = run_dir / "metrics" / "trained_ids.jsonl"
+    if not (Path(log_dir).exists() or trained.exists()):
+        return
+    shutil.rmtree(log_dir, ignore_errors=True)
+    trained.unlink(missing_ok=True)
+    print(f"trainer.resume is false: the buffer's log ({log_dir}) of the run before is removed")
 
 
 PREPARED_FROM = ".rollwire-prepared-from"

@@ -190,6 +190,15 @@ class RunSection(StrictModel):
     the started ones in `endpoints.env_servers` and leaves this unset."""
     tiny_model: dict[str, int] = {}
     """Shape overrides of the built-in tiny model (fields of `rollwire.services.core.tiny.TinySpec`)."""
+    cpu_threads: int = Field(0, ge=0)
+    """CPU threads the trainer and the rollout-server of a local run (`rollwire train`,
+    `rollwire up`) share: one plan for the machine instead of each service's `threads`
+    (0 keeps those). In sync mode the two take turns: the trainer's step gets all of them,
+    generation all but one (the orchestrator and the reward-server work beside it). In async mode they start split in half, and every 10 steps the trainer moves one
+    thread toward the side that is behind, from its own measured idle time (idle over
+    25% of the step: a thread to generation; under 5%: one back). HF engines and the
+    `local` trainer backend change their torch threads at run time; vLLM, SGLang and
+    openai engines and fsdp2/deepspeed ranks keep the threads they started with."""
 
 
 class RunConfig(StrictModel):

@@ -1,0 +1,96 @@
+"""The machine-wide thread plan (`run.cpu_threads`): who computes with how many threads."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollwire.trainer.thread_plan import GIVE_ABOVE, REPLAN_STEPS, TAKE_BELOW, ThreadPlan
+
+
+def test_sync_gives_the_step_every_thread_and_generation_all_but_one_and_never_moves() -> None:
+    plan = ThreadPlan.start(4, sync=True)
+    assert (plan.trainer, plan.rollout) == (4, 3)
+    assert not plan.replan(0.9) and not plan.replan(0.0)
+    assert (plan.trainer, plan.rollout) == (4, 3)
+    assert (ThreadPlan.start(1, sync=True).trainer, ThreadPlan.start(1, sync=True).rollout) == (
+        1,
+        1,
+    )
+
+
+def test_async_starts_in_half_and_moves_one_thread_toward_the_side_behind() -> None:
+    plan = ThreadPlan.start(5, sync=False)
+    assert (plan.trainer, plan.rollout) == (2, 3)
+    assert plan.replan(GIVE_ABOVE + 0.1)  # the trainer waits: generation is behind
+    assert (plan.trainer, plan.rollout) == (1, 4)
+    assert not plan.replan(0.9)  # the trainer keeps one thread
+    assert not plan.replan((GIVE_ABOVE + TAKE_BELOW) / 2)  # between the marks: stays
+    assert plan.replan(TAKE_BELOW / 2) and plan.replan(0.0) and plan.replan(0.0)
+    assert (plan.trainer, plan.rollout) == (4, 1)
+    assert not plan.replan(0.0)  # generation keeps one thread
+    assert plan.trainer + plan.rollout == plan.total
+
+
+def test_two_threads_split_one_each_and_a_fixed_plan_stays() -> None:
+    plan = ThreadPlan.start(2, sync=False)
+    assert (plan.trainer, plan.rollout) == (1, 1)
+    assert not plan.replan(0.9) and not plan.replan(0.0)
+    wide = ThreadPlan.start(8, sync=False)
+    wide.fixed = "rollout-server: vLLM binds its threads when it starts"
+    assert not wide.replan(0.9) and (wide.trainer, wide.rollout) == (4, 4)
+    with pytest.raises(ValueError, match="at least one thread"):
+        ThreadPlan.start(0, sync=True)
+
+
+def test_the_plan_follows_the_idle_share_of_a_window_of_steps() -> None:
+    plan = ThreadPlan.start(6, sync=False)
+    for _ in range(REPLAN_STEPS - 1):
+        assert not plan.observe(waited=0.5, wall=1.0)  # not yet a window
+    assert plan.observe(waited=0.5, wall=1.0)  # idle 0.5: one thread to generation
+    assert (plan.trainer, plan.rollout) == (2, 4)
+    for _ in range(REPLAN_STEPS):
+        changed = plan.observe(waited=0.01, wall=1.0)  # hardly waits: one back
+    assert changed and (plan.trainer, plan.rollout) == (3, 3)
+    assert plan.per_server(2) == 1 and plan.per_server(1) == 3 and plan.per_server(5) == 1
+
+
+class _Stub:
+    """A rollout-server's SetThreads, answering as an engine that can (or cannot) change."""
+
+    def __init__(self, reason: str = "") -> None:
+        self.reason, self.asked = reason, []
+
+    async def SetThreads(self, request, timeout):  # noqa: N802 (the gRPC method's name)
+        from rollwire.proto.v1 import rollout_pb2
+
+        self.asked.append(request.threads)
+        return rollout_pb2.SetThreadsResponse(
+            applied=not self.reason, threads=request.threads, reason=self.reason
+        )
+
+
+class _Policy:
+    def __init__(self, reason: str | None = None) -> None:
+        self.reason, self.threads = reason, None
+
+    def set_threads(self, threads: int) -> str | None:
+        self.threads = threads
+        return self.reason
+
+
+async def test_the_trainer_hands_out_the_plan_and_a_side_that_cannot_change_fixes_it() -> None:
+    from rollwire.trainer.loop import follow_plan
+
+    plan = ThreadPlan.start(6, sync=False)
+    policy, stubs = _Policy(), [_Stub(), _Stub()]
+    await follow_plan(plan, policy, stubs)
+    assert policy.threads == 3 and [s.asked for s in stubs] == [[1], [1]]  # 3 shared by 2
+    assert plan.fixed is None and plan.replan(0.9)
+
+    vllm = _Stub("vLLM binds its CPU threads when it starts")
+    await follow_plan(plan, policy, [vllm])
+    assert vllm.asked == [4] and plan.fixed == "rollout-server: " + vllm.reason
+    assert not plan.replan(0.9)  # moving threads to a side that cannot use them: no
+    fsdp = ThreadPlan.start(4, sync=True)
+    await follow_plan(fsdp, _Policy("the fsdp2 backend's ranks keep their threads"), [_Stub()])
+    assert fsdp.fixed.startswith("trainer: the fsdp2 backend")
