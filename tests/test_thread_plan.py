@@ -60,7 +60,7 @@ class _Stub:
     def __init__(self, reason: str = "") -> None:
         self.reason, self.asked = reason, []
 
-    async def SetThreads(self, request, timeout):  # noqa: N802 (the gRPC method's name)
+    async def SetThreads(self, request, timeout):  # the gRPC method's name
         from rollwire.proto.v1 import rollout_pb2
 
         self.asked.append(request.threads)
