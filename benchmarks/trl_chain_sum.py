@@ -1,57 +1,117 @@
-"""The same chain_sum RL run with Hugging Face TRL's GRPOTrainer, for comparison.
+"""The same chain_sum RL run with Hugging Face TRL's GRPOTrainer and with rollwire
+(asynchronous, then synchronous), side by side, evaluated by one piece of code.
 
-    .venv/bin/pip install trl==1.16.0
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/trl_chain_sum.py --steps 100
+    .venv/bin/pip install trl==1.13.0        # not a rollwire dependency
+    .venv/bin/python benchmarks/trl_chain_sum.py [--steps 120] [--systems trl async sync]
 
-Starts from the same warmed-up model `rollwire train` uses (built by the same
-code and cached), with the same prompts, group size, prompts per step,
-learning rate, completion length, reward (reasoning-gym's score_answer on the
-tagged answer) and held-out evaluation (greedy, the same 200 prompts), and
-prints the held-out reward against wall time. TRL runs in one process on both
-cores; rollwire's services share the same two cores.
+Every system starts from the same model: the tiny Qwen2 shape below (2.3M parameters),
+warmed up by rollwire's own supervised warm-up (`prepare_model`, cached), and trains on
+the same prompts (the training set without any held-out prompt), 16 prompts x 8
+samples a step, learning rate 1e-4, temperature 1, the same completion length, the
+same binary reward (reasoning-gym's score_answer on the tagged answer), clipping and
+KL settings from rollwire's config. TRL runs in one process with two torch threads;
+rollwire's services share the same two cores, with `run.cpu_threads=2` (sync: the
+trainer's step on both cores; async: one each).
+
+"training s" is TRL's `trainer.train()` and rollwire's trainer clock at its last
+step (both include generating the first batch, neither the evaluations). The
+evaluation, the same function for all, runs in this process on the 200 held-out
+prompts: greedy accuracy, sampled accuracy (8 samples a prompt, temperature 1, no
+top-k or top-p) and pass@8, before and after. One seed each.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from rollwire.reward.scorers import ScoreInput, reasoning_gym_score
 from rollwire.services.app.launcher import prepare_model
 from rollwire.services.core.config import load_config
-from rollwire.services.core.datasets import load_tasks
+from rollwire.services.core.datasets import load_tasks, task_at, training_tasks
+from rollwire.services.core.files import latest_checkpoint
+
+SHAPE = "{hidden_size: 256, intermediate_size: 768, num_hidden_layers: 3, num_attention_heads: 8}"
+SETTING = [
+    f"run.tiny_model={SHAPE}",
+    "rl.groups_per_step=16",
+    "rl.group_size=8",
+    "trainer.learning_rate=1e-4",
+]
+SAMPLES = 8
+THREADS = 2
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "-c", "--config", help="rollwire run config to mirror (default: the built-in default)"
-    )
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--eval-every", type=int, default=20)
-    args = parser.parse_args()
+def evaluate(model, tokenizer, tasks, template: str, max_new_tokens: int) -> dict[str, float]:
+    """Greedy accuracy, sampled accuracy and pass@SAMPLES on `tasks` (seeded)."""
+
+    def correct(task, ids) -> float:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        item = ScoreInput(text, task.reference, task.question, task.metadata)
+        return reasoning_gym_score(item).reward
+
+    model.eval()
+    torch.manual_seed(0)
+    greedy = sampled = passed = 0.0
+    with torch.inference_mode():
+        for start in range(0, len(tasks), 50):
+            chunk = tasks[start : start + 50]
+            encoded = tokenizer(
+                [t.prompt(template) for t in chunk],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            )
+            width = encoded["input_ids"].shape[1]
+            common = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
+            out = model.generate(**encoded, do_sample=False, **common)
+            greedy += sum(correct(t, ids) for t, ids in zip(chunk, out[:, width:], strict=True))
+            out = model.generate(
+                **encoded,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=SAMPLES,
+                **common,
+            )
+            for index, task in enumerate(chunk):
+                rows = out[index * SAMPLES : (index + 1) * SAMPLES, width:]
+                scores = [correct(task, ids) for ids in rows]
+                sampled += sum(scores) / SAMPLES
+                passed += float(max(scores) >= 1.0)
+    model.train()
+    return {
+        "greedy": greedy / len(tasks),
+        "sampled": sampled / len(tasks),
+        f"pass@{SAMPLES}": passed / len(tasks),
+    }
+
+
+def run_trl(config, model_path: Path, steps: int, out: Path) -> tuple[float, Path]:
+    """TRL's GRPOTrainer on the same start, prompts and settings; (training s, model folder)."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    config = load_config(args.config, args.overrides)
-    model_path = prepare_model(config, progress=False)
     settings, rl = config.orchestrator, config.rl
-    template = settings.prompt_template
-    train_tasks = load_tasks(settings.dataset)
-    eval_tasks = list(load_tasks(settings.eval_dataset))
-    count = args.steps * rl.groups_per_step
-    rows = [train_tasks[i] for i in range(count)]
+    pool = training_tasks(settings.dataset, settings.eval_dataset)
+    rows = [task_at(pool, ordinal) for ordinal in range(steps * rl.groups_per_step)]
     dataset = Dataset.from_list(
         [
             {
-                "prompt": t.prompt(template),
+                "prompt": t.prompt(settings.prompt_template),
                 "answer": t.reference,
                 "question": t.question,
-                "metadata": t.metadata,
+                "metadata": json.dumps(t.metadata),
             }
             for t in rows
         ]
@@ -62,59 +122,21 @@ def main() -> None:
 
     def reward(prompts, completions, answer, question, metadata, **_):
         return [
-            reasoning_gym_score(ScoreInput(c.replace(tokenizer.eos_token, ""), a, q, m)).reward
+            reasoning_gym_score(
+                ScoreInput(c.replace(tokenizer.eos_token, ""), a, q, json.loads(m))
+            ).reward
             for c, a, q, m in zip(completions, answer, question, metadata, strict=True)
         ]
-
-    def evaluate(current) -> float:
-        current.eval()
-        total = 0.0
-        with torch.inference_mode():
-            for start in range(0, len(eval_tasks), 50):
-                chunk = eval_tasks[start : start + 50]
-                encoded = tokenizer(
-                    [t.prompt(template) for t in chunk],
-                    return_tensors="pt",
-                    padding=True,
-                    add_special_tokens=False,
-                )
-                out = current.generate(
-                    **encoded,
-                    do_sample=False,
-                    max_new_tokens=settings.max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-                for task, ids in zip(chunk, out[:, encoded["input_ids"].shape[1] :], strict=True):
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    total += reasoning_gym_score(
-                        ScoreInput(text, task.reference, task.question, task.metadata)
-                    ).reward
-        current.train()
-        return total / len(eval_tasks)
-
-    history = [(0, 0.0, evaluate(model))]
-    started = time.perf_counter()
-    evaluation_seconds = 0.0
-
-    class Evaluate(TrainerCallback):
-        def on_step_end(self, arguments, state, control, model=None, **kwargs):
-            nonlocal evaluation_seconds
-            if state.global_step % args.eval_every == 0:
-                eval_started = time.perf_counter()
-                training_seconds = eval_started - started - evaluation_seconds
-                history.append((state.global_step, training_seconds, evaluate(model)))
-                evaluation_seconds += time.perf_counter() - eval_started
 
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[reward],
         processing_class=tokenizer,
         train_dataset=dataset,
-        callbacks=[Evaluate()],
         args=GRPOConfig(
-            output_dir="/tmp/trl-chain-sum",
+            output_dir=str(out / "trl"),
             use_cpu=True,
-            max_steps=args.steps,
+            max_steps=steps,
             per_device_train_batch_size=rl.groups_per_step * rl.group_size,
             num_generations=rl.group_size,
             max_completion_length=settings.max_new_tokens,
@@ -122,6 +144,8 @@ def main() -> None:
             lr_scheduler_type="constant",
             warmup_steps=0,
             temperature=rl.temperature,
+            top_k=0,
+            top_p=1.0,
             beta=config.trainer.kl.coef,
             epsilon=config.trainer.loss.clip_low,
             epsilon_high=config.trainer.loss.clip_high,
@@ -130,15 +154,96 @@ def main() -> None:
             report_to=[],
             seed=config.run.seed,
             dataloader_num_workers=0,
+            shuffle_dataset=False,
         ),
     )
+    started = time.perf_counter()
     trainer.train()
-    print("step  training seconds  held-out eval reward")
-    for step, seconds, value in history:
-        print(f"{step:>4}  {seconds:>16.1f}  {value:.3f}")
-    print(
-        f"total wall {time.perf_counter() - started:.1f}s (evaluation {evaluation_seconds:.1f}s of it)"
+    seconds = time.perf_counter() - started
+    folder = out / "trl" / "final"
+    trainer.save_model(str(folder))
+    return seconds, folder
+
+
+def run_rollwire(mode: str, steps: int, out: Path, cache: str) -> tuple[float, Path]:
+    """`rollwire train` in `mode` with the same settings; (training s, final checkpoint)."""
+    run_dir = out / mode
+    command = [sys.executable, "-m", "rollwire.services.app.cli", "train"]
+    for item in (
+        *SETTING,
+        f"rl.max_steps={steps}",
+        f"rl.mode={mode}",
+        f"run.cpu_threads={THREADS}",
+        f"run.output_dir={run_dir}",
+        "orchestrator.eval_every=100000",  # its own evaluations: at the start and the end only
+    ):
+        command += ["--set", item]
+    env = {**os.environ, "ROLLWIRE_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"rollwire {mode} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    rows = (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines()
+    seconds = json.loads(rows[-1])["elapsed_seconds"]
+    breakdown = [line for line in done.stdout.splitlines() if line.startswith("trainer step")]
+    print(f"rollwire {mode}: " + (breakdown[0] if breakdown else ""), flush=True)
+    return seconds, latest_checkpoint(run_dir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument(
+        "--systems", nargs="+", default=["trl", "async", "sync"], choices=["trl", "async", "sync"]
     )
+    parser.add_argument("--out", type=Path, help="folder for the runs (default: a temp dir)")
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(THREADS)
+    out = args.out or Path(tempfile.mkdtemp(prefix="trl-chain-sum-"))
+    cache = os.environ.get("ROLLWIRE_CACHE_DIR", str(Path.home() / ".cache" / "rollwire"))
+    os.environ["ROLLWIRE_CACHE_DIR"] = cache
+    config = load_config(None, SETTING + [f"rl.max_steps={args.steps}"])
+    start = prepare_model(config, progress=True)
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    tokenizer.padding_side = "left"
+    settings = config.orchestrator
+    held_out = list(load_tasks(settings.eval_dataset))
+
+    def measure(folder: Path) -> dict[str, float]:
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        return evaluate(model, tokenizer, held_out, settings.prompt_template, settings.max_new_tokens)
+
+    before = measure(start)
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(start).parameters())
+    print(f"start: {start} ({parameters / 1e6:.1f}M parameters), held-out {before}", flush=True)
+    results = {}
+    for system in args.systems:
+        if system == "trl":
+            seconds, folder = run_trl(config, start, args.steps, out)
+        else:
+            seconds, folder = run_rollwire(system, args.steps, out, cache)
+        results[system] = (seconds, measure(folder))
+        print(f"{system}: {seconds:.0f} s, held-out {results[system][1]}", flush=True)
+
+    completions = args.steps * config.rl.groups_per_step * config.rl.group_size
+    base = results.get("trl", (None,))[0]
+    print(
+        f"\nchain_sum, {args.steps} steps of {config.rl.groups_per_step} x {config.rl.group_size}, "
+        f"{parameters / 1e6:.1f}M parameters, {os.cpu_count()} cores, one seed; held-out: "
+        f"{len(held_out)} prompts\n"
+    )
+    print(
+        "| system | training s | vs TRL | completions/s | greedy before -> after "
+        f"| sampled before -> after | pass@{SAMPLES} before -> after |"
+    )
+    print("|---|---:|---:|---:|---|---|---|")
+    names = {"trl": "TRL GRPOTrainer", "async": "rollwire async", "sync": "rollwire sync"}
+    for system, (seconds, after) in results.items():
+        ratio = f"{seconds / base:.2f}x" if base else "n/a"
+        cells = " | ".join(f"{before[k]:.3f} -> {after[k]:.3f}" for k in before)
+        print(f"| {names[system]} | {seconds:.0f} | {ratio} | {completions / seconds:.0f} | {cells} |")
+    print(f"\nruns in {out}")
 
 
 if __name__ == "__main__":

@@ -145,8 +145,11 @@ async def train(
                 metrics["threads_trainer"], metrics["threads_rollout"] = plan.trainer, plan.rollout
             metrics.update(clock.rates(state))
             metrics_log.write(state.step, metrics)
+        await finish_publishing(state)  # the last version reaches the rollout-servers
         await checkpoint(policy, state, run_dir, buffer, trainer.batch_timeout_seconds)
     finally:
+        if state.publishing is not None:
+            state.publishing.cancel()
         watchdog.stop()
         metrics_log.close()
         trained_log.close()
@@ -166,7 +169,8 @@ async def _wait_for_batch(
     waited_from = time.perf_counter()
     last_catch_up = 0.0
     while not state.stop_requested:
-        if state.version and time.monotonic() - last_catch_up > 2.0:
+        sending = state.publishing is not None and not state.publishing.done()
+        if state.version and not sending and time.monotonic() - last_catch_up > 2.0:
             last_catch_up = time.monotonic()
             await catch_up(rollout_stubs, policy, state.version, trainer.weight_chunk_bytes)
         await asyncio.to_thread(policy.heartbeat)
@@ -214,13 +218,29 @@ async def _step(
     state.step += 1
     state.state = "publishing"
     with phases.phase("publish"):
-        await publish(
-            rollout_stubs,
-            policy,
-            state.version,
-            trainer.weight_chunk_bytes,
-            group=state.weight_group,
-        )
+        # Versions go out in order: the last one sent in the background first.
+        metrics.update(await finish_publishing(state))
+        if trainer.overlap_publish and config.rl.staleness > 0:
+            # Sent while this step is acknowledged and the next batch awaited.
+            state.publishing = asyncio.create_task(
+                publish(
+                    rollout_stubs,
+                    policy,
+                    state.version,
+                    trainer.weight_chunk_bytes,
+                    group=state.weight_group,
+                    named=await asyncio.to_thread(policy.weights_snapshot),
+                ),
+                name=f"publish-{state.version}",
+            )
+        else:
+            await publish(
+                rollout_stubs,
+                policy,
+                state.version,
+                trainer.weight_chunk_bytes,
+                group=state.weight_group,
+            )
     metrics["weights_by_group"] = float(
         state.weight_group is not None and state.weight_group.usable
     )
@@ -246,6 +266,15 @@ async def _step(
         state.uncommitted_ids.extend(trained_ids)
     state.trained += len(trajectories)
     state.last_metrics = metrics
+
+
+async def finish_publishing(state: TrainerState) -> dict[str, float]:
+    """Waits for the weights being sent in the background, if any (raising what sending
+    them raised); their seconds, as `publish_overlapped_seconds`."""
+    task, state.publishing = state.publishing, None
+    if task is None:
+        return {}
+    return {"publish_overlapped_seconds": await task}
 
 
 async def follow_plan(plan: ThreadPlan, policy: Policy, rollout_stubs: list[Any]) -> None:

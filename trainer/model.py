@@ -415,6 +415,16 @@ class Policy(Advantages, PipelineSteps):
                 parts.append(padding)
         return plan
 
+    def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """`named_weights` that the next step cannot change: a copy of every tensor that is
+        a live parameter (a full-weight local model); a sharded backend's gathered copy
+        and LoRA's merged (or frozen) weights are new or unchanging already."""
+        named = self.named_weights()
+        if self.sharded or self.config.lora is not None:
+            return named
+        with torch.no_grad():
+            return [(name, tensor.clone()) for name, tensor in named]
+
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters to publish, by the names a freshly loaded model uses: the float32
         master weights under either precision (a rollout-server casts them to the dtype

@@ -36,6 +36,9 @@ class TrainerState:
         self.resumed_from_step: int | None = None
         # Rank 0 of the weight group (trainer.weight_transport: group), while it holds.
         self.weight_group: GroupPublisher | None = None
+        self.publishing: asyncio.Task[float] | None = None
+        """The weights of the last step on their way to the rollout-servers
+        (`trainer.overlap_publish`), until the next step waits for them."""
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):

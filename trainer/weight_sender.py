@@ -49,6 +49,7 @@ async def publish(
     chunk_bytes: int,
     timeout: float = 120.0,
     group: GroupPublisher | None = None,
+    named: list[tuple[str, torch.Tensor]] | None = None,
 ) -> float:
     """Sends the weights to every rollout-server at once; returns the seconds it took.
 
@@ -56,9 +57,11 @@ async def publish(
     group`); if that fails the group is dropped for good and the servers behind get
     the version as gRPC streams. A server that cannot be reached (restarting) is
     skipped and counted; `catch_up` brings it to the current version once it is back.
+    `named` sends those tensors instead of the policy's weights as they are now.
     """
     started = time.perf_counter()
-    named = policy.named_weights()
+    if named is None:  # the weights as they are now (`Policy.weights_snapshot`: a copy)
+        named = policy.named_weights()
     if group is not None and group.usable:
         try:
             await group.publish(stubs, named, version)
