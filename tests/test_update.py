@@ -545,3 +545,20 @@ def test_token_level_distillation_steps_lower_the_kl_packed_or_not(tiny_model_pa
     assert padded.supervised_loss(sequences, None, loss, top)["loss"] < 0.85 * first["loss"]
     with pytest.raises(ValueError, match="needs the teacher's top-k"):
         padded.supervised_step(sequences, None, loss, None)
+
+
+def test_a_weights_snapshot_is_what_the_step_left_and_the_next_step_does_not_change(
+    tiny_model_path,
+) -> None:
+    """What an overlapped publish sends (`trainer.overlap_publish`): a copy, so the step
+    after it cannot change the weights halfway through being sent."""
+    policy = make_policy(tiny_model_path, learning_rate=5e-2)
+    policy.train_step(group(), 0)
+    snapshot = policy.weights_snapshot()
+    after_first = {name: tensor.clone() for name, tensor in policy.named_weights()}
+    assert [name for name, _ in snapshot] == list(after_first)
+    assert all(torch.equal(tensor, after_first[name]) for name, tensor in snapshot)
+    policy.train_step(group(), 1)
+    moved = [n for n, t in policy.named_weights() if not torch.equal(t, after_first[n])]
+    assert moved  # the second step changed the model...
+    assert all(torch.equal(tensor, after_first[name]) for name, tensor in snapshot)  # ...not it
