@@ -128,15 +128,21 @@ def test_garbage_raises_wire_error_only(garbage: bytes) -> None:
         assert isinstance(decoded, (Trajectory, Batch))
 
 
-@given(st.data())
-@settings(max_examples=300)
-def test_mutated_frames_raise_wire_error_or_decode(data: st.DataObject) -> None:
+def mutated(data: st.DataObject) -> bytes:
+    """A sample's frame with one to four bytes overwritten."""
     frame = bytearray(encode(sample()))
     for _ in range(data.draw(st.integers(1, 4))):
         position = data.draw(st.integers(0, len(frame) - 1))
         frame[position] = data.draw(st.integers(0, 255))
+    return bytes(frame)
+
+
+@given(st.data())
+@settings(max_examples=300)
+def test_mutated_frames_raise_wire_error_or_decode(data: st.DataObject) -> None:
+    frame = mutated(data)
     try:
-        decoded = decode(bytes(frame))
+        decoded = decode(frame)
     except WireError:
         return
     # A mutation that still decodes must still satisfy the schema's invariants.
@@ -282,12 +288,9 @@ def test_peek_reads_what_a_full_decode_reads(trajectory: Trajectory) -> None:
 @given(st.data())
 @settings(max_examples=300)
 def test_peek_of_mutated_frames_raises_wire_error_or_reads(data: st.DataObject) -> None:
-    frame = bytearray(encode(sample()))
-    for _ in range(data.draw(st.integers(1, 4))):
-        position = data.draw(st.integers(0, len(frame) - 1))
-        frame[position] = data.draw(st.integers(0, 255))
+    frame = mutated(data)
     try:
-        held = peek(bytes(frame))
+        held = peek(frame)
     except WireError as error:
         assert str(error)
         return
