@@ -203,7 +203,7 @@ def main() -> None:
     out = args.out or Path(tempfile.mkdtemp(prefix="trl-chain-sum-"))
     cache = os.environ.get("ROLLWIRE_CACHE_DIR", str(Path.home() / ".cache" / "rollwire"))
     os.environ["ROLLWIRE_CACHE_DIR"] = cache
-    config = load_config(None, SETTING + [f"rl.max_steps={args.steps}"])
+    config = load_config(None, [*SETTING, f"rl.max_steps={args.steps}"])
     start = prepare_model(config, progress=True)
     tokenizer = AutoTokenizer.from_pretrained(start)
     tokenizer.padding_side = "left"
@@ -212,7 +212,9 @@ def main() -> None:
 
     def measure(folder: Path) -> dict[str, float]:
         model = AutoModelForCausalLM.from_pretrained(folder)
-        return evaluate(model, tokenizer, held_out, settings.prompt_template, settings.max_new_tokens)
+        return evaluate(
+            model, tokenizer, held_out, settings.prompt_template, settings.max_new_tokens
+        )
 
     before = measure(start)
     parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(start).parameters())
@@ -242,7 +244,9 @@ def main() -> None:
     for system, (seconds, after) in results.items():
         ratio = f"{seconds / base:.2f}x" if base else "n/a"
         cells = " | ".join(f"{before[k]:.3f} -> {after[k]:.3f}" for k in before)
-        print(f"| {names[system]} | {seconds:.0f} | {ratio} | {completions / seconds:.0f} | {cells} |")
+        print(
+            f"| {names[system]} | {seconds:.0f} | {ratio} | {completions / seconds:.0f} | {cells} |"
+        )
     print(f"\nruns in {out}")
 
 

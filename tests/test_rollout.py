@@ -631,6 +631,7 @@ async def test_mismatch_tool_finds_the_hf_engine_agrees_with_the_trainer(
 @pytest.mark.integration
 async def test_the_threads_of_the_hf_engine_change_from_its_next_batch_on(rollout_stub) -> None:
     stub, engine = rollout_stub
+
     def on_worker() -> int:
         return engine._worker.submit(torch.get_num_threads).result(timeout=10)
 
