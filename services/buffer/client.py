@@ -116,8 +116,10 @@ class BufferProducer:
         self._reader: asyncio.Task[None] | None = None
 
     def _start_reader(self) -> None:
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+        loop = asyncio.get_running_loop()
+        reader = self._reader
+        if reader is None or reader.done() or reader.get_loop() is not loop:
+            self._reader = loop.create_task(self._read())
 
     async def _read(self) -> None:
         """Hands each answer to its request: by seq, or (status, ledger) to the oldest
@@ -298,7 +300,10 @@ class BufferTrainerClient:
         wait_seconds: float,
         trainer_step: int | None = None,
     ) -> Batch | None:
-        """A batch of `groups` whole groups, or None if none was ready within `wait_seconds`."""
+        """A batch of `groups` whole groups, decoded, or None if none was ready within
+        `wait_seconds`. A group with a frame that does not decode is left out (logged,
+        counted in `buffer_bad_frames_served`) and let go by this batch's `ack`; a batch
+        of such groups only is acknowledged here and None returned."""
         served = self.get_frames(trainer_version, groups, wait_seconds, trainer_step)
         if served is None:
             return None
