@@ -11,9 +11,9 @@ A put is acknowledged once the trajectory is held in memory and written to the
 buffer's log (`rollwire.services.buffer.trajectory_log`; a burst of puts shares
 one fsync before their acks go out). The buffer reads only a frame's header fields
 (`wire.peek`) and keeps and serves the bytes it was sent: it never decodes a
-trajectory's arrays nor encodes one again; the trainer decodes them in full. Anything malformed gets an answer that says
-what was wrong, a counter (`buffer_bad_messages`, `buffer_bad_frames`), and the
-buffer keeps serving. When the log cannot be written (disk full, directory gone)
+trajectory's arrays nor encodes one again; the trainer decodes them in full.
+Anything malformed gets an answer that says what was wrong, a counter
+(`buffer_bad_messages`, `buffer_bad_frames`), and the buffer keeps serving. When the log cannot be written (disk full, directory gone)
 puts are refused with a reason starting "storage:", which producers treat like
 "full": they wait and retry, they do not drop.
 
