@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/wire_codec.py
 
-`wire` is rollwire's encode() + decode() with full validation; `msgpack raw`
+`wire` is rollwire's encode() + decode_trajectory() with full validation; `msgpack raw`
 packs and unpacks the same fields with no checks; `pickle` round-trips the
 dataclass. Ratios are throughput relative to msgpack raw, measured in the same run.
 """
@@ -16,7 +16,7 @@ import time
 import msgpack
 import numpy as np
 
-from rollwire.services.core.wire import Trajectory, _trajectory_body, decode, encode
+from rollwire.services.core.wire import Trajectory, _trajectory_body, decode_trajectory, encode
 
 
 def trajectory(tokens: int, rng: np.random.Generator) -> Trajectory:
@@ -69,7 +69,7 @@ def main() -> None:
         )
         rows = [
             ("msgpack raw", raw),
-            ("wire", rate(lambda item=item: decode(encode(item)), repeats)),
+            ("wire", rate(lambda item=item: decode_trajectory(encode(item)), repeats)),
             ("pickle", rate(lambda item=item: pickle.loads(pickle.dumps(item)), repeats)),
         ]
         for name, per_second in rows:

@@ -12,11 +12,8 @@ from hypothesis import strategies as st
 
 from rollwire.services.core.wire import (
     SCHEMA_VERSION,
-    Batch,
     Trajectory,
     WireError,
-    decode,
-    decode_batch,
     decode_trajectory,
     encode,
     peek,
@@ -102,13 +99,6 @@ def test_trajectory_round_trip(trajectory: Trajectory) -> None:
     assert decoded.policy_versions.dtype == np.int64
 
 
-@given(st.lists(trajectories(), max_size=4), st.integers(0, 2**40), names)
-@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow])
-def test_batch_round_trip(items: list[Trajectory], version: int, batch_id: str) -> None:
-    batch = Batch(batch_id, version, items)
-    assert decode_batch(encode(batch)) == batch
-
-
 def test_arrays_travel_as_little_endian_bytes() -> None:
     envelope = msgpack.unpackb(encode(sample()), raw=False)
     assert envelope["schema"] == SCHEMA_VERSION
@@ -121,11 +111,11 @@ def test_arrays_travel_as_little_endian_bytes() -> None:
 @settings(max_examples=400)
 def test_garbage_raises_wire_error_only(garbage: bytes) -> None:
     try:
-        decoded = decode(garbage)
+        decoded = decode_trajectory(garbage)
     except WireError as error:
         assert str(error)  # every rejection says why
     else:
-        assert isinstance(decoded, (Trajectory, Batch))
+        assert isinstance(decoded, Trajectory)
 
 
 def mutated(data: st.DataObject) -> bytes:
@@ -142,7 +132,7 @@ def mutated(data: st.DataObject) -> bytes:
 def test_mutated_frames_raise_wire_error_or_decode(data: st.DataObject) -> None:
     frame = mutated(data)
     try:
-        decoded = decode(frame)
+        decoded = decode_trajectory(frame)
     except WireError:
         return
     # A mutation that still decodes must still satisfy the schema's invariants.
@@ -156,7 +146,7 @@ def test_every_truncation_raises_wire_error(cut: int) -> None:
     frame = encode(sample())
     cut = min(cut, len(frame) - 1)
     with pytest.raises(WireError):
-        decode(frame[:cut])
+        decode_trajectory(frame[:cut])
 
 
 def _frame(mutate) -> bytes:
@@ -221,37 +211,32 @@ def _frame(mutate) -> bytes:
 )
 def test_schema_violations_are_named(mutate, message: str) -> None:
     with pytest.raises(WireError, match=message):
-        decode(_frame(mutate))
+        decode_trajectory(_frame(mutate))
 
 
 def test_oversized_frame_is_refused_before_decoding() -> None:
     frame = encode(sample())
     with pytest.raises(WireError, match="exceeds the limit"):
-        decode(frame, max_frame_bytes=len(frame) - 1)
-    assert decode(frame, max_frame_bytes=len(frame)) == sample()
+        decode_trajectory(frame, max_frame_bytes=len(frame) - 1)
+    assert decode_trajectory(frame, max_frame_bytes=len(frame)) == sample()
 
 
-def test_kind_checked_by_typed_decoders() -> None:
-    with pytest.raises(WireError, match="expected a batch frame"):
-        decode_batch(encode(sample()))
+def test_a_frame_of_another_kind_is_refused() -> None:
+    envelope = msgpack.unpackb(encode(sample()), raw=False)
+    envelope["kind"] = "batch"  # a kind this schema once had
+    other = msgpack.packb(envelope, use_bin_type=True)
+    with pytest.raises(WireError, match="unknown frame kind 'batch'"):
+        decode_trajectory(other)
     with pytest.raises(WireError, match="expected a trajectory frame"):
-        decode_trajectory(encode(Batch("b", 0, [sample()])))
+        peek(other)
 
 
 def test_deep_nesting_and_non_bytes_input() -> None:
     deep = b"\x91" * 100_000 + b"\x00"  # 100k nested one-element arrays
     with pytest.raises(WireError):
-        decode(deep)
+        decode_trajectory(deep)
     with pytest.raises(WireError, match="must be bytes"):
-        decode("text")  # type: ignore[arg-type]
-
-
-def test_a_bad_trajectory_inside_a_batch_is_located() -> None:
-    good = encode(Batch("b", 1, [sample(), sample()]))
-    envelope = msgpack.unpackb(good, raw=False)
-    envelope["body"]["trajectories"][1]["domain"] = None
-    with pytest.raises(WireError, match=r"batch.trajectories\[1\].domain"):
-        decode(msgpack.packb(envelope, use_bin_type=True))
+        decode_trajectory("text")  # type: ignore[arg-type]
 
 
 def test_teacher_logprobs_are_optional_and_checked() -> None:
@@ -321,5 +306,3 @@ def test_peek_checks_the_fields_a_relay_uses_and_leaves_the_rest_to_decode() -> 
     ]:
         with pytest.raises(WireError, match=message):
             peek(_frame(mutate))
-    with pytest.raises(WireError, match="expected a trajectory frame"):
-        peek(encode(Batch("b", 0, [sample()])))

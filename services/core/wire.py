@@ -1,4 +1,4 @@
-"""The data plane's message schema: trajectories and batches as msgpack frames.
+"""The data plane's message schema: trajectories as msgpack frames.
 
 A frame is one msgpack map `{"schema": SCHEMA_VERSION, "kind": ..., "body": ...}`.
 Arrays travel as `{"dtype": "<i4", "shape": [n], "data": <raw little-endian bytes>}`,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -392,60 +392,21 @@ def peek(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajec
 
 # ---------------------------------------------------------------- frames
 
-Kind = Literal["trajectory", "batch"]
 
-
-def encode(message: Trajectory | Batch) -> bytes:
-    """Encodes a trajectory or a batch as one msgpack frame."""
-    if isinstance(message, Trajectory):
-        kind, body = "trajectory", _trajectory_body(message)
-    elif isinstance(message, Batch):
-        kind = "batch"
-        body = {
-            "batch_id": message.batch_id,
-            "trainer_version": int(message.trainer_version),
-            "trajectories": [_trajectory_body(t) for t in message.trajectories],
-        }
-    else:
-        raise TypeError(f"cannot encode {type(message).__name__}")
-    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, "body": body}, use_bin_type=True)
-
-
-def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajectory | Batch:
-    """Decodes one frame. Raises WireError, and only WireError, for anything invalid."""
-    kind, body = _unpack_envelope(frame, max_frame_bytes)
-    if kind == "trajectory":
-        return _trajectory_from_body(body)
-    if kind == "batch":
-        if not isinstance(body, dict) or set(body) != {
-            "batch_id",
-            "trainer_version",
-            "trajectories",
-        }:
-            raise WireError("batch: expected batch_id, trainer_version and trajectories")
-        if not isinstance(body["batch_id"], str) or not _is_int(body["trainer_version"]):
-            raise WireError("batch: batch_id must be a string and trainer_version an integer")
-        if not isinstance(body["trajectories"], list):
-            raise WireError("batch.trajectories: expected a list")
-        trajectories = [
-            _trajectory_from_body(t, f"batch.trajectories[{i}]")
-            for i, t in enumerate(body["trajectories"])
-        ]
-        return Batch(body["batch_id"], body["trainer_version"], trajectories)
-    raise WireError(f"unknown frame kind {kind!r}")
+def encode(trajectory: Trajectory) -> bytes:
+    """Encodes a trajectory as one msgpack frame."""
+    if not isinstance(trajectory, Trajectory):
+        raise TypeError(f"cannot encode {type(trajectory).__name__}")
+    body = _trajectory_body(trajectory)
+    return msgpack.packb(
+        {"schema": SCHEMA_VERSION, "kind": "trajectory", "body": body}, use_bin_type=True
+    )
 
 
 def decode_trajectory(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajectory:
-    """Decodes a frame that must hold a trajectory."""
-    message = decode(frame, max_frame_bytes)
-    if not isinstance(message, Trajectory):
-        raise WireError(f"expected a trajectory frame, got a {type(message).__name__.lower()}")
-    return message
-
-
-def decode_batch(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Batch:
-    """Decodes a frame that must hold a batch."""
-    message = decode(frame, max_frame_bytes)
-    if not isinstance(message, Batch):
-        raise WireError(f"expected a batch frame, got a {type(message).__name__.lower()}")
-    return message
+    """Decodes one trajectory frame. Raises WireError, and only WireError, for anything
+    invalid."""
+    kind, body = _unpack_envelope(frame, max_frame_bytes)
+    if kind != "trajectory":
+        raise WireError(f"unknown frame kind {kind!r}")
+    return _trajectory_from_body(body)
