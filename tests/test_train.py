@@ -75,12 +75,16 @@ def assert_no_process_left(run_dir: Path) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
-    run_dir, result = rollwire_train(tmp_path, *SHORT_RUN)
+    # The weights go out in the background (trainer.overlap_publish): every version still
+    # reaches the rollout-server, in order (below).
+    run_dir, result = rollwire_train(tmp_path, *SHORT_RUN, "trainer.overlap_publish=true")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "held-out eval reward" in result.stdout
 
     steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    # Each step after the first waited for the weights sent in the background before it.
+    assert all(s["publish_overlapped_seconds"] > 0 for s in steps[1:])
     # The staleness bound held on every trained token.
     assert max(s["staleness_max"] for s in steps) <= 1
     assert [s["policy_version"] for s in steps] == [1.0, 2.0, 3.0, 4.0]
