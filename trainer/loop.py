@@ -220,27 +220,19 @@ async def _step(
     with phases.phase("publish"):
         # Versions go out in order: the last one sent in the background first.
         metrics.update(await finish_publishing(state))
-        if trainer.overlap_publish and config.rl.staleness > 0:
-            # Sent while this step is acknowledged and the next batch awaited.
-            state.publishing = asyncio.create_task(
-                publish(
-                    rollout_stubs,
-                    policy,
-                    state.version,
-                    trainer.weight_chunk_bytes,
-                    group=state.weight_group,
-                    named=await asyncio.to_thread(policy.weights_snapshot),
-                ),
-                name=f"publish-{state.version}",
-            )
+        overlap = trainer.overlap_publish and config.rl.staleness > 0
+        sending = publish(
+            rollout_stubs,
+            policy,
+            state.version,
+            trainer.weight_chunk_bytes,
+            group=state.weight_group,
+            named=await asyncio.to_thread(policy.weights_snapshot) if overlap else None,
+        )
+        if overlap:  # sent while this step is acknowledged and the next batch awaited
+            state.publishing = asyncio.create_task(sending, name=f"publish-{state.version}")
         else:
-            await publish(
-                rollout_stubs,
-                policy,
-                state.version,
-                trainer.weight_chunk_bytes,
-                group=state.weight_group,
-            )
+            await sending
     metrics["weights_by_group"] = float(
         state.weight_group is not None and state.weight_group.usable
     )
