@@ -2,14 +2,15 @@
 (asynchronous, then synchronous), side by side, evaluated by one piece of code.
 
     .venv/bin/pip install trl==1.13.0        # not a rollwire dependency
-    .venv/bin/python benchmarks/trl_chain_sum.py [--steps 120] [--systems trl async sync]
+    .venv/bin/python benchmarks/trl_chain_sum.py [--steps 120] [--systems trl async sync] [--set K=V]
 
 Every system starts from the same model: the tiny Qwen2 shape below (2.3M parameters),
 warmed up by rollwire's own supervised warm-up (`prepare_model`, cached), and trains on
 the same prompts (the training set without any held-out prompt), 16 prompts x 8
 samples a step, learning rate 1e-4, temperature 1, the same completion length, the
 same binary reward (reasoning-gym's score_answer on the tagged answer), clipping and
-KL settings from rollwire's config. TRL runs in one process with two torch threads;
+KL settings from rollwire's config, the same precision (float32 unless
+`trainer.precision` says bf16; GRPOConfig's own default is bf16). TRL runs in one process with two torch threads;
 rollwire's services share the same two cores, with `run.cpu_threads=2` (sync: the
 trainer's step on both cores; async: one each).
 
@@ -136,6 +137,10 @@ def run_trl(config, model_path: Path, steps: int, out: Path) -> tuple[float, Pat
         args=GRPOConfig(
             output_dir=str(out / "trl"),
             use_cpu=True,
+            # rollwire's trainer computes in float32 here (trainer.precision: fp32);
+            # GRPOConfig defaults to bf16 autocast, which this CPU (no native bf16
+            # matmul) runs 15x slower: 10.3 s a step against 0.69 s in float32.
+            bf16=config.trainer.precision == "bf16",
             max_steps=steps,
             per_device_train_batch_size=rl.groups_per_step * rl.group_size,
             num_generations=rl.group_size,
@@ -165,8 +170,11 @@ def run_trl(config, model_path: Path, steps: int, out: Path) -> tuple[float, Pat
     return seconds, folder
 
 
-def run_rollwire(mode: str, steps: int, out: Path, cache: str) -> tuple[float, Path]:
-    """`rollwire train` in `mode` with the same settings; (training s, final checkpoint)."""
+def run_rollwire(
+    mode: str, steps: int, out: Path, cache: str, overrides: list[str]
+) -> tuple[float, Path]:
+    """`rollwire train` in `mode` with the same settings, then `overrides`; (training s,
+    final checkpoint)."""
     run_dir = out / mode
     command = [sys.executable, "-m", "rollwire.services.app.cli", "train"]
     for item in (
@@ -176,6 +184,7 @@ def run_rollwire(mode: str, steps: int, out: Path, cache: str) -> tuple[float, P
         f"run.cpu_threads={THREADS}",
         f"run.output_dir={run_dir}",
         "orchestrator.eval_every=100000",  # its own evaluations: at the start and the end only
+        *overrides,
     ):
         command += ["--set", item]
     env = {**os.environ, "ROLLWIRE_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
@@ -196,6 +205,14 @@ def main() -> None:
         "--systems", nargs="+", default=["trl", "async", "sync"], choices=["trl", "async", "sync"]
     )
     parser.add_argument("--out", type=Path, help="folder for the runs (default: a temp dir)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for the rollwire runs only, after the shared ones (repeatable)",
+    )
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -224,7 +241,7 @@ def main() -> None:
         if system == "trl":
             seconds, folder = run_trl(config, start, args.steps, out)
         else:
-            seconds, folder = run_rollwire(system, args.steps, out, cache)
+            seconds, folder = run_rollwire(system, args.steps, out, cache, args.overrides)
         results[system] = (seconds, measure(folder))
         print(f"{system}: {seconds:.0f} s, held-out {results[system][1]}", flush=True)
 
@@ -233,7 +250,9 @@ def main() -> None:
     print(
         f"\nchain_sum, {args.steps} steps of {config.rl.groups_per_step} x {config.rl.group_size}, "
         f"{parameters / 1e6:.1f}M parameters, {os.cpu_count()} cores, one seed; held-out: "
-        f"{len(held_out)} prompts\n"
+        f"{len(held_out)} prompts"
+        + (f"; rollwire with {' '.join(args.overrides)}" if args.overrides else "")
+        + "\n"
     )
     print(
         "| system | training s | vs TRL | completions/s | greedy before -> after "
