@@ -94,3 +94,16 @@ async def test_the_trainer_hands_out_the_plan_and_a_side_that_cannot_change_fixe
     fsdp = ThreadPlan.start(4, sync=True)
     await follow_plan(fsdp, _Policy("the fsdp2 backend's ranks keep their threads"), [_Stub()])
     assert fsdp.fixed.startswith("trainer: the fsdp2 backend")
+
+
+def test_generation_keeps_a_thread_for_each_rollout_server() -> None:
+    sync = ThreadPlan.start(2, sync=True, servers=2)
+    assert (sync.trainer, sync.rollout, sync.per_server(2)) == (2, 2, 1)
+    assert sync.describe() == "trainer 2, rollout-servers 2 x 1"
+    assert ThreadPlan.start(2, sync=True).describe() == "trainer 2, rollout-server 1"
+    plan = ThreadPlan.start(6, sync=False, servers=2)
+    assert (plan.trainer, plan.rollout, plan.per_server(2)) == (3, 3, 1)
+    assert plan.replan(GIVE_ABOVE + 0.1) and plan.per_server(2) == 2  # 4 threads, 2 each
+    assert plan.replan(0.0) and plan.replan(0.0)
+    assert (plan.trainer, plan.rollout) == (4, 2)
+    assert not plan.replan(0.0)  # one thread per server stays with generation

@@ -417,7 +417,7 @@ def test_dynamic_sampling_replaces_uniform_groups_and_the_run_still_moves(tmp_pa
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-def test_a_sync_run_on_a_thread_plan_and_a_fresh_start_in_the_same_folder(tmp_path) -> None:
+def test_a_sync_run_on_a_thread_plan_then_a_fresh_start_on_two_rollout_servers(tmp_path) -> None:
     plan = ["rl.mode=sync", "run.cpu_threads=2", "trainer.checkpoint_every=2"]
     run_dir, result = rollwire_train(tmp_path, *SHORT_RUN, *plan)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -427,10 +427,18 @@ def test_a_sync_run_on_a_thread_plan_and_a_fresh_start_in_the_same_folder(tmp_pa
 
     # trainer.resume false in the same folder: the buffer's log of the run before goes
     # too, so this run's orchestrator does not take the prompts as done (it hung so).
-    _, again = rollwire_train(tmp_path, *SHORT_RUN, *plan, "trainer.resume=false", timeout=300)
+    # This run generates on two rollout-servers, one thread each.
+    two = ["trainer.resume=false", "run.local_rollout_servers=2"]
+    _, again = rollwire_train(tmp_path, *SHORT_RUN, *plan, *two, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "the buffer's log" in again.stdout and "resuming from" not in again.stdout
+    assert "trainer 2, rollout-servers 2 x 1" in again.stdout
     assert [s["step"] for s in jsonl(run_dir / "metrics" / "trainer.jsonl")] == [1, 2, 3, 4]
     trained = [r for r in jsonl(run_dir / "metrics" / "trained_ids.jsonl") if "ids" in r]
     assert len(trained) == 4  # this run's steps only
+    for name in ("rollout-server", "rollout-server-1"):  # both generated and had every version
+        log = (run_dir / "logs" / f"{name}.log").read_text().splitlines()
+        counters = [json.loads(line)["counters"] for line in log if '"stopped"' in line]
+        assert counters[-1]["rollout_generated_tokens"] > 0, (name, counters)
+        assert counters[-1]["rollout_weight_updates"] == 4, (name, counters)
     assert_no_process_left(run_dir)

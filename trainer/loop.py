@@ -114,7 +114,8 @@ async def train(
     phases = PhaseClock()
     plan = None
     if config.run.cpu_threads:
-        plan = ThreadPlan.start(config.run.cpu_threads, config.rl.mode == "sync")
+        sync = config.rl.mode == "sync"
+        plan = ThreadPlan.start(config.run.cpu_threads, sync, len(rollout_stubs))
         await follow_plan(plan, policy, rollout_stubs)  # whatever threads they started with
     try:
         while state.step < config.rl.max_steps and not state.stop_requested:

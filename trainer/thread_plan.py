@@ -8,7 +8,8 @@ reward-server, which score and build trajectories while it runs, so it leaves th
 generation phase 25% slower). Async mode: they run at once, so the threads are split; the split starts in half and
 follows the trainer's measured idle time, one thread at a time: a trainer that waits
 for batches more than `GIVE_ABOVE` of its time gives a thread to generation, one that
-hardly waits (under `TAKE_BELOW`) takes one back. Each side keeps at least one.
+hardly waits (under `TAKE_BELOW`) takes one back. Each side keeps at least one, and
+generation one per rollout-server (`run.local_rollout_servers`), even past the total.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class ThreadPlan:
     rollout: int
     """Threads for generation, shared by the run's rollout-servers."""
     sync: bool
+    servers: int = 1
+    """Rollout-servers the generation threads are divided among (each keeps one)."""
     fixed: str | None = None
     """Why the plan no longer moves threads (a side cannot change its own), or None."""
     _waited: float = 0.0
@@ -37,15 +40,17 @@ class ThreadPlan:
     _steps: int = 0
 
     @classmethod
-    def start(cls, total: int, sync: bool) -> ThreadPlan:
+    def start(cls, total: int, sync: bool, servers: int = 1) -> ThreadPlan:
         """The plan a run starts with: in sync mode every thread to the trainer and all but
-        one to generation; half each in async mode (at least one each)."""
+        one to generation; half each in async mode (at least one each, and one for each
+        of `servers` rollout-servers)."""
         if total < 1:
             raise ValueError(f"a thread plan needs at least one thread, got {total}")
+        servers = max(1, servers)
         if sync:
-            return cls(total, total, max(1, total - 1), sync=True)
+            return cls(total, total, max(servers, total - 1), sync=True, servers=servers)
         trainer = max(1, total // 2)
-        return cls(total, trainer, max(1, total - trainer), sync=False)
+        return cls(total, trainer, max(servers, total - trainer), sync=False, servers=servers)
 
     def observe(self, waited: float, wall: float) -> bool:
         """Counts one step (seconds it waited for its batch, seconds in all); every
@@ -72,7 +77,7 @@ class ThreadPlan:
             self.trainer -= 1
             self.rollout += 1
             return True
-        if trainer_idle < TAKE_BELOW and self.rollout > 1:
+        if trainer_idle < TAKE_BELOW and self.rollout > self.servers:
             self.trainer += 1
             self.rollout -= 1
             return True
@@ -81,3 +86,13 @@ class ThreadPlan:
     def per_server(self, servers: int) -> int:
         """Generation threads of each of `servers` rollout-servers."""
         return max(1, self.rollout // max(1, servers))
+
+    def describe(self) -> str:
+        """'trainer T, rollout-server R' (or 'rollout-servers N x R'), as printed at the start."""
+        each = self.per_server(self.servers)
+        rollout = (
+            f"rollout-server {each}"
+            if self.servers == 1
+            else f"rollout-servers {self.servers} x {each}"
+        )
+        return f"trainer {self.trainer}, {rollout}"

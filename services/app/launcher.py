@@ -421,12 +421,17 @@ def check_context(config: RunConfig, context: int) -> None:
 def start_servers(
     config: RunConfig, stack: Stack, timeout: float = 120.0, teacher: bool = True
 ) -> RunConfig:
-    """Starts the reward-server, rollout-server and buffer, for an `env` dataset the
+    """Starts the reward-server, the rollout-server(s) (`run.local_rollout_servers`) and
+    the buffer, for an `env` dataset the
     env-servers (unless the config names some), for on-policy distillation a teacher
     rollout-server on distill.teacher_model_path (unless endpoints.teacher_servers names
     some, and unless `teacher` is False: evaluations and distillation data need none);
     returns the config with their endpoints."""
     started = {name: stack.start(name) for name in SERVER_COMMANDS}
+    rollout_count = config.run.local_rollout_servers
+    extra_rollout = [
+        stack.start("rollout-server", name=f"rollout-server-{i}") for i in range(1, rollout_count)
+    ]
     env_servers = []
     if config.orchestrator.dataset.type == "env" and not config.endpoints.env_servers:
         count = config.run.local_env_servers or 1
@@ -453,7 +458,10 @@ def start_servers(
     buffer = json.loads(addresses["buffer"])
     update = {
         "reward_servers": [addresses["reward-server"]],
-        "rollout_servers": [addresses["rollout-server"]],
+        "rollout_servers": [
+            addresses["rollout-server"],
+            *(stack.wait_ready(server, timeout) for server in extra_rollout),
+        ],
         "buffer_producer": buffer["producer"],
         "buffer_trainer": buffer["trainer"],
     }

@@ -97,11 +97,12 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
 
         # The trainer and the rollout-server start with the plan's threads; in async
         # mode the trainer moves them between the two as the run goes.
-        plan = ThreadPlan.start(config.run.cpu_threads, config.rl.mode == "sync")
-        rollout_server["threads"], trainer["threads"] = plan.rollout, plan.trainer
+        servers = config.run.local_rollout_servers
+        plan = ThreadPlan.start(config.run.cpu_threads, config.rl.mode == "sync", servers)
+        rollout_server["threads"], trainer["threads"] = plan.per_server(servers), plan.trainer
         print(
-            f"threads: {plan.total} shared ({config.rl.mode} mode): trainer {plan.trainer}, "
-            f"rollout-server {plan.rollout}" + ("" if plan.sync else ", moved as the run goes")
+            f"threads: {plan.total} shared ({config.rl.mode} mode): {plan.describe()}"
+            + ("" if plan.sync else ", moved as the run goes")
         )
     config = config.model_copy(
         update={

@@ -82,7 +82,12 @@ def targets_of_run(run_dir: Path) -> list[Target]:
             found.append(Target(name, kind, address, log if log.exists() else None))
 
     add("reward-server", endpoints.reward_servers, ["reward-server"])
-    add("rollout-server", endpoints.rollout_servers, ["rollout-server"])
+    # One rollout-server's log is rollout-server.log, more add rollout-server-1.log, ...
+    rollout_names = sorted(
+        (p.stem for p in logs.glob("rollout-server*.log")),
+        key=lambda name: int(name.rsplit("-", 1)[1]) if name[-1].isdigit() else 0,
+    )
+    add("rollout-server", endpoints.rollout_servers, rollout_names or ["rollout-server"])
     add("rollout-server", endpoints.teacher_servers, ["teacher-server"])
     env_names = sorted(p.stem for p in logs.glob("env-server*.log"))
     add("env-server", [a for a in endpoints.env_servers if not a.startswith("dns:")], env_names)

@@ -188,6 +188,13 @@ class RunSection(StrictModel):
     """Env-servers `rollwire train` starts for an `env` dataset (1 when unset); not with
     `endpoints.env_servers`, which names servers already running. A resolved config lists
     the started ones in `endpoints.env_servers` and leaves this unset."""
+    local_rollout_servers: int = Field(1, ge=1)
+    """Rollout-servers `rollwire train` starts, each on the whole model: the orchestrator
+    sends groups to them in turn and the trainer sends each the weights. On a CPU machine
+    this is how generation uses several cores: a small model scales badly on threads (on
+    2 cores, a sync step of a 2.3M-parameter model waited 1.32x as long for its batch with
+    the rollout-server on two threads as on one). With `run.cpu_threads` the plan's
+    generation threads are divided among them, at least one each."""
     tiny_model: dict[str, int] = {}
     """Shape overrides of the built-in tiny model (fields of `rollwire.services.core.tiny.TinySpec`)."""
     cpu_threads: int = Field(0, ge=0)
