@@ -10,9 +10,12 @@ the same prompts (the training set without any held-out prompt), 16 prompts x 8
 samples a step, learning rate 1e-4, temperature 1, the same completion length, the
 same binary reward (reasoning-gym's score_answer on the tagged answer), clipping and
 KL settings from rollwire's config, the same precision (float32 unless
-`trainer.precision` says bf16; GRPOConfig's own default is bf16). TRL runs in one process with two torch threads;
-rollwire's services share the same two cores, with `run.cpu_threads=2` (sync: the
-trainer's step on both cores; async: one each).
+`trainer.precision` says bf16; GRPOConfig's own default is bf16). TRL runs in one
+process with two torch threads; rollwire's services share the same two cores, with `run.cpu_threads=2` and two
+rollout-servers of one thread each (`run.local_rollout_servers=2`: a 2.3M model
+generates faster as two one-thread processes than as one process on two threads);
+sync: the trainer's step on both cores, then generation on both servers; async: the
+trainer on one thread beside them. `--set run.local_rollout_servers=1` for one server.
 
 "training s" is TRL's `trainer.train()` and rollwire's trainer clock at its last
 step (both include generating the first batch, neither the evaluations). The
@@ -182,6 +185,7 @@ def run_rollwire(
         f"rl.max_steps={steps}",
         f"rl.mode={mode}",
         f"run.cpu_threads={THREADS}",
+        f"run.local_rollout_servers={THREADS}",
         f"run.output_dir={run_dir}",
         "orchestrator.eval_every=100000",  # its own evaluations: at the start and the end only
         *overrides,
