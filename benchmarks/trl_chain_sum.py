@@ -209,14 +209,8 @@ def main() -> None:
         "--systems", nargs="+", default=["trl", "async", "sync"], choices=["trl", "async", "sync"]
     )
     parser.add_argument("--out", type=Path, help="folder for the runs (default: a temp dir)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a setting for the rollwire runs only, after the shared ones (repeatable)",
-    )
+    rollwire_only = "KEY=VALUE for the rollwire runs, after the shared settings (repeatable)"
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help=rollwire_only)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
