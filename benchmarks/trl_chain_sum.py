@@ -2,7 +2,7 @@
 (asynchronous, then synchronous), side by side, evaluated by one piece of code.
 
     .venv/bin/pip install trl==1.13.0        # not a rollwire dependency
-    .venv/bin/python benchmarks/trl_chain_sum.py [--steps 120] [--systems trl async sync] [--set K=V]
+    .venv/bin/python benchmarks/trl_chain_sum.py [--steps 120] [--systems ...] [--set K=V]
 
 Every system starts from the same model: the tiny Qwen2 shape below (2.3M parameters),
 warmed up by rollwire's own supervised warm-up (`prepare_model`, cached), and trains on
@@ -11,9 +11,10 @@ samples a step, learning rate 1e-4, temperature 1, the same completion length, t
 same binary reward (reasoning-gym's score_answer on the tagged answer), clipping and
 KL settings from rollwire's config, the same precision (float32 unless
 `trainer.precision` says bf16; GRPOConfig's own default is bf16). TRL runs in one
-process with two torch threads; rollwire's services share the same two cores, with `run.cpu_threads=2` and two
-rollout-servers of one thread each (`run.local_rollout_servers=2`: a 2.3M model
-generates faster as two one-thread processes than as one process on two threads);
+process with two torch threads; rollwire's services share the same two cores, with
+`run.cpu_threads=2` and two rollout-servers of one thread each
+(`run.local_rollout_servers=2`: a 2.3M model generates faster as two one-thread
+processes than as one process on two threads);
 sync: the trainer's step on both cores, then generation on both servers; async: the
 trainer on one thread beside them. `--set run.local_rollout_servers=1` for one server.
 
