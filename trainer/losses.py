@@ -2,7 +2,7 @@
 loss aggregation, KL estimators, and `policy_objective`, which composes them.
 
 Nothing here knows about gRPC, ZeroMQ or torch.distributed; each entry is tested
-against numbers worked out by hand (tests/test_losses.py). Shapes: B sequences of T
+against numbers worked out by hand (tests/trainer/test_losses.py). Shapes: B sequences of T
 tokens, right-padded; `mask` [B, T] is 1 on the tokens the policy generated.
 
 Three logprobs of each generated token meet here: the **behaviour** ones (mu, the

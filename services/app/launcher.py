@@ -298,7 +298,7 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     tasks = training_tasks(dataset, held_out)
     if progress and tasks.excluded:
         print(f"warm-up: {tasks.excluded} prompts of the evaluation set left out")
-    with staged_directory(target) as staging:
+    with staged_directory(target, keep_if_present="config.json") as staging:
         warm_up(
             base,
             staging,
@@ -382,7 +382,7 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
         agent.max_turns,
         agent.max_episode_tokens,
     )
-    with staged_directory(target) as staging:
+    with staged_directory(target, keep_if_present="config.json") as staging:
         warm_up_on(
             base,
             staging,

@@ -24,10 +24,13 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(folder: Path) -> Iterator[Path]:
+def staged_directory(folder: Path, keep_if_present: str | None = None) -> Iterator[Path]:
     """Yields an empty staging folder; on success it replaces `folder` whole, on error it is removed.
 
-    A crash while writing leaves the previous `folder` (if any) as it was.
+    A crash while writing leaves the previous `folder` (if any) as it was. With
+    `keep_if_present` (a file name) a `folder` that holds that file when the staging is done
+    is kept and the staging dropped: for a cache entry keyed by everything that makes it,
+    which another process may have built meanwhile and may be reading.
     """
     staging = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -37,8 +40,18 @@ def staged_directory(folder: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if keep_if_present is not None and (folder / keep_if_present).exists():
+        shutil.rmtree(staging, ignore_errors=True)
+        return
     shutil.rmtree(folder, ignore_errors=True)
-    os.replace(staging, folder)
+    try:
+        os.replace(staging, folder)
+    except OSError:
+        # Another process put its folder there between the two calls above: with
+        # `keep_if_present` that one is as good as ours.
+        if keep_if_present is None or not (folder / keep_if_present).exists():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -67,8 +67,11 @@ def build_tokenizer():
     )
 
 
-def build_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
-    """Writes a freshly initialised model and its tokenizer to `folder` (replaced if present)."""
+def build_tiny_model(
+    folder: str | Path, spec: TinySpec = TinySpec(), keep_existing: bool = False
+) -> Path:
+    """Writes a freshly initialised model and its tokenizer to `folder` (replaced if present;
+    with `keep_existing`, one that another process finished meanwhile is kept)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -96,7 +99,8 @@ def build_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
         model = LlamaForCausalLM(config)
     finally:
         torch.random.set_rng_state(generator_state)
-    with staged_directory(folder) as staging:
+    keep = BUILD_MARKER if keep_existing else None
+    with staged_directory(folder, keep_if_present=keep) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / BUILD_MARKER).write_text(json.dumps(asdict(spec)))
@@ -110,13 +114,16 @@ def tiny_model_of(overrides: dict[str, int]) -> Path:
 
     spec = TinySpec(**overrides)
     digest = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
-    return ensure_tiny_model(cache_dir() / f"tiny-{digest}", spec)
+    return ensure_tiny_model(cache_dir() / f"tiny-{digest}", spec, keep_existing=True)
 
 
-def ensure_tiny_model(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
-    """The tiny model in `folder`, built only if it is missing or was built with another spec."""
+def ensure_tiny_model(
+    folder: str | Path, spec: TinySpec = TinySpec(), keep_existing: bool = False
+) -> Path:
+    """The tiny model in `folder`, built only if it is missing or was built with another spec
+    (`keep_existing`: the folder is keyed by the spec, and may be built by another process)."""
     folder = Path(folder)
     marker = folder / BUILD_MARKER
     if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
         return folder
-    return build_tiny_model(folder, spec)
+    return build_tiny_model(folder, spec, keep_existing)

@@ -1,0 +1,210 @@
+"""Config: defaults, YAML, environment and --set precedence, error paths, resolved output."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollwire.services.core.config import (
+    ConfigError,
+    RunConfig,
+    load_config,
+    parse_assignment,
+    write_resolved_config,
+)
+
+
+def test_defaults_validate_and_every_field_has_help() -> None:
+    config = load_config(environ={})
+    assert config.env_server.server.port == 0
+    assert config.env_server.server.host == "127.0.0.1"
+
+    def walk(model: type) -> list[str]:
+        missing = []
+        for name, info in model.model_fields.items():
+            if not info.description:
+                missing.append(f"{model.__name__}.{name}")
+            annotation = info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, RunConfig.__mro__[1]):
+                missing += walk(annotation)
+        return missing
+
+    assert walk(RunConfig) == []
+
+
+def test_precedence_file_then_environment_then_set(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("env_server:\n  max_sessions: 10\n  session_idle_seconds: 5\nrun:\n  seed: 1\n")
+    environ = {
+        "ROLLWIRE__ENV_SERVER__MAX_SESSIONS": "20",
+        "ROLLWIRE__RUN__SEED": "2",
+        "UNRELATED": "x",
+    }
+    config = load_config(path, ["env_server.max_sessions=30"], environ=environ)
+    assert config.env_server.max_sessions == 30  # --set wins
+    assert config.run.seed == 2  # environment beats the file
+    assert config.env_server.session_idle_seconds == 5.0  # file beats defaults
+
+
+def test_values_are_parsed_as_yaml() -> None:
+    config = load_config(
+        overrides=[
+            "reward_server.item_timeout_seconds=1e-1",
+            "env_server.envs=[a, b]",
+            "endpoints.env_servers=[]",
+        ],
+        environ={},
+    )
+    assert config.reward_server.item_timeout_seconds == pytest.approx(0.1)
+    assert config.env_server.envs == ["a", "b"]
+
+
+def test_unknown_key_is_named_by_path(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("env_server:\n  server:\n    prot: 5\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    assert "env_server.server.prot: unknown key" in str(caught.value)
+    assert str(path) in str(caught.value)
+
+
+def test_every_error_is_listed_with_its_path() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            overrides=["trainer.backend=nccl", "env_server.max_sessions=0", "nope=1"], environ={}
+        )
+    message = str(caught.value)
+    assert "trainer.backend:" in message
+    assert "env_server.max_sessions:" in message
+    assert "nope: unknown key" in message
+
+
+def test_unknown_environment_key_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"env_server.max_sesions: unknown key"):
+        load_config(environ={"ROLLWIRE__ENV_SERVER__MAX_SESIONS": "3"})
+
+
+@pytest.mark.parametrize("bad", ["novalue", "=3", "a..b=1", "a.=1"])
+def test_malformed_assignment(bad: str) -> None:
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_assignment(bad)
+
+
+def test_override_through_a_value_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="run.seed holds a value"):
+        load_config(overrides=["run.seed=1", "run.seed.x=1"], environ={})
+
+
+def test_bad_yaml_and_non_mapping(tmp_path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken, environ={})
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(listing, environ={})
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml", environ={})
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(ConfigError, match="cert_file and key_file must be given together"):
+        load_config(overrides=["client.tls.cert_file=/x.pem"], environ={})
+    with pytest.raises(ConfigError, match="either token or token_file"):
+        load_config(overrides=["client.auth.token=a", "client.auth.token_file=/t"], environ={})
+
+
+def test_token_file_is_read(tmp_path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    config = load_config(overrides=[f"client.auth.token_file={secret}"], environ={})
+    assert config.client.auth.resolve_token() == "s3cret"
+
+
+def test_resolved_config_round_trips_and_masks_secrets(tmp_path) -> None:
+    config = load_config(overrides=["run.seed=7", "client.auth.token=hunter2"], environ={})
+    written = write_resolved_config(config, tmp_path / "run")
+    text = written.read_text()
+    assert "hunter2" not in text
+    data = yaml.safe_load(text)
+    assert data["run"]["seed"] == 7
+    data["client"]["auth"]["token"] = None
+    assert RunConfig.model_validate(data).run.seed == 7
+
+
+def test_config_modules_import_neither_torch_nor_grpc() -> None:
+    import subprocess
+
+    code = (
+        "import sys, rollwire.services.core.config as c; c.load_config(environ={}); "
+        "print(sorted(m for m in ('torch', 'grpc', 'zmq') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_overriding_one_key_keeps_the_sections_other_defaults() -> None:
+    config = load_config(overrides=["orchestrator.eval_dataset.kwargs={min_terms: 2}"], environ={})
+    # The evaluation dataset's own defaults (its seed and size) survive.
+    assert (
+        config.orchestrator.eval_dataset.seed == 10_000
+        and config.orchestrator.eval_dataset.size == 200
+    )
+    assert config.orchestrator.eval_dataset.kwargs == {"min_terms": 2}
+
+
+def test_switching_a_pluggable_part_drops_the_old_kinds_settings(tmp_path) -> None:
+    switched = load_config(
+        overrides=["orchestrator.dataset.type=file", "orchestrator.dataset.path=/data.jsonl"],
+        environ={},
+    )
+    assert (
+        switched.orchestrator.dataset.type == "file"
+        and str(switched.orchestrator.dataset.path) == "/data.jsonl"
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text("orchestrator:\n  dataset:\n    type: file\n    path: /d.parquet\n")
+    assert load_config(path, environ={}).orchestrator.dataset.domain == "math"
+
+
+@pytest.mark.parametrize(
+    "example", sorted(str(p) for p in (Path(__file__).parents[2] / "examples").glob("*.yaml"))
+)
+def test_examples_are_valid_configs(example: str) -> None:
+    load_config(example, environ={})
+
+
+def test_the_default_example_is_the_default() -> None:
+    example = load_config(Path(__file__).parents[2] / "examples" / "default.yaml", environ={})
+    assert example == load_config(environ={})
+
+
+def test_every_model_is_importable_from_the_package_and_from_models() -> None:
+    import rollwire.services.core.config as package
+    from rollwire.services.core.config import models, orchestrator, runtime, servers
+
+    for module in (runtime, servers, orchestrator, models):
+        defined = {
+            name
+            for name, value in vars(module).items()
+            if not name.startswith("_") and getattr(value, "__module__", None) == module.__name__
+        }
+        assert defined <= set(models.__all__), defined - set(models.__all__)
+    for name in models.__all__:
+        assert getattr(package, name) is getattr(models, name), name
+
+
+def test_the_overlong_penalty_counts_to_the_orchestrators_limit() -> None:
+    config = RunConfig.model_validate(
+        {"trainer": {"overlong": {"penalty_tokens": 4}}, "orchestrator": {"max_new_tokens": 12}}
+    )
+    assert config.trainer.overlong.max_tokens == 12
+    assert RunConfig().trainer.overlong.max_tokens is None  # the default is left alone
+    with pytest.raises(ValueError, match="more than orchestrator.max_new_tokens=10"):
+        RunConfig.model_validate({"trainer": {"overlong": {"penalty_tokens": 40}}})

@@ -1,0 +1,62 @@
+"""Trajectories made by hand for the buffer, the trainer step and the wire."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rollwire.services.core.wire import Trajectory
+
+PROMPT = [20, 3, 14, 3, 21, 3, 32]
+# Four responses of different lengths (so packing has something to do), one group.
+RESPONSES = [[99, 22, 100, 1], [99, 23, 1], [99, 22, 100, 24, 25, 1], [40, 1]]
+REWARDS = [1.0, 0.0, 1.0, 0.0]
+
+_ORDINALS: dict[str, int] = {}
+
+
+def group(rewards: list[float] = REWARDS, version: int = 0) -> list[Trajectory]:
+    """One group of RESPONSES to PROMPT; behaviour logprobs all 0 (a fixed, off-policy mu)."""
+    out = []
+    for index, (response, reward) in enumerate(zip(RESPONSES, rewards, strict=True)):
+        ids = np.array(PROMPT + response, np.int32)
+        mask = np.array([0] * len(PROMPT) + [1] * len(response), np.uint8)
+        out.append(
+            Trajectory(
+                trajectory_id=f"t{index}",
+                group_id="g",
+                task_id="g",
+                sample_index=index,
+                prompt_ordinal=0,
+                source="test",
+                domain="test",
+                token_ids=ids,
+                loss_mask=mask,
+                behaviour_logprobs=np.zeros(len(ids), np.float32),
+                policy_versions=np.where(mask == 1, version, -1).astype(np.int64),
+                reward=reward,
+            )
+        )
+    return out
+
+
+def trajectory(
+    group: str, index: int, version: int = 0, reward: float = 0.0, ordinal: int | None = None
+) -> Trajectory:
+    """One sample of `group`; each group name gets its own prompt ordinal, as in a run."""
+    if ordinal is None:
+        ordinal = _ORDINALS.setdefault(group, len(_ORDINALS))
+    mask = np.array([0, 0, 1, 1], np.uint8)
+    return Trajectory(
+        trajectory_id=f"{group}/{index}",
+        group_id=group,
+        task_id=group,
+        sample_index=index,
+        prompt_ordinal=ordinal,
+        source="test",
+        domain="math",
+        token_ids=np.array([1, 2, 3, 4], np.int32),
+        loss_mask=mask,
+        behaviour_logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32),
+        policy_versions=np.where(mask == 1, version, -1).astype(np.int64),
+        reward=reward,
+    )
