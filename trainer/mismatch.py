@@ -62,15 +62,19 @@ async def measure(
     prompt_tokens: int = 8,
     seed: int = 0,
     client: ClientConfig | None = None,
+    device: str = "cpu",
+    precision: str = "fp32",
 ) -> MismatchReport:
-    """Samples `requests` responses from the server at `address` and compares logprobs."""
+    """Samples `requests` responses from the server at `address` and compares logprobs with
+    the trainer's forward on `device`, in float32 or (`precision` bf16) under bfloat16
+    autocast on float32 weights, as the trainer computes."""
     from transformers import AutoModelForCausalLM
 
     async with open_channel(address, client) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest())
         path = Path(model_path or status.model)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
         vocab = int(model.get_input_embeddings().weight.shape[0])
         rng = random.Random(seed)
         prompts = [[rng.randrange(1, vocab) for _ in range(prompt_tokens)] for _ in range(requests)]
@@ -94,14 +98,16 @@ async def measure(
             )
         )
     differences, kls = [], []
+    device_type = torch.device(device).type
     with torch.no_grad():
         for prompt, reply in zip(prompts, replies, strict=True):
             tokens = list(reply.token_ids)
             if not tokens:
                 continue
-            ids = torch.tensor([prompt + tokens])
-            logits = model(input_ids=ids).logits[:, :-1]
-            ours = token_logprobs(logits, ids[:, 1:], temperature)[0, len(prompt) - 1 :]
+            ids = torch.tensor([prompt + tokens], device=device)
+            with torch.autocast(device_type, torch.bfloat16, enabled=precision == "bf16"):
+                logits = model(input_ids=ids).logits[:, :-1]
+            ours = token_logprobs(logits, ids[:, 1:], temperature)[0, len(prompt) - 1 :].cpu()
             theirs = torch.tensor(list(reply.logprobs), dtype=torch.float32)
             log_ratio = ours - theirs
             differences.append(log_ratio.abs())

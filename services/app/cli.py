@@ -305,6 +305,15 @@ def _add_mismatch(commands: Any) -> None:
     check.add_argument(
         "--temperature", type=_positive, default=1.0, help="sampling temperature (1.0)"
     )
+    check.add_argument(
+        "--device", default="cpu", help="where the trainer's forward runs (cpu; cuda, cuda:1)"
+    )
+    check.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="the trainer's forward as trainer.precision computes it (fp32)",
+    )
     _add_config_options(check)
     check.set_defaults(handler=_mismatch)
 
@@ -326,6 +335,8 @@ def _mismatch(args: argparse.Namespace) -> int:
                 max_new_tokens=args.max_new_tokens,
                 temperature=args.temperature,
                 client=config.client,
+                device=args.device,
+                precision=args.precision,
             )
         )
     except (grpc.aio.AioRpcError, OSError) as error:
