@@ -27,6 +27,15 @@ from rollwire.services.core.server import Registration, ServiceRuntime
 from rollwire.services.core.tiny import TinySpec
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Two workers on two cores: every process computes on one thread (this worker's
+        # torch, imported after this, and through the environment every process it starts,
+        # warm-ups included), or they oversubscribe the cores and each runs several times
+        # slower.
+        os.environ["OMP_NUM_THREADS"] = "1"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One model cache for the whole test session (ROLLWIRE_CACHE_DIR, which the processes

@@ -136,7 +136,13 @@ async def form_weight_group(
         )
     except WeightGroupError as error:
         COUNTERS.inc("weight_group_failures")
-        log.warning("no weight group, weights go as gRPC streams: %s", error)
+        hint = ""
+        if trainer.device.startswith("cuda") and trainer.weight_group_backend != "gloo":
+            hint = (
+                " (NCCL wants one GPU per member: a trainer and rollout-servers on one device "
+                "cannot form a group)"
+            )
+        log.warning("no weight group, weights go as gRPC streams: %s%s", error, hint)
         return None
 
 

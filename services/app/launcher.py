@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollwire.services.core.config import RunConfig
-from rollwire.services.core.files import cache_dir, staged_directory
+from rollwire.services.core.files import building, cache_dir, staged_directory
 from rollwire.services.core.server import EXIT_NO_RESTART
 
 SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
@@ -298,21 +298,24 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     tasks = training_tasks(dataset, held_out)
     if progress and tasks.excluded:
         print(f"warm-up: {tasks.excluded} prompts of the evaluation set left out")
-    with staged_directory(target, keep_if_present="config.json") as staging:
-        warm_up(
-            base,
-            staging,
-            tasks,
-            config.orchestrator.prompt_template,
-            warmup.response_template,
-            warmup.steps,
-            batch_size=warmup.batch_size,
-            learning_rate=warmup.learning_rate,
-            seed=warmup.seed,
-            threads=max(1, os.cpu_count() or 1),
-            progress=progress,
-            off_by_one_rate=warmup.off_by_one_rate,
-        )
+    with building(target, "config.json") as ready:
+        if ready:  # another run built it while this one waited
+            return target
+        with staged_directory(target, keep_if_present="config.json") as staging:
+            warm_up(
+                base,
+                staging,
+                tasks,
+                config.orchestrator.prompt_template,
+                warmup.response_template,
+                warmup.steps,
+                batch_size=warmup.batch_size,
+                learning_rate=warmup.learning_rate,
+                seed=warmup.seed,
+                threads=warm_up_threads(),
+                progress=progress,
+                off_by_one_rate=warmup.off_by_one_rate,
+            )
     return target
 
 
@@ -382,19 +385,31 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
         agent.max_turns,
         agent.max_episode_tokens,
     )
-    with staged_directory(target, keep_if_present="config.json") as staging:
-        warm_up_on(
-            base,
-            staging,
-            batches,
-            warmup.steps,
-            batch_size=warmup.batch_size,
-            learning_rate=warmup.learning_rate,
-            seed=warmup.seed,
-            threads=max(1, os.cpu_count() or 1),
-            progress=progress,
-        )
+    with building(target, "config.json") as ready:
+        if ready:  # another run built it while this one waited
+            return target
+        with staged_directory(target, keep_if_present="config.json") as staging:
+            warm_up_on(
+                base,
+                staging,
+                batches,
+                warmup.steps,
+                batch_size=warmup.batch_size,
+                learning_rate=warmup.learning_rate,
+                seed=warmup.seed,
+                threads=warm_up_threads(),
+                progress=progress,
+            )
     return target
+
+
+def warm_up_threads() -> int:
+    """The warm-up computes alone, before the services start: on every core, or on
+    OMP_NUM_THREADS of them when that is set (a machine shared with other work)."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _digest(data: Any) -> str:

@@ -279,6 +279,9 @@ def summarise(run_dir: Path, seconds: float) -> str:
             f"{rows[-1]['trajectories_per_second']:.1f} trajectories/s"
         )
     lines.extend(time_breakdown(rows, _read_jsonl(run_dir / "metrics" / "orchestrator.jsonl")))
+    transport = weight_transport_used(rows)
+    if transport:
+        lines.append(transport)
     plot = plot_rewards(run_dir, rows, evals)
     if plot is not None:
         lines.append(f"reward curve: {plot}")
@@ -286,6 +289,23 @@ def summarise(run_dir: Path, seconds: float) -> str:
         f"metrics: {run_dir / 'metrics'}, logs: {run_dir / 'logs'}, checkpoints: {run_dir / 'checkpoints'}"
     )
     return "\n".join(lines)
+
+
+def weight_transport_used(steps: list[dict]) -> str:
+    """How each step's weights reached the rollout-servers (`weights_by_group` in the
+    trainer's metrics), said so that a group that never formed, or broke, is seen."""
+    by_group = [row["weights_by_group"] for row in steps if "weights_by_group" in row]
+    if not by_group:
+        return ""
+    grouped = sum(1 for value in by_group if value)
+    if grouped == len(by_group):
+        return f"weights went to the rollout-servers by broadcast in the weight group ({grouped} steps)"
+    if grouped == 0:
+        return f"weights went to the rollout-servers as gRPC streams ({len(by_group)} steps)"
+    return (
+        f"weights went by the weight group for {grouped} of {len(by_group)} steps, then as gRPC "
+        "streams: the group failed (the trainer's log says why)"
+    )
 
 
 TRAINER_PHASES = (

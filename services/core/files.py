@@ -4,8 +4,10 @@ rollwire caches what it builds. Imports neither torch nor grpc."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +54,33 @@ def staged_directory(folder: Path, keep_if_present: str | None = None) -> Iterat
         if keep_if_present is None or not (folder / keep_if_present).exists():
             raise
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building(folder: Path, marker: str, timeout: float = 3600.0) -> Iterator[bool]:
+    """Held while a cache entry `folder` is built; yields whether it is there already
+    (holding `marker`), built meanwhile by a process that held this before. Two runs that
+    want the same warm model build it once: the second waits for the first, at most
+    `timeout` seconds (then TimeoutError), instead of computing it again beside it."""
+    lock_path = folder.with_name(f".{folder.name}.lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{folder} is being built by another process for over {timeout:.0f}s "
+                        f"(its lock: {lock_path})"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            yield (folder / marker).exists()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

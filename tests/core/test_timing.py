@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from rollwire.services.app.run import time_breakdown
+from rollwire.services.app.run import time_breakdown, weight_transport_used
 from rollwire.services.core.timing import PhaseClock
 
 
@@ -63,3 +63,14 @@ def test_the_printed_breakdown_names_each_phase_and_what_is_left() -> None:
         "score 0.500; CPU 0.30 cores"
     )
     assert time_breakdown([], []) == []
+
+
+def test_the_summary_says_how_the_weights_went() -> None:
+    """A weight group that never formed, or broke mid-run, is said, not left to the log."""
+    assert weight_transport_used([]) == ""
+    group = [{"weights_by_group": 1.0}] * 3
+    streams = [{"weights_by_group": 0.0}] * 2
+    assert "broadcast in the weight group (3 steps)" in weight_transport_used(group)
+    assert "gRPC streams (2 steps)" in weight_transport_used(streams)
+    broke = weight_transport_used(group + streams)
+    assert "3 of 5 steps" in broke and "the group failed" in broke

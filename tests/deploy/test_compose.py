@@ -32,8 +32,6 @@ RUN_SH = REPO / "deploy" / "compose" / "run.sh"
 pytestmark = [
     pytest.mark.docker,
     pytest.mark.e2e,
-    # One worker builds the images once and runs the three stacks one after another.
-    pytest.mark.xdist_group("docker"),
     pytest.mark.skipif(
         shutil.which("docker") is None or shutil.which("docker-compose") is None,
         reason="docker.io and docker-compose are not installed: run `bash deploy/install.sh` "
