@@ -412,16 +412,19 @@ class Orchestrator:
         self, tasks: Sequence[Task], samples: int, min_reward: float | None, top_k: int = 0
     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """The served model's answers to `tasks` (`samples` each, at the training
-        temperature), scored, as `prompt`/`completion` rows (those scored at least
-        `min_reward` when set), and counts: answers, kept, their mean reward. `top_k`:
+        temperature, seeded by `orchestrator.sampling_seed` and each task's index), scored,
+        as `prompt`/`completion` rows (those scored at least `min_reward` when set), and
+        counts: answers, kept, their mean reward. `top_k`:
         each kept row also carries its token ids and, per answer token, the served
         model's top_k tokens and logprobs (token-level distillation data)."""
         limit = asyncio.Semaphore(self.settings.max_concurrent_groups)
 
-        async def answer(task: Task) -> tuple[list[dict[str, Any]], list[float]]:
+        async def answer(index: int, task: Task) -> tuple[list[dict[str, Any]], list[float]]:
             async with limit:
                 prompt_ids = self.encode_prompt(task)
-                outputs = await self.servers.generate_group(prompt_ids, samples=samples)
+                # Seeded from the prompt's place (orchestrator.sampling_seed): the same
+                # teacher answers the same prompts alike, run after run.
+                outputs = await self.servers.generate_group(prompt_ids, index, samples=samples)
                 texts = [self.decode(list(output.token_ids)) for output in outputs]
                 scores = [result.reward for result in await self.servers.score(task, texts)]
                 rows = [
@@ -451,7 +454,7 @@ class Orchestrator:
                         del row["completion_ids"]
                 return rows, scores
 
-        answered = await asyncio.gather(*(answer(task) for task in tasks))
+        answered = await asyncio.gather(*(answer(i, task) for i, task in enumerate(tasks)))
         rows = [row for kept, _ in answered for row in kept]
         rewards = [reward for _, scores in answered for reward in scores]
         counts = {
