@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -298,25 +299,23 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     tasks = training_tasks(dataset, held_out)
     if progress and tasks.excluded:
         print(f"warm-up: {tasks.excluded} prompts of the evaluation set left out")
-    with building(target, "config.json") as ready:
-        if ready:  # another run built it while this one waited
-            return target
-        with staged_directory(target, keep_if_present="config.json") as staging:
-            warm_up(
-                base,
-                staging,
-                tasks,
-                config.orchestrator.prompt_template,
-                warmup.response_template,
-                warmup.steps,
-                batch_size=warmup.batch_size,
-                learning_rate=warmup.learning_rate,
-                seed=warmup.seed,
-                threads=warm_up_threads(),
-                progress=progress,
-                off_by_one_rate=warmup.off_by_one_rate,
-            )
-    return target
+    return _built_once(
+        target,
+        lambda staging: warm_up(
+            base,
+            staging,
+            tasks,
+            config.orchestrator.prompt_template,
+            warmup.response_template,
+            warmup.steps,
+            batch_size=warmup.batch_size,
+            learning_rate=warmup.learning_rate,
+            seed=warmup.seed,
+            threads=warm_up_threads(),
+            progress=progress,
+            off_by_one_rate=warmup.off_by_one_rate,
+        ),
+    )
 
 
 def _warm_up_dataset(dataset: Any, seed: int, size: int) -> Any:
@@ -385,21 +384,29 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
         agent.max_turns,
         agent.max_episode_tokens,
     )
+    return _built_once(
+        target,
+        lambda staging: warm_up_on(
+            base,
+            staging,
+            batches,
+            warmup.steps,
+            batch_size=warmup.batch_size,
+            learning_rate=warmup.learning_rate,
+            seed=warmup.seed,
+            threads=warm_up_threads(),
+            progress=progress,
+        ),
+    )
+
+
+def _built_once(target: Path, build: Callable[[Path], Any]) -> Path:
+    """The cache entry `target`, written whole by `build(staging folder)` unless it is
+    there; two runs that want it at once build it once (the second waits for the first)."""
     with building(target, "config.json") as ready:
-        if ready:  # another run built it while this one waited
-            return target
-        with staged_directory(target, keep_if_present="config.json") as staging:
-            warm_up_on(
-                base,
-                staging,
-                batches,
-                warmup.steps,
-                batch_size=warmup.batch_size,
-                learning_rate=warmup.learning_rate,
-                seed=warmup.seed,
-                threads=warm_up_threads(),
-                progress=progress,
-            )
+        if not ready:
+            with staged_directory(target, keep_if_present="config.json") as staging:
+                build(staging)
     return target
 
 

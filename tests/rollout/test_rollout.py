@@ -17,12 +17,11 @@ import torch
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.server.hf_engine import ContextTooLong, HFEngine, RequestError
 from rollwire.rollout.server.sampling import SamplingSpec, processed_logprobs
-from rollwire.rollout.server.servicer import RolloutServicer
 from rollwire.rollout.server.weights import WeightAssembler, WeightStreamError, iter_weight_chunks
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.metrics import COUNTERS
-from rollwire.services.core.server import Registration
 from rollwire.services.core.tokenizer import tokenizer_digest
+from tests.helpers.servers import serve_engine
 
 torch.set_num_threads(1)
 DEVICE = os.environ.get("ROLLWIRE_TEST_DEVICE", "cpu")
@@ -386,17 +385,8 @@ def test_weight_stream_round_trip_and_rejections() -> None:
 @pytest.fixture
 async def rollout_stub(start_service, tiny_model_path):
     engine = HFEngine(tiny_model_path, max_batch_size=8, device=DEVICE)
-    servicer = RolloutServicer(engine)
-    runtime = await start_service(
-        [
-            Registration(
-                rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
-                servicer,
-                "rollwire.v1.RolloutService",
-            )
-        ]
-    )
-    async with open_channel(runtime.address) as channel:
+    address, servicer = await serve_engine(start_service, engine)
+    async with open_channel(address) as channel:
         yield rollout_pb2_grpc.RolloutServiceStub(channel), engine
     await servicer.close()
 
@@ -612,23 +602,14 @@ async def test_mismatch_tool_finds_the_hf_engine_agrees_with_the_trainer(
     from rollwire.trainer.mismatch import measure
 
     engine = HFEngine(tiny_model_path, max_batch_size=8, device=DEVICE)
-    servicer = RolloutServicer(engine)
-    runtime = await start_service(
-        [
-            Registration(
-                rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
-                servicer,
-                "rollwire.v1.RolloutService",
-            )
-        ]
-    )
+    address, servicer = await serve_engine(start_service, engine)
     try:
-        report = await measure(runtime.address, requests=8, max_new_tokens=12)
+        report = await measure(address, requests=8, max_new_tokens=12)
         assert report.engine == "hf" and report.tokens == 8 * 12
         assert report.abs_max < 1e-4 and report.kl < 1e-8, report.table()
         # Different weights are seen for what they are.
         await engine.update_weights(perturbed(engine), version=1)
-        moved = await measure(runtime.address, tiny_model_path, requests=8, max_new_tokens=12)
+        moved = await measure(address, tiny_model_path, requests=8, max_new_tokens=12)
         assert moved.policy_version == 1 and moved.abs_mean > 0.1 and moved.kl > 1e-3
         assert "KL(engine || trainer)" in moved.table()
     finally:
