@@ -56,12 +56,18 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def command_line(name: str, *sets: str, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """`rollwire NAME [extra] --set ...`."""
+    args = [*ROLLWIRE, name, *extra]
+    for item in sets:
+        args += ["--set", item]
+    return args
+
+
 def train_command(run_dir: Path, *overrides: str, config: Path | None = None) -> list[str]:
     """`rollwire train [-c config] --set run.output_dir=run_dir --set ...`."""
-    command = [*ROLLWIRE, "train", *(["-c", str(config)] if config is not None else [])]
-    for item in (f"run.output_dir={run_dir}", *overrides):
-        command += ["--set", item]
-    return command
+    extra = ["-c", str(config)] if config is not None else []
+    return command_line("train", f"run.output_dir={run_dir}", *overrides, extra=extra)
 
 
 def rollwire_train(
@@ -82,11 +88,8 @@ def rollwire_train(
 
 def rollwire(tmp_path: Path, command: str, *sets: str, timeout: float = 300, extra=()) -> str:
     """`rollwire COMMAND [extra] --set ...`, which must succeed; its standard output."""
-    args = [*ROLLWIRE, command, *extra]
-    for item in sets:
-        args += ["--set", item]
     done = subprocess.run(
-        args,
+        command_line(command, *sets, extra=extra),
         capture_output=True,
         text=True,
         timeout=timeout,
