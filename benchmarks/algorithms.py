@@ -6,7 +6,7 @@ reward at fixed steps and wall time, several seeds.
 Estimators (with the `ppo_clip` loss): grpo, dr_grpo (with `aggregation: constant`),
 rloo, reinforce_plus_plus, lite_ppo, gae (PPO with a critic at the default settings). Losses (with `grpo` advantages): ppo_clip, gspo
 (with `seq_mean_token_mean`), cispo, topr. Every cell makes two updates a step
-(trainer.minibatches_per_step 2), so the clipped losses differ from plain ones. Seeds
+(trainer.batching.minibatches_per_step 2), so the clipped losses differ from plain ones. Seeds
 are orchestrator.sampling_seed.
 """
 
@@ -16,14 +16,17 @@ from grid import Cell, common_overrides, finish, output_root, parser, run_grid
 
 ESTIMATORS = {
     "grpo": [],
-    "dr_grpo": ["trainer.aggregation=constant", "trainer.aggregation_constant=10"],
+    "dr_grpo": [
+        "trainer.algorithm.aggregation=constant",
+        "trainer.algorithm.aggregation_constant=10",
+    ],
     "rloo": [],
     "reinforce_plus_plus": [],
     "lite_ppo": [],
     "gae": [],
 }
 LOSSES = {
-    "gspo": ["trainer.aggregation=seq_mean_token_mean"],
+    "gspo": ["trainer.algorithm.aggregation=seq_mean_token_mean"],
     "cispo": [],
     "topr": [],
 }
@@ -32,13 +35,13 @@ LOSSES = {
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     root = output_root(args, "algorithms")
-    common = common_overrides(args, "trainer.minibatches_per_step=2")
+    common = common_overrides(args, "trainer.batching.minibatches_per_step=2")
     cells = [
-        Cell(f"{name} + ppo_clip", [f"trainer.advantage={{type: {name}}}", *extra])
+        Cell(f"{name} + ppo_clip", [f"trainer.algorithm.advantage={{type: {name}}}", *extra])
         for name, extra in ESTIMATORS.items()
     ]
     cells += [
-        Cell(f"grpo + {name}", [f"trainer.loss={{type: {name}}}", *extra])
+        Cell(f"grpo + {name}", [f"trainer.algorithm.loss={{type: {name}}}", *extra])
         for name, extra in LOSSES.items()
     ]
     run_grid(cells, args.seeds, root, common, args.config)

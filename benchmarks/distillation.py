@@ -10,7 +10,7 @@ model warmed up on answers 60% off by one). Then:
 - sequence-level: `rollwire distill generate` (3,000 training prompts x 4 answers, the
   ones scored 1 kept, with the teacher's top-8 per token), then `rollwire sft` (nll);
 - token-level: `rollwire sft` with `sft.loss: forward_kl` on the same rows;
-- on-policy: `rollwire train` with `trainer.advantage: on_policy_distill` (teacher served
+- on-policy: `rollwire train` with `trainer.algorithm.advantage: on_policy_distill` (teacher served
   on its own rollout-server, --opd-steps steps), alone and with the task reward's GRPO
   advantage added (reward_weight 1);
 - RL alone: `rollwire train` with the default GRPO settings, evaluated every 5 versions;
@@ -147,7 +147,7 @@ def main() -> None:
                 [
                     f"run.output_dir={opd}",
                     f"distill.teacher_model_path={teacher}",
-                    f"trainer.advantage.reward_weight={weight}",
+                    f"trainer.algorithm.advantage.reward_weight={weight}",
                     f"rl.max_steps={args.opd_steps}",
                     f"orchestrator.sampling_seed={seed}",
                 ],

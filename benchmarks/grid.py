@@ -192,7 +192,7 @@ def common_overrides(args: argparse.Namespace, *extra: str) -> list[str]:
     return [
         f"rl.max_steps={args.steps}",
         f"orchestrator.eval_every={max(1, args.steps // 4)}",
-        "trainer.checkpoint_every=0",
+        "trainer.checkpointing.every=0",
         *extra,
         *args.set,
     ]

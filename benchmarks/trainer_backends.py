@@ -4,7 +4,7 @@
 
 One fixed batch (16 sequences of 96-160 tokens, half of them generated, rewards that
 give every sequence an advantage) trains the 27M-parameter Qwen2 shape of
-benchmarks/engines.py (`--shape small`, built offline) with `rollwire.trainer.model.Policy`,
+benchmarks/engines.py (`--shape small`, built offline) with `rollwire.trainer.learner.Policy`,
 the trainer process's own step, under each setting in turn:
 
 - `local` fp32, `local` bf16, `local` LoRA (rank 16 on q/k/v/o): one process.
@@ -109,7 +109,7 @@ def gradient_bytes(policy) -> int:
     """Bytes of gradients this rank holds once the backward passes are done: ZeRO keeps
     its partitions in the optimizer (a flat buffer, or per-group lists), the others in
     each parameter's `.grad`."""
-    optimizer = policy.backend.optimizer
+    optimizer = policy.learner.backend.optimizer
     held = 0
     for holder in ("grads_in_partition", "averaged_gradients", "all_grad_tensors"):
         value = getattr(optimizer, holder, None)
@@ -119,13 +119,13 @@ def gradient_bytes(policy) -> int:
             for grads in value.values() if isinstance(value, dict) else value:
                 for grad in grads if isinstance(grads, list) else [grads]:
                     held += local_bytes(grad) if isinstance(grad, torch.Tensor) else 0
-    return held + sum(local_bytes(p.grad) for p in policy.model.parameters())
+    return held + sum(local_bytes(p.grad) for p in policy.learner.model.parameters())
 
 
 def worker(setting: str, model: Path, steps: int, out: Path) -> None:
     from rollwire.rollout.server.weights import iter_weight_chunks
     from rollwire.services.core.config import RLSection, TrainerConfig
-    from rollwire.trainer.model import Policy
+    from rollwire.trainer.rl.policy import Policy
 
     torch.set_num_threads(1)
     # The libraries' own memory is not the model's: imported before the baseline.
@@ -140,17 +140,17 @@ def worker(setting: str, model: Path, steps: int, out: Path) -> None:
     policy = Policy(model, config, RLSection(group_size=GROUP, max_steps=steps + 1))
     if policy.followed():  # ranks other than 0 did what rank 0 asked
         return
-    batch = trajectories(int(policy.backend.hf_config.vocab_size))
+    batch = trajectories(int(policy.learner.backend.hf_config.vocab_size))
     tokens = sum(int(t.loss_mask.sum()) for t in batch)
     # Gradient bytes: the backward passes of one minibatch, before its step.
     grads = {}
-    original = policy.backend.clip_and_step
+    original = policy.learner.backend.clip_and_step
 
     def measured(norm: float) -> float:
         grads.setdefault("bytes", gradient_bytes(policy))
         return original(norm)
 
-    policy.backend.clip_and_step = measured
+    policy.learner.backend.clip_and_step = measured
     seconds, gathered = [], []
     for step in range(steps + 1):
         started = time.perf_counter()
@@ -163,9 +163,9 @@ def worker(setting: str, model: Path, steps: int, out: Path) -> None:
     chunks = sum(1 for _ in iter_weight_chunks(policy.named_weights(), 1, 4 * 1024 * 1024))
     encoded = time.perf_counter() - encoded
     result = {
-        "params": sum(local_bytes(p) for p in policy.model.parameters()),
+        "params": sum(local_bytes(p) for p in policy.learner.model.parameters()),
         "grads": grads.get("bytes", 0),
-        "optimizer": state_bytes(policy.backend.optimizer),
+        "optimizer": state_bytes(policy.learner.backend.optimizer),
         "rss_growth": rss_bytes() - before,
         "step_seconds": statistics.median(seconds[1:]),
         "tokens_per_second": tokens / statistics.median(seconds[1:]),

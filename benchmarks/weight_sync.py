@@ -4,9 +4,9 @@
 
 A Qwen2-shaped model of about --mb MB (float32) is built offline. For 1 and 2
 rollout-servers (each `rollwire rollout-server`, its own process, HF engine) the
-trainer's own code path (`rollwire.trainer.weight_sender.publish`) sends a new version
+trainer's own code path (`rollwire.trainer.process.weight_sender.publish`) sends a new version
 to all of them at once, in chunks of 1, 4 and 16 MiB, and by gloo broadcast in a weight group
-(`trainer.weight_transport: group`, formed before timing); a row's time runs from
+(`trainer.weights.transport: group`, formed before timing); a row's time runs from
 the first chunk to the last server's acknowledgement, which comes once the
 weights are copied into the served model (so it includes applying them).
 
@@ -38,7 +38,7 @@ import torch
 from rollwire.proto.v1 import rollout_pb2_grpc
 from rollwire.services.core.client import open_channel, wait_for_serving
 from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
-from rollwire.trainer.weight_sender import GroupPublisher, publish
+from rollwire.trainer.process.weight_sender import GroupPublisher, publish
 
 MiB = 1 << 20
 
@@ -132,7 +132,7 @@ async def time_updates(
     broadcast: bool = False,
 ) -> list[float]:
     """Seconds of each of `repeats` updates: gRPC streams of `chunk` bytes, or (`broadcast`)
-    gloo broadcasts in a weight group formed first (trainer.weight_transport: group)."""
+    gloo broadcasts in a weight group formed first (trainer.weights.transport: group)."""
     channels = [open_channel(address) for address in addresses]
     group = None
     try:
@@ -239,7 +239,7 @@ def main() -> None:
         print(
             "\nupdate s: median of the repeats, first chunk to the last server's answer "
             "(weights applied); raw s: the same bytes over one TCP socket per receiver; "
-            "chunk 'bcast': gloo broadcasts in a weight group (trainer.weight_transport: group)."
+            "chunk 'bcast': gloo broadcasts in a weight group (trainer.weights.transport: group)."
         )
         json.dump(rows, sys.stderr)
 

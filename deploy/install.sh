@@ -7,7 +7,7 @@
 #   .venv-light/    rollwire[env,reward] only, no torch (the light-service test runs it)
 #   .venv-gem/      rollwire with gem-llm, which pins its own reasoning-gym (the gem tests)
 #   examples/node-env/node_modules/   the locked @grpc packages of the Node env example
-#   bubblewrap      the code sandbox (`bwrap`, rollwire.services.core.sandbox), from apt
+#   bubblewrap, util-linux   the code sandbox (`bwrap`, `setpriv`; rollwire.services.core.sandbox), from apt
 #   docker.io, docker-compose, debootstrap, kubectl   the container and manifest tests, from apt
 #
 # Safe to run again: each step brings its environment up to date. The side environments
@@ -27,15 +27,20 @@ step() {  # closes the step before (its seconds), opens the next
   printf '== %s\n' "$*"
 }
 
-step "code sandbox: bubblewrap"
-if ! command -v bwrap >/dev/null; then
+step "code sandbox: bubblewrap, setpriv"
+# setpriv (util-linux) makes a sandbox's user before bwrap starts, when run as root; the
+# full-disk test of the buffer mounts a small tmpfs (mount, util-linux too).
+sandbox_missing=()
+command -v bwrap >/dev/null || sandbox_missing+=(bubblewrap)
+{ command -v setpriv >/dev/null && command -v mount >/dev/null; } || sandbox_missing+=(util-linux)
+if [ "${#sandbox_missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then apt=(apt-get); elif command -v sudo >/dev/null; then apt=(sudo apt-get); else apt=(); fi
   if [ "${#apt[@]}" -eq 0 ] || ! command -v apt-get >/dev/null; then
-    echo "install bubblewrap (the bwrap program) with your system's package manager, then run this again" >&2
+    echo "install ${sandbox_missing[*]} with your system's package manager, then run this again" >&2
     exit 1
   fi
-  DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y bubblewrap \
-    || { "${apt[@]}" update && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y bubblewrap; }
+  DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y "${sandbox_missing[@]}" \
+    || { "${apt[@]}" update && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y "${sandbox_missing[@]}"; }
 fi
 bwrap --version
 

@@ -60,7 +60,7 @@ def demo_batches(
     max_turns: int,
     max_tokens: int,
 ) -> Callable[[random.Random, int], list[tuple[list[int], list[int]]]]:
-    """A batch function for `rollwire.trainer.sft.warm_up_on`: scripted episodes as tokens.
+    """A batch function for `rollwire.trainer.pipelines.warmup.warm_up_on`: scripted episodes as tokens.
 
     Raises ValueError at once, not at the first batch, when `env_id` has no demonstrator.
     """

@@ -247,6 +247,11 @@ class SessionHost:
                 f"this server holds its limit of {limit} sessions; close finished ones or add servers",
             )
         try:
+            kwargs = self._sandboxed(env_id, kwargs)
+        except EnvCallError:
+            self._release_reservation()
+            raise
+        try:
             return registry.make(env_id, **kwargs)
         except (TypeError, ValueError) as error:
             self._release_reservation()
@@ -265,6 +270,34 @@ class SessionHost:
             raise EnvCallError(
                 "INTERNAL", f"env {env_id!r} failed to start: {type(error).__name__}: {error}"
             ) from None
+
+    def _sandboxed(self, env_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The env's kwargs under the operator's sandbox (`env_server.sandbox`): an env that
+        runs code gets the server's kind; a Reset asking for less isolation (no sandbox,
+        a longer run, more memory) is refused unless the server lets clients lower it."""
+        taken = registry.parameters(env_id)
+        if "sandbox" not in taken:
+            return kwargs
+        policy = self.config.sandbox
+        asked = dict(kwargs)
+        lower = []
+        if asked.setdefault("sandbox", policy.kind) == "none" and policy.kind == "bwrap":
+            lower.append("sandbox: none")
+        for name, most in (
+            ("python_timeout_s", policy.max_timeout_s),
+            ("python_memory_mb", policy.max_memory_mb),
+        ):
+            value = asked.get(name)
+            if name in taken and isinstance(value, int | float) and value > most:
+                lower.append(f"{name}: {value} (the server allows {most:g})")
+        if lower and not policy.clients_may_lower:
+            raise self._reject(
+                "PERMISSION_DENIED",
+                "sandbox",
+                f"this env-server runs code in its own sandbox (env_server.sandbox); a client "
+                f"may not ask for {', '.join(lower)}",
+            )
+        return asked
 
     def _release_reservation(self) -> None:
         with self._lock:

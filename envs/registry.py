@@ -73,6 +73,17 @@ def make(env_id: str, **kwargs: Any) -> Env:
     return _lookup(env_id).factory(**kwargs)
 
 
+def parameters(env_id: str) -> frozenset[str]:
+    """The keyword arguments the env's factory takes by name. Raises UnknownEnv."""
+    import inspect
+
+    try:
+        signature = inspect.signature(_lookup(env_id).factory)
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(signature.parameters)
+
+
 def demonstrator(env_id: str) -> Demonstrator | None:
     """The scripted demonstrator registered with `env_id`, None when it has none.
 

@@ -144,7 +144,8 @@ class ToolUse(Env):
     - a Python call `<python>CODE</python>`: CODE runs in a fresh sandbox
       (`rollwire.services.core.sandbox`: bubblewrap with no network and no host
       files, or with `sandbox="none"` a limited child process that is only a
-      guard) and what it prints comes back, so it must `print` its result;
+      guard; on an env-server the operator's `env_server.sandbox` decides, not the
+      client) and what it prints comes back, so it must `print` its result;
       nothing carries over between calls; the standard library only;
     - a final answer `<answer>TEXT</answer>`, e.g. `<answer>82</answer>`.
 

@@ -18,57 +18,78 @@ that passed), `correct` (= reward), `format` (1 when the program came from a fen
 block), `timed_out` (1 when a run hit its time limit). An item that names no tests is
 an error, not a zero.
 
-The tests of the first two forms run in the same process as the program (as HumanEval's
-own harness runs them): the sandbox bounds what the program can do to the machine, not to
-its own result. Results travel on stdout tagged with a per-run random token the program is
-not given; a program that goes looking for it in the harness's memory can forge a pass.
+The tests of the first two forms never share a process, a file or a secret with the
+program: the program runs in one sandbox (`rollwire.reward.harness.program`), the tests
+in another (`rollwire.reward.harness.judge`), connected by two pipes. In the judge each
+function the program defines is a stand-in that sends its arguments and reads the answer
+as plain data (`rollwire.reward.codec`: numbers, strings, bytes, None, bools, lists,
+tuples, dicts, sets; each type checked on arrival). The judge alone decides: what the
+program does to itself (its builtins, its output, its exit) changes only its answers,
+and an answer that is not plain data fails the test that asked for it. A test that
+needs the program's objects themselves (a class instance, a generator, a function
+passed in) fails here too.
 """
 
 from __future__ import annotations
 
-import json
+import functools
+import io
 import re
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
+from rollwire.reward import codec
 from rollwire.reward.scorers import Score, ScoreInput
 from rollwire.services.core.sandbox import Limits, Sandbox
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 _OUTPUT_CHARS = 200_000
 
-# Runs the program, then each test, in one namespace; argv: spec path. The first stdin
-# line is the run's token; results are lines "<token> pass|fail <index> [reason]".
-_HARNESS = r"""
-import io, json, sys
+_HERE = Path(__file__).parent
+Runnable = tuple[list[str], dict[str, str | bytes]]
+"""What `Sandbox.run` and `run_pair` take for one side: (argv, files)."""
 
-def _main():
-    token = sys.stdin.readline().strip()
-    spec = json.load(open(sys.argv[1], encoding="utf-8"))
-    report = sys.stdout
-    sys.stdout = sys.stderr = io.StringIO()  # what the program prints is not the report
-    namespace = {"__name__": "__main__"}
+
+@functools.cache
+def _harness_sources() -> tuple[str, str, str]:
+    """The judge's and the runner's scripts and the codec they share, read once."""
+    return tuple(  # type: ignore[return-value]
+        (_HERE / name).read_text()
+        for name in ("harness/judge.py", "harness/program.py", "codec.py")
+    )
+
+
+def judged_pair(program: str, tests: list[str], setup: str = "") -> tuple[Runnable, Runnable]:
+    """The judge's side and the program's side of a run (`Sandbox.run_pair`): each its
+    `python -I -S` command and the files it sees; the tests only on the judge's."""
+    judge, runner, codec_source = _harness_sources()
+    return (
+        (
+            ["{python}", "-I", "-S", "{src}/judge.py", "{src}"],
+            {
+                "judge.py": judge,
+                "codec.py": codec_source,
+                "spec.bin": codec.encode({"tests": tests, "setup": setup}),
+            },
+        ),
+        (
+            ["{python}", "-I", "-S", "{src}/runner.py", "{src}"],
+            {"runner.py": runner, "codec.py": codec_source, "solution.py": program},
+        ),
+    )
+
+
+def passed_tests(verdict: bytes) -> set[int]:
+    """The indices of the tests the judge's verdict says passed (none if it says none or
+    is no verdict)."""
     try:
-        exec(compile(spec["program"], "solution.py", "exec"), namespace)
-    except BaseException as error:
-        report.write(f"{token} load {type(error).__name__}: {str(error)[:200]!r}\n")
-        report.flush()
-        return
-    for index, test in enumerate(spec["tests"]):
-        try:
-            exec(compile(test, f"test_{index}", "exec"), namespace)
-        except BaseException as error:
-            report.write(f"{token} fail {index} {type(error).__name__}\n")
-        else:
-            report.write(f"{token} pass {index}\n")
-        report.flush()
-        sys.stdout.seek(0)
-        sys.stdout.truncate()
-
-_main()
-"""
+        report = codec.read(io.BytesIO(verdict))
+    except (EOFError, codec.CodecError):
+        return set()
+    passed = report.get("passed")
+    return {i for i in passed if type(i) is int} if type(passed) is list else set()
 
 
 def extract_program(response: str) -> tuple[str, bool]:
@@ -99,8 +120,8 @@ class CodeScorer:
         if "io" in metadata:
             passed, total, timed_out = self._io(program, metadata["io"])
         elif "entry_point" in metadata or "tests" in metadata:
-            tests, program = self._in_process_tests(program, item.prompt, metadata)
-            passed, total, timed_out = self._harness(program, tests)
+            tests, setup, program = self._judged_tests(program, item.prompt, metadata)
+            passed, total, timed_out = self._judged(program, tests, setup)
         else:
             raise ValueError(
                 "code items need tests in metadata: `entry_point` and `test` (HumanEval), "
@@ -118,9 +139,10 @@ class CodeScorer:
         )
 
     @staticmethod
-    def _in_process_tests(
+    def _judged_tests(
         program: str, prompt: str, metadata: dict[str, Any]
-    ) -> tuple[list[str], str]:
+    ) -> tuple[list[str], str, str]:
+        """(tests, the judge's setup, the program) of a HumanEval or MBPP item."""
         if "entry_point" in metadata:
             entry = metadata["entry_point"]
             test = metadata.get("test")
@@ -132,33 +154,21 @@ class CodeScorer:
                 rf"^\s*(async\s+)?def\s+{re.escape(entry)}\s*\(", program, re.MULTILINE
             ):
                 program = prompt + program
-            return [f"{test}\ncheck({entry})"], program
+            return [f"{test}\ncheck({entry})"], "", program
         tests = metadata["tests"]
         if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
             raise ValueError("metadata.tests must be a non-empty list of statements")
         setup = metadata.get("setup") or ""
         if not isinstance(setup, str):
             raise ValueError("metadata.setup must be text")
-        return list(tests), f"{program}\n{setup}\n" if setup else program
+        return list(tests), setup, program
 
-    def _harness(self, program: str, tests: list[str]) -> tuple[int, int, bool]:
-        token = secrets.token_hex(16)
-        spec = json.dumps({"program": program, "tests": tests})
-        limits = replace(self.limits, max_output_chars=_OUTPUT_CHARS)
-        result = self.sandbox.run(
-            ["{python}", "-I", "-S", "-c", _HARNESS, "{src}/spec.json"],
-            files={"spec.json": spec},
-            stdin=token + "\n",
-            limits=limits,
-        )
-        passed = {
-            int(parts[2])
-            for line in result.output.splitlines()
-            if (parts := line.split())
-            and len(parts) >= 3
-            and parts[0] == token
-            and parts[1] == "pass"
-        }
+    def _judged(self, program: str, tests: list[str], setup: str) -> tuple[int, int, bool]:
+        """Runs the program and the tests in two sandboxes (`Sandbox.run_pair`): the judge
+        calls the program's functions with plain data and reads its answers as plain data
+        (`rollwire.reward.codec`), and alone decides."""
+        result = self.sandbox.run_pair(*judged_pair(program, tests, setup), self.limits)
+        passed = passed_tests(result.verdict)
         return len(passed & set(range(len(tests)))), len(tests), result.timed_out
 
     def _io(self, program: str, cases: Any) -> tuple[int, int, bool]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -162,6 +163,25 @@ def _math_options(metadata: dict[str, Any]) -> tuple[dict[str, Any], list[Any] |
     return verify_options, [kinds[kind]() for kind in wanted]
 
 
+MAX_MATH_ANSWER_CHARS = 1000
+"""A tagged answer longer than this is no answer (scored 0, `too_long`), never parsed."""
+MAX_MATH_SEARCH_CHARS = 20_000
+"""Without a tag, math-verify searches only this much of the end of the response."""
+
+
+_FRACTION = re.compile(r"\s*-?\s*(\d+)\s*/\s*(\d+)\s*")
+
+
+def _a_number(parsed: list[Any]) -> bool:
+    """Whether math-verify's parse of an answer is a number as written: a number, or a
+    fraction in lowest terms (1/2), not arithmetic that comes to one (40 + 2, 84/2)."""
+    if getattr(parsed[0], "is_Number", False):
+        return True
+    written = parsed[-1] if isinstance(parsed[-1], str) else ""
+    match = _FRACTION.fullmatch(written)
+    return bool(match) and math.gcd(int(match[1]), int(match[2])) == 1 and match[2] != "1"
+
+
 def math_score(item: ScoreInput) -> Score:
     """math-verify: the tagged answer (or, with no tag, the whole response) against the reference."""
     from math_verify import parse, verify
@@ -173,7 +193,11 @@ def math_score(item: ScoreInput) -> Score:
     if "timeout_seconds" in verify_options:
         parse_options["parsing_timeout"] = verify_options["timeout_seconds"]
     answer = item_answer(item)
-    candidate = answer if answer is not None else item.response
+    if answer is not None and len(answer) > MAX_MATH_ANSWER_CHARS:
+        return Score(0.0, {"correct": 0.0, "format": 1.0, "extracted": 0.0, "too_long": 1.0})
+    # Untagged, the answer is searched for near the end, where it is: a response of any
+    # length costs the parser the same.
+    candidate = answer if answer is not None else item.response[-MAX_MATH_SEARCH_CHARS:]
     records = _Records()
     logger = logging.getLogger("math_verify")
     # Its records (a timeout's repeats the whole input) come here, never to the service log.
@@ -190,6 +214,10 @@ def math_score(item: ScoreInput) -> Score:
             gold = parse(f"${item.reference}$", **parse_options)
         guess = parse(candidate, **parse_options)
         correct = bool(gold) and bool(guess) and bool(verify(gold, guess, **verify_options))
+        # A number is answered with a number: "40 + 2" (the question's own expression,
+        # echoed) is equal to 42 but does not answer it.
+        unworked = correct and getattr(gold[0], "is_Number", False) and not _a_number(guess)
+        correct = correct and not unworked
     finally:
         logger.removeHandler(records)
     timeouts = [m for m in records.messages if m.startswith("Timeout")]
@@ -205,6 +233,7 @@ def math_score(item: ScoreInput) -> Score:
             "correct": float(correct),
             "format": float(answer is not None),
             "extracted": float(bool(guess)),
+            "unworked": float(unworked),
         },
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from typing import Any
 
@@ -23,7 +24,7 @@ from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
 from rollwire.reward.pool import MAX_ERROR_CHARS, ScorerFailed, ScoringPool
 from rollwire.reward.scorers import Score, ScoreInput
 from rollwire.reward.table import scorer_table
-from rollwire.services.core.config import RewardServerConfig, SandboxConfig
+from rollwire.services.core.config import ClientConfig, RewardServerConfig, SandboxConfig
 from rollwire.services.core.metrics import COUNTERS, GAUGES
 from rollwire.services.core.sandbox import SandboxUnavailable
 from rollwire.services.core.server import Registration, reject
@@ -41,7 +42,9 @@ def _first_line(text: str | None) -> str:
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """Routes each item to the scorer of its domain."""
 
-    def __init__(self, config: RewardServerConfig) -> None:
+    def __init__(self, config: RewardServerConfig, client: ClientConfig | None = None) -> None:
+        """`client`: how this server calls others (a judge on a rollout-server: its token,
+        TLS)."""
         self.config = config
         sandbox: SandboxConfig | None = config.sandbox
         self._no_sandbox: str | None = None
@@ -61,7 +64,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         if config.judge is not None:
             from rollwire.reward.judge import Judge
 
-            self._batched["judge"] = Judge(config.judge)
+            self._batched["judge"] = Judge(config.judge, client)
         if config.reward_model is not None:
             from rollwire.reward.reward_model import RewardModel
 
@@ -137,14 +140,18 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 f"no scorer for domain(s) {unknown}; this server scores: "
                 f"{[domain for domain, _, _ in self.domains()]}",
             )
-        if request.item_timeout_seconds < 0:
+        asked = request.item_timeout_seconds
+        if not math.isfinite(asked) or asked < 0:
             await self._reject(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "bad_timeout",
-                "item_timeout_seconds must not be negative",
+                f"item_timeout_seconds must be a finite number >= 0, not {asked}",
             )
-        timeout = request.item_timeout_seconds or self.config.item_timeout_seconds
+        timeout = asked or self.config.item_timeout_seconds
+        if timeout > self.config.max_item_timeout_seconds:
+            COUNTERS.inc("reward_timeouts_capped")
+            timeout = self.config.max_item_timeout_seconds
         # Every item ends before the caller's deadline (a late one with its error flag), so
         # slow items cost themselves, not the whole call.
         remaining = context.time_remaining()
@@ -248,12 +255,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             await scorer.close()
 
 
-def registrations(config: RewardServerConfig) -> list[Registration]:
-    """What `rollwire reward-server` hosts."""
+def registrations(
+    config: RewardServerConfig, client: ClientConfig | None = None
+) -> list[Registration]:
+    """What `rollwire reward-server` hosts; `client`: the run's client settings."""
     return [
         Registration(
             reward_pb2_grpc.add_RewardServiceServicer_to_server,
-            RewardServicer(config),
+            RewardServicer(config, client),
             SERVICE_NAME,
         )
     ]

@@ -1,7 +1,7 @@
 """Trajectories to padded tensors, and a batch cut into minibatches and micro-batches.
 
-Nothing here runs a model: `Policy` (trainer/model.py) and the update passes
-(trainer/update.py) take what these functions make.
+Nothing here runs a model: `Policy` (trainer/learner.py) and the update passes
+(trainer/rl/update.py) take what these functions make.
 """
 
 from __future__ import annotations

@@ -89,6 +89,15 @@ for assignment in "${sets[@]+"${sets[@]}"}"; do
 done
 export ROLLWIRE_CONFIG="$config" ROLLWIRE_ENV_FILE="$state/overrides.env"
 
+# The run's secrets: the stack's gRPC token and the trainer's token on the buffer, fresh
+# for each run. Readable by the containers' user (uid 10001); the folder is this run's own.
+mkdir -p "$state/secrets"
+for secret in token trainer-token; do
+  "${PYTHON:-python3}" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$state/secrets/$secret"
+  chmod 0644 "$state/secrets/$secret"
+done
+export ROLLWIRE_SECRETS="$state/secrets"
+
 profile=()
 scale=()
 if [ "$env_servers" -gt 0 ]; then

@@ -104,8 +104,8 @@ run_dir="$out/train"
 sets=(
   --set "run.output_dir=$run_dir" --set rl.max_steps=10 --set orchestrator.eval_every=10
   --set trainer.device=cuda --set rollout_server.device=cuda --set rollout_server.engine=hf
-  --set trainer.weight_transport=group --set trainer.weight_group_backend=nccl
-  --set trainer.weight_group_timeout_seconds=60 --set run.cpu_threads=0
+  --set trainer.weights.transport=group --set trainer.weights.group_backend=nccl
+  --set trainer.weights.group_timeout_seconds=60 --set run.cpu_threads=0
 )
 if [ -n "${SMOLLM2_MODEL:-}" ]; then
   which="SmolLM2-135M-Instruct (examples/smollm2.yaml)"

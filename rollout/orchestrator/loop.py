@@ -15,6 +15,8 @@ Start here; the rest of the room:
 
     pacing.py      which prompt next, how many groups may be in play, dynamic
                    sampling, waiting on a full buffer
+    sampler.py     answers of the served model, scored (what evaluation and
+                   distillation data use alone, without a buffer)
     servers.py     the calls to the rollout- and reward-servers, retried
     teacher.py     on-policy distillation's teacher scoring each group
     episode.py     an episode's tokens and the trajectory made of them
@@ -35,7 +37,6 @@ from typing import Any
 import grpc.aio
 from opentelemetry import propagate, trace
 
-from rollwire.rollout.orchestrator.agent import ChatTurns
 from rollwire.rollout.orchestrator.episode import (
     EpisodeTokens,
     finish_reason_of,
@@ -48,7 +49,7 @@ from rollwire.rollout.orchestrator.pacing import (
     launch_capacity,
     put_group_with_backpressure,
 )
-from rollwire.rollout.orchestrator.servers import Servers
+from rollwire.rollout.orchestrator.sampler import Sampler
 from rollwire.rollout.orchestrator.teacher import Teacher
 from rollwire.services.buffer.client import BufferError, BufferProducer
 from rollwire.services.buffer.protocol import PutAnswer
@@ -101,8 +102,8 @@ class Orchestrator:
         self.started = self.last_report = time.perf_counter()
         self.watchdog = Watchdog("orchestrator")
         self.watch_seconds = config.telemetry.watchdog_seconds
-        self.eos = int(tokenizer.eos_token_id)
-        self.servers = Servers(config, self.eos)
+        self.sampler = Sampler(config, tokenizer)
+        """Generation and scoring (and, with an env dataset, episodes): the groups' makings."""
         self.teacher: Teacher | None = None
         """On-policy distillation's teacher, once `connect` has found it (a training run's
         only: evaluations and distillation data do without)."""
@@ -112,17 +113,7 @@ class Orchestrator:
         (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         self.eval_log = (self.run_dir / "metrics" / "eval.jsonl").open("a")
         self.progress_log = (self.run_dir / "metrics" / "orchestrator.jsonl").open("a")
-        self.agentic = isinstance(self.settings.dataset, EnvDataset)
-        self.pool = None
-        self.episodes = None  # the EpisodeRunner, once the env-servers have answered
-        if self.agentic:
-            from rollwire.envs.pool import EnvPool
-
-            # Env calls get the agent's own deadline: a long tool call is not a hung server.
-            env_client = config.client.model_copy(
-                update={"default_timeout_seconds": self.settings.agent.env_call_timeout_seconds}
-            )
-            self.pool = EnvPool.from_config(endpoints.env_servers, env_client, config.env_server)
+        self.agentic = self.sampler.agentic
 
     async def run(self) -> None:
         """Feeds the buffer until the trainer reaches `rl.max_steps`. Each pass evaluates
@@ -130,7 +121,9 @@ class Orchestrator:
         those that finished."""
         await self.connect()
         self.watchdog.start()
-        dataset = training_tasks(self.settings.dataset, self.settings.eval_dataset)
+        dataset = training_tasks(
+            self.settings.dataset, self.settings.eval_dataset, self.config.run.seed
+        )
         if dataset.excluded:
             log.info(
                 "training prompts that are in the evaluation set are left out",
@@ -138,7 +131,7 @@ class Orchestrator:
             )
         self.held_out_excluded = dataset.excluded
         self.check_prompts(dataset, "orchestrator.dataset")
-        self.servers.check_domains(
+        self.sampler.servers.check_domains(
             scored_domains(self.settings.dataset) | scored_domains(self.settings.eval_dataset)
         )
         again, start = await self.resume_point(dataset)
@@ -172,12 +165,12 @@ class Orchestrator:
     async def connect(self) -> None:
         """Waits until every rollout- and reward-server serves; with an env dataset, asks
         the env-servers what they offer."""
-        await self.servers.wait_until_serving()
-        if self.config.trainer.advantage.type == "on_policy_distill":
+        await self.sampler.servers.wait_until_serving()
+        if self.config.trainer.algorithm.advantage.type == "on_policy_distill":
             self.teacher = Teacher(self.config)
-            await self.teacher.connect(self.servers.rollout)
+            await self.teacher.connect(self.sampler.servers.rollout)
         if self.agentic:
-            await self.start_episodes()
+            await self.sampler.start_episodes()
 
     def check_prompts(self, tasks: Sequence[Task], what: str, first: int = 64) -> None:
         """Renders the prompt of the first tasks (each part of a mixture among them), so a
@@ -218,7 +211,7 @@ class Orchestrator:
         self.check_prompts(tasks, "orchestrator.eval_dataset")
         return Evaluation(
             tasks,
-            self.greedy_reward,
+            self.sampler.greedy_reward,
             every=self.settings.eval_every,
             final_step=self.rl.max_steps,
             concurrency=self.settings.max_concurrent_groups * self.rl.group_size,
@@ -329,17 +322,13 @@ class Orchestrator:
 
     async def sample_group(self, task: Task) -> list[Trajectory]:
         """`rl.group_size` responses to one prompt, scored, as trajectories."""
-        started = time.perf_counter()
-        prompt_ids = self.encode_prompt(task)
-        outputs = await self.servers.generate_group(prompt_ids, task.ordinal)
-        generated = time.perf_counter()
-        texts = [self.decode(list(o.token_ids)) for o in outputs]
-        scores = await self.servers.score(task, texts)
-        scored = time.perf_counter()
+        answers = await self.sampler.answers(task, task.ordinal)
+        outputs = answers.outputs
+        timings = {"generate": answers.generate_seconds, "score": answers.score_seconds}
         trajectories = []
-        for index, (output, result) in enumerate(zip(outputs, scores, strict=True)):
+        for index, (output, result) in enumerate(zip(outputs, answers.scores, strict=True)):
             tokens = EpisodeTokens()
-            tokens.context(prompt_ids)
+            tokens.context(answers.prompt_ids)
             tokens.generated(output, turn=0)
             trajectory = trajectory_from_episode(
                 task,
@@ -348,7 +337,7 @@ class Orchestrator:
                 reward=result.reward,
                 reward_components=dict(result.components),
                 finish_reason=finish_reason_of(output),
-                timings={"generate": generated - started, "score": scored - generated},
+                timings=dict(timings),
             )
             trajectories.append(trajectory)
         self.generated_tokens += sum(len(o.token_ids) for o in outputs)
@@ -358,7 +347,7 @@ class Orchestrator:
         """`rl.group_size` episodes from one seed, each on its own."""
         episodes = await asyncio.gather(
             *(
-                self.episodes.run(task, index, self.rl.temperature)
+                self.sampler.episodes.run(task, index, self.rl.temperature)
                 for index in range(self.rl.group_size)
             )
         )
@@ -371,7 +360,7 @@ class Orchestrator:
             first = trajectories[0]
             await self.producer.drop(first.prompt_ordinal, first.group_id, "filtered")
             return False
-        with self.servers.clock.phase("buffer_put"):
+        with self.sampler.servers.clock.phase("buffer_put"):
             answers = await put_group_with_backpressure(
                 self.producer, trajectories, self.config.trainer.batch_timeout_seconds
             )
@@ -387,141 +376,6 @@ class Orchestrator:
                 "buffer refused a trajectory",
                 extra={"trajectory_id": trajectory.trajectory_id, "reason": answer.reason},
             )
-
-    async def greedy_reward(self, task: Task) -> float:
-        """The reward of one greedy response to `task` (or episode of it): what
-        evaluation measures."""
-        if self.agentic:
-            return (await self.episodes.run(task, 0, temperature=0.0)).reward
-        prompt_ids = self.encode_prompt(task)
-        output = await self.servers.generate(prompt_ids, self.settings.max_new_tokens, 0.0)
-        (result,) = await self.servers.score(task, [self.decode(list(output.token_ids))])
-        return result.reward
-
-    async def sampled_rewards(self, task: Task, samples: int) -> list[float]:
-        """The rewards of `samples` responses to `task` (or episodes of it) at the
-        training temperature: what pass@k measures."""
-        if self.agentic:
-            runs = [self.episodes.run(task, i, self.rl.temperature) for i in range(samples)]
-            return [episode.reward for episode in await asyncio.gather(*runs)]
-        outputs = await self.servers.generate_group(self.encode_prompt(task), samples=samples)
-        texts = [self.decode(list(output.token_ids)) for output in outputs]
-        return [result.reward for result in await self.servers.score(task, texts)]
-
-    async def teacher_rows(
-        self, tasks: Sequence[Task], samples: int, min_reward: float | None, top_k: int = 0
-    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """The served model's answers to `tasks` (`samples` each, at the training
-        temperature, seeded by `orchestrator.sampling_seed` and each task's index), scored,
-        as `prompt`/`completion` rows (those scored at least `min_reward` when set), and
-        counts: answers, kept, their mean reward. `top_k`:
-        each kept row also carries its token ids and, per answer token, the served
-        model's top_k tokens and logprobs (token-level distillation data)."""
-        limit = asyncio.Semaphore(self.settings.max_concurrent_groups)
-
-        async def answer(index: int, task: Task) -> tuple[list[dict[str, Any]], list[float]]:
-            async with limit:
-                prompt_ids = self.encode_prompt(task)
-                # Seeded from the prompt's place (orchestrator.sampling_seed): the same
-                # teacher answers the same prompts alike, run after run.
-                outputs = await self.servers.generate_group(prompt_ids, index, samples=samples)
-                texts = [self.decode(list(output.token_ids)) for output in outputs]
-                scores = [result.reward for result in await self.servers.score(task, texts)]
-                rows = [
-                    {
-                        "prompt": task.prompt(self.settings.prompt_template),
-                        "completion": text,
-                        "reward": reward,
-                        "completion_ids": list(output.token_ids),
-                    }
-                    for text, reward, output in zip(texts, scores, outputs, strict=True)
-                    if min_reward is None or reward >= min_reward
-                ]
-                if top_k and rows:
-                    scored = await self.servers.score_tokens(
-                        [(prompt_ids + row["completion_ids"], len(prompt_ids)) for row in rows],
-                        top_k,
-                    )
-                    for row, result in zip(rows, scored, strict=True):
-                        ids, values = list(result.top_token_ids), list(result.top_logprobs)
-                        row["prompt_ids"] = prompt_ids
-                        row["top_ids"] = [ids[i : i + top_k] for i in range(0, len(ids), top_k)]
-                        row["top_logprobs"] = [
-                            values[i : i + top_k] for i in range(0, len(values), top_k)
-                        ]
-                if not top_k:
-                    for row in rows:
-                        del row["completion_ids"]
-                return rows, scores
-
-        answered = await asyncio.gather(*(answer(i, task) for i, task in enumerate(tasks)))
-        rows = [row for kept, _ in answered for row in kept]
-        rewards = [reward for _, scores in answered for reward in scores]
-        counts = {
-            "answers": float(len(rewards)),
-            "kept": float(len(rows)),
-            "reward_mean": sum(rewards) / max(len(rewards), 1),
-        }
-        return rows, counts
-
-    async def measure(self, samples: int = 0, correct_at: float = 1.0) -> dict[str, float]:
-        """The held-out numbers (`evaluation.measure`) of the model the rollout-servers
-        serve now, on this run's evaluation set; for `rollwire eval`."""
-        from rollwire.rollout.orchestrator.evaluation import measure
-
-        if self.settings.eval_dataset is None:
-            raise ValueError("orchestrator.eval_dataset is unset: there is nothing to evaluate")
-        if self.agentic:
-            await self.start_episodes()
-        return await measure(
-            load_tasks(self.settings.eval_dataset),
-            self.greedy_reward,
-            self.sampled_rewards,
-            samples=samples,
-            correct_at=correct_at,
-            concurrency=self.settings.max_concurrent_groups * self.rl.group_size,
-        )
-
-    # ------------------------------------------------------------ episodes and tokens
-
-    async def start_episodes(self) -> None:
-        """Asks the env-servers what they offer (waiting for them to come up) and sets up
-        the episode runner."""
-        from rollwire.rollout.orchestrator.agent import EpisodeRunner, env_specs
-
-        specs = await env_specs(
-            self.pool, self.config.client.connect_timeout_seconds, self.config.endpoints.env_servers
-        )
-        self.episodes = EpisodeRunner(
-            self.pool,
-            specs,
-            self.tokenizer,
-            self.settings.agent,
-            self.settings.max_new_tokens,
-            self.settings.use_chat_template,
-            self.servers.generate,
-            self.servers.score_episode,
-        )
-        env_id = self.settings.dataset.env_id
-        spec = self.episodes.spec(env_id)
-        if not spec.gives_reward and not self.servers.reward:
-            raise ValueError(
-                f"env {env_id!r} does not give rewards itself; set endpoints.reward_servers"
-            )
-
-    def encode_prompt(self, task: Task) -> list[int]:
-        """The prompt's token ids, through the chat template when it is on."""
-        text = task.prompt(self.settings.prompt_template)
-        if self.settings.use_chat_template:
-            # The same rendering as an episode's first turn: the template's text, then its
-            # tokens (apply_chat_template(tokenize=True) returns a mapping in transformers 5).
-            return ChatTurns(self.tokenizer, system_prompt=None).first(text)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, token_ids: list[int]) -> str:
-        """A response's text, without its stop token."""
-        ids = token_ids[:-1] if token_ids and token_ids[-1] == self.eos else token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=self.settings.skip_special_tokens)
 
     # ------------------------------------------------------------ reports and closing
 
@@ -546,10 +400,10 @@ class Orchestrator:
         }
         # Where the time went since the start (seconds of calls, summed over those in
         # flight together) and the CPU this process used: `rollwire train` prints it.
-        entry.update(self.servers.clock.snapshot())
-        if self.episodes is not None:
-            entry["episode_restarts"] = self.episodes.restarts
-            entry["env_servers_lost"] = self.pool.lost_count
+        entry.update(self.sampler.servers.clock.snapshot())
+        if self.sampler.episodes is not None:
+            entry["episode_restarts"] = self.sampler.episodes.restarts
+            entry["env_servers_lost"] = self.sampler.pool.lost_count
         self.progress_log.write(json.dumps(entry) + "\n")
         self.progress_log.flush()
 
@@ -559,9 +413,7 @@ class Orchestrator:
         self.producer.close()
         self.eval_log.close()
         self.progress_log.close()
-        if self.pool is not None:
-            await self.pool.aclose()
-        await self.servers.close()
+        await self.sampler.close()
         if self.teacher is not None:
             await self.teacher.close()
 

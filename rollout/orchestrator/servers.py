@@ -35,6 +35,7 @@ from rollwire.services.core.config import RunConfig
 from rollwire.services.core.datasets import Task
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.retry import RetryPolicy, call_with_retries, grpc_codes
+from rollwire.services.core.seeds import stream_seed
 from rollwire.services.core.structs import to_struct
 from rollwire.services.core.timing import PhaseClock
 
@@ -115,6 +116,11 @@ class Servers:
         self.config = config
         self.rl = config.rl
         self.settings = config.orchestrator
+        base = self.settings.sampling_seed
+        # The samples' seeds come from this, the prompt's ordinal and the sample's index.
+        self._sampling_base = (
+            None if base is None else stream_seed(config.run.seed, "sampling", base)
+        )
         self.eos = eos
         self.retries = server_retries(config)
         self.clock = PhaseClock()
@@ -215,8 +221,8 @@ class Servers:
         batched on one rollout-server; seeded from the prompt's ordinal when
         `orchestrator.sampling_seed` is set."""
         sampling = self._sampling(self.rl.temperature, self.settings.max_new_tokens)
-        if self.settings.sampling_seed is not None and ordinal is not None:
-            sampling.seed = sample_seed(self.settings.sampling_seed, ordinal)
+        if self._sampling_base is not None and ordinal is not None:
+            sampling.seed = sample_seed(self._sampling_base, ordinal)
         request = rollout_pb2.GenerateGroupRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,

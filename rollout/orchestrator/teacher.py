@@ -1,6 +1,6 @@
 """On-policy distillation's teacher, as the orchestrator calls it.
 
-With `trainer.advantage: on_policy_distill` every group the student samples is sent to
+With `trainer.algorithm.advantage: on_policy_distill` every group the student samples is sent to
 a teacher rollout-server (`endpoints.teacher_servers`, round-robin) before it goes to
 the buffer: one `ScoreTokens` call per group returns the teacher's logprob of each
 generated token, which travels in the trajectory (`teacher_logprobs`) to the trainer.
@@ -35,7 +35,7 @@ class Teacher:
         self.addresses = list(config.endpoints.teacher_servers)
         if not self.addresses:
             raise ValueError(
-                "trainer.advantage on_policy_distill: endpoints.teacher_servers is empty "
+                "trainer.algorithm.advantage on_policy_distill: endpoints.teacher_servers is empty "
                 "(rollwire train fills it from distill.teacher_model_path)"
             )
         self.channels = [open_channel(a, config.client) for a in self.addresses]

@@ -9,6 +9,7 @@ implement it; the rollout-server speaks only to this interface.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -107,6 +108,11 @@ def validate_request(
         raise RequestError(f"prompt token ids must lie in [0, {vocab_size})")
     if spec.max_new_tokens < 1:
         raise RequestError("max_new_tokens must be at least 1")
+    if not (math.isfinite(spec.temperature) and math.isfinite(spec.top_p)):
+        # NaN compares false with everything: without this it would pass as greedy.
+        raise RequestError(
+            f"temperature ({spec.temperature}) and top_p ({spec.top_p}) must be finite numbers"
+        )
     if spec.temperature < 0 or not 0 <= spec.top_p <= 1 or spec.top_k < 0:
         raise RequestError("temperature must be >= 0, top_p in [0, 1] and top_k >= 0")
     if len(prompt_ids) + spec.max_new_tokens > max_context:

@@ -46,6 +46,7 @@ from rollwire.rollout.server.engine import (
     validate_request,
     validate_scoring,
 )
+from rollwire.rollout.server.requests import InFlight
 from rollwire.rollout.server.sampling import SamplingBatch, SamplingSpec
 
 __all__ = ["ContextTooLong", "Generation", "HFEngine", "RequestError"]
@@ -78,7 +79,11 @@ class HFEngine:
         device: str = "cpu",
         initial_version: int = 0,
         interruptible: bool = True,
+        seed: int | None = None,
     ) -> None:
+        """`seed` (rollout_server.seed) starts the generator requests without a seed of
+        their own draw from (unset: torch's global one); a request with a seed draws from
+        a generator of its own, whatever it is batched with."""
         from transformers import AutoModelForCausalLM
 
         from rollwire.services.core.tiny import quiet_transformers
@@ -91,6 +96,7 @@ class HFEngine:
                 "(set rollout_server.model_path, or leave it unset for the built-in tiny model)"
             )
         self.model_path = path
+        self._generator = None if seed is None else torch.Generator().manual_seed(seed)
         self.model = (
             AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
             .to(device)
@@ -124,7 +130,7 @@ class HFEngine:
         mid-batch (and a join whose cache could not be edited)."""
         self.cache_merges = 0
         """Changes of rows made on the running KV cache (joins, finished rows dropped)."""
-        self._inflight: dict[str, _Pending] = {}
+        self._inflight: InFlight[_Pending] = InFlight(self._stop)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._threads = torch.get_num_threads()  # the worker starts with the process's
         self._loop_task: asyncio.Task[None] | None = None
@@ -195,34 +201,28 @@ class HFEngine:
         if self._closed:
             raise RuntimeError("the engine is shutting down")
         self.validate(prompt_ids, spec)
-        pending = _Pending(
-            request_id, list(prompt_ids), spec, asyncio.get_running_loop().create_future()
-        )
-        if request_id in self._inflight:
-            raise RequestError(f"request id {request_id!r} is already in flight")
-        self._inflight[request_id] = pending
-        try:
-            self._intake.append(pending)
-            self._arrived.set()
-            return await pending.future
-        except asyncio.CancelledError:  # the caller went away (deadline, hang-up): stop its row
-            pending.aborted.set()
-            self._aborts += 1
-            raise
-        finally:
-            self._inflight.pop(request_id, None)
+        loop = asyncio.get_running_loop()
+        with self._inflight.hold(
+            request_id, lambda: _Pending(request_id, list(prompt_ids), spec, loop.create_future())
+        ) as pending:
+            try:
+                self._intake.append(pending)
+                self._arrived.set()
+                return await pending.future
+            except asyncio.CancelledError:  # the caller went away (deadline, hang-up): stop it
+                self._stop([pending])
+                raise
 
     def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int:
         """Marks requests aborted; they return with finish reason "abort" and their tokens so far."""
-        targets = (
-            list(self._inflight.values())
-            if all_requests
-            else [self._inflight[r] for r in request_ids if r in self._inflight]
-        )
-        for pending in targets:
+        return self._inflight.abort(request_ids, all_requests)
+
+    def _stop(self, requests: list[_Pending]) -> None:
+        """Flags the requests; the decoding loop ends each at its next step, with the
+        tokens it has."""
+        for pending in requests:
             pending.aborted.set()
         self._aborts += 1
-        return len(targets)
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float:
         """Copies new weights in and sets the version; returns seconds spent copying.
@@ -432,7 +432,7 @@ class HFEngine:
                 else:
                     cache, step_ids, attention, step_positions = merged
                     self.cache_merges += 1
-                    layout = _Layout(rows, version)
+                    layout = _Layout(rows, version, self._generator)
                     aborts_seen = -1
             elif joining:
                 relayout = True
@@ -440,7 +440,7 @@ class HFEngine:
                 if layout is not None:
                     layout.flush()
                 rows[:] = [row for row in rows if row.finish is None] + joining
-                layout = _Layout(rows, version)
+                layout = _Layout(rows, version, self._generator)
                 self.layouts += 1
                 step_ids, attention = self._left_padded([row.sequence for row in rows])
                 step_positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
@@ -570,12 +570,14 @@ class _Layout:
     (one column per step). Rows take their tokens as lists when they finish (`advance`,
     `aborted`) or when the batch is laid out again (`flush`)."""
 
-    def __init__(self, rows: list[_Row], version: int) -> None:
+    def __init__(
+        self, rows: list[_Row], version: int, generator: torch.Generator | None = None
+    ) -> None:
         self.rows = rows
         self.version = version
         self.live = len(rows)
         specs = [row.pending.spec for row in rows]
-        self.sampler = SamplingBatch(specs, [row.generator for row in rows])
+        self.sampler = SamplingBatch(specs, [row.generator for row in rows], generator)
         self.active = torch.ones(len(rows), dtype=torch.bool)
         self.count = torch.tensor([len(row.tokens) for row in rows])
         self.limit = torch.tensor([spec.max_new_tokens for spec in specs])

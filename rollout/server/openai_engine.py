@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import http.client
 import json
 import logging
@@ -52,6 +53,7 @@ from rollwire.rollout.server.engine import (
     model_limits,
     validate_request,
 )
+from rollwire.rollout.server.requests import InFlight
 from rollwire.rollout.server.sampling import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -90,7 +92,10 @@ class OpenAIEngine:
         max_concurrency: int = 256,
         interruptible: bool = True,
         dtype: str = "float32",
+        seed: int | None = None,
     ) -> None:
+        """`seed` (rollout_server.seed): a request that brings no seed of its own is sent
+        one made from it and the request id, so a run's unseeded samples repeat too."""
         if not base_url:
             raise ValueError("engine 'openai' needs base_url, e.g. http://127.0.0.1:8000/v1")
         if update_weights not in ("none", "vllm"):
@@ -107,6 +112,7 @@ class OpenAIEngine:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self.timeout_seconds = timeout_seconds
+        self.seed = seed
         self.update_mode = update_weights
         self.interruptible = interruptible
         listing = self._request_json("GET", f"{self._api_prefix}/models", None, timeout=30)
@@ -134,7 +140,7 @@ class OpenAIEngine:
         self.generated_tokens = 0
         self.interrupted_requests = 0
         self._running = 0
-        self._streams: dict[str, _Stream] = {}
+        self._inflight: InFlight[_Stream] = InFlight(self._stop)
         self._threads = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="http")
         self._updated = asyncio.Event()
         self._updated.set()
@@ -181,30 +187,29 @@ class OpenAIEngine:
         if self._closed:
             raise RuntimeError("the engine is shutting down")
         validate_request(prompt_ids, spec, self.vocab_size, self.max_context)
-        if request_id in self._streams:
-            raise RequestError(f"request id {request_id!r} is already in flight")
-        stream = self._streams[request_id] = _Stream()
-        started = time.monotonic()
-        loop = asyncio.get_running_loop()
-        self._running += 1
-        try:
-            attempt = 0
-            while True:
-                await self._updated.wait()  # a request never starts mid-update
-                body = self._body(prompt_ids + stream.tokens, spec, len(stream.tokens), attempt)
-                await loop.run_in_executor(self._threads, self._stream_completion, body, stream)
-                if stream.finish != "abort" or stream.aborted.is_set():
-                    break
-                # Aborted by the server: an interrupting update paused it. Go on after it.
-                self.interrupted_requests += attempt == 0
-                attempt += 1
-                await self._updated.wait()
-                if len(stream.tokens) >= spec.max_new_tokens:
-                    stream.finish = "length"
-                    break
-        finally:
-            self._running -= 1
-            self._streams.pop(request_id, None)
+        with self._inflight.hold(request_id, _Stream) as stream:
+            started = time.monotonic()
+            loop = asyncio.get_running_loop()
+            self._running += 1
+            try:
+                attempt = 0
+                while True:
+                    await self._updated.wait()  # a request never starts mid-update
+                    body = self._body(
+                        prompt_ids + stream.tokens, spec, len(stream.tokens), attempt, request_id
+                    )
+                    await loop.run_in_executor(self._threads, self._stream_completion, body, stream)
+                    if stream.finish != "abort" or stream.aborted.is_set():
+                        break
+                    # Aborted by the server: an interrupting update paused it. Go on after it.
+                    self.interrupted_requests += attempt == 0
+                    attempt += 1
+                    await self._updated.wait()
+                    if len(stream.tokens) >= spec.max_new_tokens:
+                        stream.finish = "length"
+                        break
+            finally:
+                self._running -= 1
         self.generated_tokens += len(stream.tokens)
         return Generation(
             token_ids=stream.tokens,
@@ -217,7 +222,7 @@ class OpenAIEngine:
         )
 
     def _body(
-        self, prompt: list[int], spec: SamplingSpec, have: int, attempt: int
+        self, prompt: list[int], spec: SamplingSpec, have: int, attempt: int, request_id: str
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
@@ -235,23 +240,26 @@ class OpenAIEngine:
         }
         if spec.top_k:
             body["top_k"] = spec.top_k
-        if spec.seed is not None:
-            body["seed"] = spec.seed + attempt * RESEED_STRIDE
+        seed = spec.seed
+        if seed is None and self.seed is not None:
+            digest = hashlib.blake2b(f"{self.seed}/{request_id}".encode(), digest_size=8)
+            seed = int.from_bytes(digest.digest(), "big") >> 4
+        if seed is not None:
+            body["seed"] = seed + attempt * RESEED_STRIDE
         return body
 
     def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int:
-        targets = (
-            list(self._streams.values())
-            if all_requests
-            else [self._streams[r] for r in request_ids if r in self._streams]
-        )
-        for stream in targets:
+        """Aborts requests; they return with finish reason "abort" and their tokens so far."""
+        return self._inflight.abort(request_ids, all_requests)
+
+    def _stop(self, streams: list[_Stream]) -> None:
+        """Flags the streams and closes their connections (the server then aborts them)."""
+        for stream in streams:
             stream.aborted.set()
             connection = stream.connection
             if connection is not None and connection.sock is not None:
                 with contextlib.suppress(OSError):
                     connection.sock.shutdown(socket.SHUT_RDWR)
-        return len(targets)
 
     async def score(
         self, sequences: list[tuple[list[int], int]], top_k: int

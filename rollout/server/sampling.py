@@ -34,8 +34,14 @@ class SamplingBatch:
     from its own generator)."""
 
     def __init__(
-        self, specs: list[SamplingSpec], generators: list[torch.Generator | None] | None = None
+        self,
+        specs: list[SamplingSpec],
+        generators: list[torch.Generator | None] | None = None,
+        shared_generator: torch.Generator | None = None,
     ) -> None:
+        """`generators`: each row's own (None: the row draws with the others, from
+        `shared_generator`, or torch's global generator when that is None)."""
+        self.shared_generator = shared_generator
         self.temperature = torch.tensor(
             [s.temperature if s.temperature > 0 else 1.0 for s in specs], dtype=torch.float32
         )[:, None]
@@ -91,11 +97,13 @@ class SamplingBatch:
         logprobs = self.logprobs(logits)
         probs = logprobs.exp()
         if self.all_shared:
-            tokens = torch.multinomial(probs, 1).squeeze(1)
+            tokens = torch.multinomial(probs, 1, generator=self.shared_generator).squeeze(1)
         else:
             tokens = logprobs.argmax(dim=1)
             if self.shared is not None:
-                tokens[self.shared] = torch.multinomial(probs[self.shared], 1).squeeze(1)
+                tokens[self.shared] = torch.multinomial(
+                    probs[self.shared], 1, generator=self.shared_generator
+                ).squeeze(1)
             for row, generator in self.seeded:
                 tokens[row] = torch.multinomial(probs[row], 1, generator=generator)[0]
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)

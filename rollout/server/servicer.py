@@ -328,7 +328,7 @@ def build_engine(config: RolloutServerConfig) -> Engine:
             model_path=config.model_path,
             interruptible=config.interruptible,
             dtype=config.dtype,
-            **config.engine_args,
+            **{"seed": config.seed, **config.engine_args},
         )
     model_path = config.model_path
     if model_path is None:
@@ -356,6 +356,7 @@ def build_engine(config: RolloutServerConfig) -> Engine:
         dtype=config.dtype,
         device=config.device,
         interruptible=config.interruptible,
+        seed=config.seed,
     )
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -55,6 +56,7 @@ from rollwire.rollout.server.engine import (
     model_limits,
     validate_request,
 )
+from rollwire.rollout.server.requests import InFlight
 from rollwire.rollout.server.sampling import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -166,7 +168,7 @@ class SGLangEngine:
         self._rng = random.Random(seed)
         self._warned_truncation = False
         self._closed = False
-        self._inflight: dict[str, _Track] = {}  # by request id
+        self._inflight: InFlight[_Track] = InFlight(self._stop)
         self._running: dict[str, _Track] = {}  # by SGLang rid; the engine's loop only
         self._tasks: set[asyncio.Task] = set()
         self._gate = asyncio.Event()  # cleared while an update holds submissions back
@@ -230,7 +232,7 @@ class SGLangEngine:
 
     async def _drain(self) -> None:
         """Aborts every request, gives them ten seconds to come back, cancels the rest."""
-        self._abort_tracks(list(self._inflight.values()))
+        self._abort_tracks(self._inflight.values())
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=10.0)
             for task in pending:
@@ -244,37 +246,37 @@ class SGLangEngine:
         if self._closed:
             raise RuntimeError("the engine is shutting down (closed)")
         validate_request(prompt_ids, spec, self.vocab_size, self.max_context)
-        if request_id in self._inflight:
-            raise RequestError(f"request id {request_id!r} is already in flight")
-        truncated = 0 < spec.top_k < self.vocab_size or 0 < spec.top_p < 1
-        if truncated and spec.temperature > 0 and not self._warned_truncation:
-            self._warned_truncation = True
-            log.warning(
-                "SGLang does not renormalise logprobs over what top-k/top-p keep: they stay "
-                "those of the tempered distribution over the whole vocabulary"
-            )
+        # The seed is drawn once the id is known to be free: a refused duplicate leaves the
+        # sequence of unseeded requests' seeds as it was.
+        new_track = functools.partial(self._track, request_id, prompt_ids, spec)
+        with self._inflight.hold(request_id, new_track) as track:
+            truncated = 0 < spec.top_k < self.vocab_size or 0 < spec.top_p < 1
+            if truncated and spec.temperature > 0 and not self._warned_truncation:
+                self._warned_truncation = True
+                log.warning(
+                    "SGLang does not renormalise logprobs over what top-k/top-p keep: they stay "
+                    "those of the tempered distribution over the whole vocabulary"
+                )
+            try:
+                return await self._on_loop(self._run(track))
+            except (asyncio.CancelledError, concurrent.futures.CancelledError):
+                if self._closed:
+                    raise RuntimeError("the engine is shutting down") from None
+                raise
+
+    def _track(self, request_id: str, prompt_ids: list[int], spec: SamplingSpec) -> _Track:
+        """A new request's track, with its seed: its own, or the next of the engine's."""
         seed = spec.seed if spec.seed is not None else self._rng.randrange(SEED_RANGE)
-        track = _Track(request_id, list(prompt_ids), spec, seed % SEED_RANGE)
-        self._inflight[request_id] = track
-        try:
-            return await self._on_loop(self._run(track))
-        except (asyncio.CancelledError, concurrent.futures.CancelledError):
-            if self._closed:
-                raise RuntimeError("the engine is shutting down") from None
-            raise
-        finally:
-            self._inflight.pop(request_id, None)
+        return _Track(request_id, list(prompt_ids), spec, seed % SEED_RANGE)
 
     def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int:
         """Aborts requests; they return with finish reason "abort" and their tokens so far."""
-        targets = (
-            list(self._inflight.values())
-            if all_requests
-            else [self._inflight[r] for r in request_ids if r in self._inflight]
-        )
-        if targets and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._abort_tracks, targets)
-        return len(targets)
+        return self._inflight.abort(request_ids, all_requests)
+
+    def _stop(self, tracks: list[_Track]) -> None:
+        """Aborts the tracks on the engine's loop, where their SGLang submissions run."""
+        if tracks and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._abort_tracks, tracks)
 
     # ------------------------------------------------------------ the engine's loop
 

@@ -54,6 +54,7 @@ from rollwire.rollout.server.engine import (
     validate_request,
     validate_scoring,
 )
+from rollwire.rollout.server.requests import InFlight
 from rollwire.rollout.server.sampling import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class VLLMEngine:
         self._update = None
         self._update_lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}  # by engine id
-        self._inflight: dict[str, _Pending] = {}
+        self._inflight: InFlight[_Pending] = InFlight(self._stop)
         self._score_jobs: collections.deque[_ScoreJob] = collections.deque()
         self._scoring: dict[str, tuple[_ScoreJob, int]] = {}  # engine id -> (job, sequence)
         self._score_count = 0
@@ -275,7 +276,7 @@ class VLLMEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
-        for pending in list(self._inflight.values()):
+        for pending in self._inflight.values():
             if not pending.future.done():
                 pending.future.set_exception(RuntimeError("the engine is shutting down"))
         self._fail_scores(RuntimeError("the engine is shutting down"))
@@ -293,33 +294,30 @@ class VLLMEngine:
         if self._closed or self.failure is not None:
             raise RuntimeError(f"the engine is shutting down ({self.failure or 'closed'})")
         self.validate(prompt_ids, spec)
-        if request_id in self._inflight:
-            raise RequestError(f"request id {request_id!r} is already in flight")
         loop = asyncio.get_running_loop()
-        pending = _Pending(request_id, list(prompt_ids), spec, loop.create_future(), loop)
-        self._inflight[request_id] = pending
-        try:
-            self._intake.append(pending)
-            self._wake.set()
-            return await pending.future
-        except asyncio.CancelledError:  # the caller went away (deadline, hang-up): stop it
-            self.abort([request_id])
-            raise
-        finally:
-            self._inflight.pop(request_id, None)
+        with self._inflight.hold(
+            request_id,
+            lambda: _Pending(request_id, list(prompt_ids), spec, loop.create_future(), loop),
+        ) as pending:
+            try:
+                self._intake.append(pending)
+                self._wake.set()
+                return await pending.future
+            except asyncio.CancelledError:  # the caller went away (deadline, hang-up): stop it
+                self._stop([pending])
+                raise
 
     def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int:
         """Aborts requests; they return with finish reason "abort" and their tokens so far."""
-        targets = (
-            list(self._inflight.values())
-            if all_requests
-            else [self._inflight[r] for r in request_ids if r in self._inflight]
-        )
-        for pending in targets:
+        return self._inflight.abort(request_ids, all_requests)
+
+    def _stop(self, requests: list[_Pending]) -> None:
+        """Hands the requests to the worker thread, which aborts them in vLLM between two
+        steps (or answers one not yet admitted at once)."""
+        for pending in requests:
             pending.aborted.set()
             self._aborts.append(pending)
         self._wake.set()
-        return len(targets)
 
     async def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> float:
         """Loads new weights between two engine steps; returns seconds spent loading."""

@@ -21,7 +21,7 @@ receives into fresh tensors on its device and swaps them in as it would a
 stream. Only tensors move over the group; the control stays on gRPC, with its
 deadlines and errors. A collective cannot lose a member: when a broadcast fails
 the trainer drops the group for the rest of the run and sends streams again
-(`rollwire.trainer.weight_sender`).
+(`rollwire.trainer.process.weight_sender`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollwire.trainer.pipelines.table import PIPELINES, offline
+
 # command -> (config section, module with `registrations(section)`, help)
 GRPC_SERVICES: dict[str, tuple[str, str, str]] = {
     "env-server": ("env_server", "rollwire.envs.server", "host environment sessions (EnvService)"),
@@ -72,9 +74,17 @@ def _serve(command: str, args: argparse.Namespace) -> int:
 
     module = importlib.import_module(module_name)
     if command == "rollout-server":
+        from rollwire.services.core.seeds import stream_seed
+
+        # The engine's own generator: rollout_server.seed mixed with run.seed.
+        section.seed = stream_seed(config.run.seed, "engine", section.seed)
         watch = config.telemetry.watchdog_seconds
         return run_service(
             command, config, section.server, lambda: module.registrations(section, watch)
+        )
+    if command == "reward-server":  # a judge on a rollout-server is called as a client
+        return run_service(
+            command, config, section.server, lambda: module.registrations(section, config.client)
         )
     return run_service(command, config, section.server, lambda: module.registrations(section))
 
@@ -96,8 +106,9 @@ def _buffer(args: argparse.Namespace) -> int:
     return run_buffer(config)
 
 
-def _process(command: str, runner: str) -> Callable[[argparse.Namespace], int]:
-    """A command whose body is `runner(config)` ("module:function"), imported only when run."""
+def _process(command: str, runner: str, *extra: Any) -> Callable[[argparse.Namespace], int]:
+    """A command whose body is `runner(config, *extra)` ("module:function"), imported
+    only when run."""
 
     def run(args: argparse.Namespace) -> int:
 
@@ -107,14 +118,14 @@ def _process(command: str, runner: str) -> Callable[[argparse.Namespace], int]:
         if args.run_dir is not None:
             write_resolved_config(config, args.run_dir)
         module_name, _, function = runner.partition(":")
-        return getattr(importlib.import_module(module_name), function)(config)
+        return getattr(importlib.import_module(module_name), function)(config, *extra)
 
     return run
 
 
 PROCESSES: dict[str, tuple[str, str]] = {
     "trainer": (
-        "rollwire.trainer.loop:run_trainer",
+        "rollwire.trainer.process.loop:run_trainer",
         "train on batches from the buffer and publish weights (TrainerService)",
     ),
     "up": (
@@ -129,17 +140,10 @@ PROCESSES: dict[str, tuple[str, str]] = {
         "rollwire.rollout.orchestrator.loop:run_orchestrator",
         "drive episodes and send scored trajectories to the buffer",
     ),
-    "sft": (
-        "rollwire.services.app.run:run_sft",
-        "supervised fine-tuning of trainer.model_path on sft.data (messages or "
-        "prompt/completion rows), the loss on the assistant's tokens",
-    ),
-    "dpo": (
-        "rollwire.services.app.run:run_dpo",
-        "preference tuning (DPO, IPO, SimPO) of trainer.model_path on dpo.data "
-        "(prompt/chosen/rejected rows)",
-    ),
 }
+"""The services' processes; the pipelines that run alone (`rollwire sft`, `dpo`,
+`reward-model`) are commands too, made from the pipeline table
+(`rollwire.trainer.pipelines.table.offline`)."""
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -324,7 +328,7 @@ def _mismatch(args: argparse.Namespace) -> int:
     import grpc
 
     # By name, as the services are: the CLI itself stays free of torch (import contract).
-    measure = importlib.import_module("rollwire.trainer.mismatch").measure
+    measure = importlib.import_module("rollwire.trainer.rl.mismatch").measure
     config = _load(args)
     try:
         report = asyncio.run(
@@ -437,7 +441,7 @@ def _add_eval(commands: Any) -> None:
 
 
 def _add_distill(commands: Any) -> None:
-    help_text = "distillation: `generate` writes a teacher's scored answers as rows for sft"
+    help_text = PIPELINES["distill"].help
     sub = commands.add_parser("distill", help=help_text, description=help_text)
     sub.add_argument("action", choices=["generate"], help="what to do (generate: the data)")
     _add_config_options(sub)
@@ -535,6 +539,12 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_options(sub)
         sub.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
         sub.set_defaults(handler=_process(command, runner))
+    for pipeline in offline():
+        sub = commands.add_parser(pipeline.name, help=pipeline.help, description=pipeline.help)
+        _add_config_options(sub)
+        sub.add_argument("--run-dir", metavar="DIR", help="write the resolved config into DIR")
+        run_offline = "rollwire.services.app.run:run_offline"
+        sub.set_defaults(handler=_process(pipeline.name, run_offline, pipeline.name))
     _add_eval(commands)
     _add_distill(commands)
     _add_prepare(commands)

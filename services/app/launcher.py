@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -278,7 +278,7 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
     if dataset.type == "env":
         return _warm_up_agent(config, base, spec, progress)
     from rollwire.services.core.datasets import training_tasks
-    from rollwire.trainer.sft import warm_up
+    from rollwire.trainer.pipelines.warmup import warm_up
 
     dataset = _warm_up_dataset(dataset, warmup.seed, warmup.dataset_size)
     held_out = config.orchestrator.eval_dataset
@@ -339,7 +339,7 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
     from rollwire.envs.demos import demo_batches, find_demonstrator
     from rollwire.envs.registry import load_plugins
     from rollwire.rollout.orchestrator.agent import ChatTurns, PlainTurns
-    from rollwire.trainer.sft import warm_up_on
+    from rollwire.trainer.pipelines.warmup import warm_up_on
 
     warmup, dataset, orchestrator = config.warmup, config.orchestrator.dataset, config.orchestrator
     agent = orchestrator.agent
@@ -441,15 +441,19 @@ def check_context(config: RunConfig, context: int) -> None:
 
 
 def start_servers(
-    config: RunConfig, stack: Stack, timeout: float = 120.0, teacher: bool = True
+    config: RunConfig, stack: Stack, timeout: float = 120.0, services: Sequence[str] = ()
 ) -> RunConfig:
-    """Starts the reward-server, the rollout-server(s) (`run.local_rollout_servers`) and
-    the buffer, for an `env` dataset the
-    env-servers (unless the config names some), for on-policy distillation a teacher
-    rollout-server on distill.teacher_model_path (unless endpoints.teacher_servers names
-    some, and unless `teacher` is False: evaluations and distillation data need none);
-    returns the config with their endpoints."""
-    started = {name: stack.start(name) for name in SERVER_COMMANDS}
+    """Starts the servers among `services` (by default those of the run's pipeline,
+    `rollwire.trainer.pipelines.table.pipeline_of`): the reward-server, the
+    rollout-server(s) (`run.local_rollout_servers`), the buffer, a teacher rollout-server
+    on distill.teacher_model_path (unless endpoints.teacher_servers names some); and for
+    an `env` dataset the env-servers (unless the config names some). Returns the config
+    with their endpoints. Evaluations and distillation data ask for `SAMPLING_SERVICES`:
+    they sample and score (`rollwire.rollout.orchestrator.sampler`), and nothing trains."""
+    from rollwire.trainer.pipelines.table import pipeline_of
+
+    services = tuple(services) or pipeline_of(config).services
+    started = {name: stack.start(name) for name in SERVER_COMMANDS if name in services}
     rollout_count = config.run.local_rollout_servers
     extra_rollout = [
         stack.start("rollout-server", name=f"rollout-server-{i}") for i in range(1, rollout_count)
@@ -461,8 +465,7 @@ def start_servers(
             stack.start("env-server", name=f"env-server-{i}", replica=count > 1)
             for i in range(count)
         ]
-    advantage = config.trainer.advantage
-    if teacher and advantage.type == "on_policy_distill" and not config.endpoints.teacher_servers:
+    if "teacher-server" in services and not config.endpoints.teacher_servers:
         distill = config.distill
         started["teacher-server"] = stack.start(
             "rollout-server",
@@ -477,16 +480,16 @@ def start_servers(
             ),
         )
     addresses = {name: stack.wait_ready(service, timeout) for name, service in started.items()}
-    buffer = json.loads(addresses["buffer"])
     update = {
         "reward_servers": [addresses["reward-server"]],
         "rollout_servers": [
             addresses["rollout-server"],
             *(stack.wait_ready(server, timeout) for server in extra_rollout),
         ],
-        "buffer_producer": buffer["producer"],
-        "buffer_trainer": buffer["trainer"],
     }
+    if "buffer" in addresses:
+        sockets = json.loads(addresses["buffer"])
+        update |= {"buffer_producer": sockets["producer"], "buffer_trainer": sockets["trainer"]}
     if "teacher-server" in addresses:
         update["teacher_servers"] = [addresses["teacher-server"]]
     if env_servers:

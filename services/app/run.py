@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from rollwire.services.app.liveness import Liveness, Target
 from rollwire.services.core.config import RunConfig, scored_domains, write_resolved_config
 from rollwire.services.core.files import latest_checkpoint, staged_directory
 from rollwire.services.core.sandbox import INSTALL_HINT, bwrap_path
+from rollwire.trainer.pipelines.table import SAMPLING_SERVICES, pipeline_of
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +75,16 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     check_sandbox(config)
     run_dir = Path(config.run.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = latest_checkpoint(run_dir) if config.trainer.resume else None
+    checkpoint = latest_checkpoint(run_dir) if config.trainer.checkpointing.resume else None
     if checkpoint is None:
         for stale in ("trainer.jsonl", "eval.jsonl", "orchestrator.jsonl"):
             (run_dir / "metrics" / stale).unlink(missing_ok=True)
-    if not config.trainer.resume:
+    if not config.trainer.checkpointing.resume:
         _forget_the_run_before(config, run_dir)
     print(f"run directory: {run_dir}")
     if checkpoint is not None:
         print(
-            f"resuming from {checkpoint} (trainer.resume: false, or another run.output_dir, "
+            f"resuming from {checkpoint} (trainer.checkpointing.resume: false, or another run.output_dir, "
             "starts afresh)"
         )
     model = prepare_model(config)
@@ -93,7 +95,7 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     rollout_server = {"model_path": model, **({"await_weights": True} if checkpoint else {})}
     trainer: dict[str, Any] = {"model_path": model}
     if config.run.cpu_threads:
-        from rollwire.trainer.thread_plan import ThreadPlan
+        from rollwire.trainer.process.thread_plan import ThreadPlan
 
         # The trainer and the rollout-server start with the plan's threads; in async
         # mode the trainer moves them between the two as the run goes.
@@ -104,18 +106,36 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
             f"threads: {plan.total} shared ({config.rl.mode} mode): {plan.describe()}"
             + ("" if plan.sync else ", moved as the run goes")
         )
+    buffer = config.buffer
+    if buffer.trainer_token_file is None:
+        buffer = buffer.model_copy(update={"trainer_token_file": _trainer_token(run_dir)})
     config = config.model_copy(
         update={
             "run": config.run.model_copy(update={"output_dir": run_dir}),
             "rollout_server": config.rollout_server.model_copy(update=rollout_server),
             "trainer": config.trainer.model_copy(update=trainer),
+            "buffer": buffer,
         }
     )
     return config, run_dir
 
 
+def _trainer_token(run_dir: Path) -> Path:
+    """A fresh secret for the buffer's trainer socket (`buffer.trainer_token_file`), in a
+    file only this user can read; the buffer and the trainer read it, no one else has it."""
+    import secrets
+
+    path = run_dir / "secrets" / "buffer-trainer.token"
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
 def _forget_the_run_before(config: RunConfig, run_dir: Path) -> None:
-    """`trainer.resume: false` starts afresh: the buffer's log and the record of trained
+    """`trainer.checkpointing.resume: false` starts afresh: the buffer's log and the record of trained
     ids of a run before in this folder go too. Kept, the buffer would come back holding
     that run's ledger, and the orchestrator would take its prompts as done and wait with
     a trainer that starts again from step 0."""
@@ -127,7 +147,9 @@ def _forget_the_run_before(config: RunConfig, run_dir: Path) -> None:
         return
     shutil.rmtree(log_dir, ignore_errors=True)
     trained.unlink(missing_ok=True)
-    print(f"trainer.resume is false: the buffer's log ({log_dir}) of the run before is removed")
+    print(
+        f"trainer.checkpointing.resume is false: the buffer's log ({log_dir}) of the run before is removed"
+    )
 
 
 PREPARED_FROM = ".rollwire-prepared-from"
@@ -199,10 +221,12 @@ def run_train(config: RunConfig) -> int:
     stack = Stack(run_dir, write_resolved_config(config, run_dir), thread_budget(config))
     interrupted = False
     try:
-        config = start_servers(config, stack)
+        services = pipeline_of(config).services  # the pipeline table's entry of this run
+        config = start_servers(config, stack, services=services)
         write_resolved_config(config, run_dir)
-        stack.start("trainer", ready=False)
-        stack.start("orchestrator", ready=False)
+        for name in ("trainer", "orchestrator"):  # the processes that train, once served
+            if name in services:
+                stack.start(name, ready=False)
         _follow(config, stack, run_dir)
     except KeyboardInterrupt:
         interrupted = True
@@ -408,10 +432,11 @@ def _checkpoint_folder(path: Path) -> Path:
     raise LaunchError(f"{path} is neither a model folder (config.json) nor a run with checkpoints")
 
 
-def _pipeline(config: RunConfig, runner: str) -> int:
-    """A pipeline around RL (`runner`, "module:function") on trainer.model_path, or on
-    the built-in tiny model as it is built (no warm-up: the pipeline is the training)."""
-    import importlib
+def run_offline(config: RunConfig, name: str) -> int:
+    """The pipeline `name` of the pipeline table that runs alone (`rollwire sft`, `dpo`,
+    `reward-model`) on trainer.model_path, or on the built-in tiny model as it is built
+    (no warm-up: the pipeline is the training)."""
+    from rollwire.trainer.pipelines.table import PIPELINES, load
 
     model = config.trainer.model_path or config.rollout_server.model_path
     if model is None:
@@ -420,18 +445,7 @@ def _pipeline(config: RunConfig, runner: str) -> int:
     config = config.model_copy(
         update={"trainer": config.trainer.model_copy(update={"model_path": model})}
     )
-    module, _, function = runner.partition(":")
-    return getattr(importlib.import_module(module), function)(config)
-
-
-def run_sft(config: RunConfig) -> int:
-    """`rollwire sft`: supervised fine-tuning (`rollwire.trainer.supervised`)."""
-    return _pipeline(config, "rollwire.trainer.supervised:run_sft")
-
-
-def run_dpo(config: RunConfig) -> int:
-    """`rollwire dpo`: preference tuning (`rollwire.trainer.preference`)."""
-    return _pipeline(config, "rollwire.trainer.preference:run_dpo")
+    return load(PIPELINES[name].program)(config)
 
 
 def run_distill_generate(config: RunConfig) -> int:
@@ -442,7 +456,7 @@ def run_distill_generate(config: RunConfig) -> int:
 
     from transformers import AutoTokenizer
 
-    from rollwire.rollout.orchestrator.loop import Orchestrator
+    from rollwire.rollout.orchestrator.sampler import Sampler
     from rollwire.services.core.datasets import task_at, training_tasks
     from rollwire.services.core.tiny import quiet_transformers
 
@@ -481,16 +495,19 @@ def run_distill_generate(config: RunConfig) -> int:
         thread_budget(config),
     )
     try:
-        config = start_servers(config, stack, teacher=False)
+        config = start_servers(config, stack, services=SAMPLING_SERVICES)
         tokenizer = AutoTokenizer.from_pretrained(teacher)
-        pool = training_tasks(settings.dataset, settings.eval_dataset)
+        pool = training_tasks(settings.dataset, settings.eval_dataset, config.run.seed)
         tasks = [task_at(pool, ordinal) for ordinal in range(distill.prompts)]
 
         async def generate() -> tuple[list[dict], dict[str, float]]:
-            orchestrator = Orchestrator(config, tokenizer)
-            return await orchestrator.teacher_rows(
-                tasks, distill.samples, distill.min_reward, distill.top_k
-            )
+            sampler = Sampler(config, tokenizer)
+            try:
+                return await sampler.teacher_rows(
+                    tasks, distill.samples, distill.min_reward, distill.top_k
+                )
+            finally:
+                await sampler.close()
 
         started = time.perf_counter()
         rows, counts = asyncio.run(generate())
@@ -532,7 +549,7 @@ def run_eval(
 
     from transformers import AutoTokenizer
 
-    from rollwire.rollout.orchestrator.loop import Orchestrator
+    from rollwire.rollout.orchestrator.sampler import Sampler
     from rollwire.services.core.tiny import quiet_transformers
 
     _stop_on_sigterm()
@@ -556,11 +573,15 @@ def run_eval(
     )
     stack = Stack(work_dir, write_resolved_config(config, work_dir), thread_budget(config))
     try:
-        config = start_servers(config, stack, teacher=False)
+        config = start_servers(config, stack, services=SAMPLING_SERVICES)
         tokenizer = AutoTokenizer.from_pretrained(model)
 
         async def measure() -> dict[str, float]:
-            return await Orchestrator(config, tokenizer).measure(samples, correct_at)
+            sampler = Sampler(config, tokenizer)
+            try:
+                return await sampler.measure(samples, correct_at)
+            finally:
+                await sampler.close()
 
         started = time.perf_counter()
         numbers = asyncio.run(measure())

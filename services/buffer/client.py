@@ -251,10 +251,14 @@ class BufferTrainerClient:
         timeout: float = 30.0,
         curve: CurveClientConfig | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        token: str | None = None,
     ) -> None:
+        """`token`: the trainer's secret (`buffer.trainer_token_file`), sent with every
+        get, ack, commit and resume."""
         self.endpoint = endpoint
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
+        self._token = [] if token is None else [token.encode()]
         self._bad_ids: dict[str, list[str]] = {}  # batch id -> ids its ack reports as bad
         self._curve = _client_keys(curve)
         self._socket = _dealer(zmq.Context.instance(), endpoint, self._curve)
@@ -353,7 +357,7 @@ class BufferTrainerClient:
         decoded; None if none was ready within `wait_seconds`."""
         request = GetRequest(trainer_version, groups, int(wait_seconds * 1000), trainer_step)
         reply = self._call(
-            [protocol.GET, request.encode()],
+            [protocol.GET, request.encode(), *self._token],
             (protocol.BATCH, protocol.EMPTY),
             wait_seconds + self.timeout,
         )
@@ -386,13 +390,15 @@ class BufferTrainerClient:
         request = AckRequest(
             batch_id, trainer_version, commit, trajectory_ids, trainer_step, bad_ids
         )
-        self._call([protocol.ACK, request.encode()], (protocol.ACKED,), self.timeout)
+        self._call([protocol.ACK, request.encode(), *self._token], (protocol.ACKED,), self.timeout)
         self._bad_ids.pop(batch_id, None)
 
     def commit(self, trajectory_ids: list[str]) -> int:
         """A checkpoint now holds these: the buffer lets them go. Returns the groups committed."""
         body = CommitRequest(trajectory_ids).encode()
-        reply = self._call([protocol.COMMIT, body], (protocol.COMMITTED,), self.timeout)
+        reply = self._call(
+            [protocol.COMMIT, body, *self._token], (protocol.COMMITTED,), self.timeout
+        )
         return _answer(CommitAnswer, reply[1], self.endpoint).groups
 
     def resume(
@@ -401,7 +407,7 @@ class BufferTrainerClient:
         """Tells the buffer this trainer restarted from a checkpoint holding `committed_ids`:
         they are let go, and everything served to the trainer after them comes again."""
         body = ResumeRequest(committed_ids, trainer_version, trainer_step).encode()
-        reply = self._call([protocol.RESUME, body], (protocol.RESUMED,), self.timeout)
+        reply = self._call([protocol.RESUME, body, *self._token], (protocol.RESUMED,), self.timeout)
         return _answer(ResumeAnswer, reply[1], self.endpoint)
 
     def status(self) -> BufferStatus:

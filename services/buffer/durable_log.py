@@ -58,8 +58,8 @@ import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from rollwire.services.core.config.names import LogSync
 from rollwire.services.core.metrics import COUNTERS
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ MAX_PAYLOAD_BYTES = 2**32 - 1
 _SEGMENT_NAME = re.compile(r"segment-(\d{20})\.log")
 LOCK_NAME = "LOCK"
 
-SyncMode = Literal["always", "batch", "never"]
+SyncMode = LogSync
 
 
 class LogError(Exception):
@@ -211,6 +211,11 @@ class DurableLog:
     # -- properties ---------------------------------------------------------------
 
     @property
+    def broken(self) -> str | None:
+        """Why writes are refused until the log is reopened (a failed fsync), or None."""
+        return self._broken
+
+    @property
     def next_offset(self) -> int:
         """The offset the next appended record will get."""
         with self._mutex:
@@ -239,7 +244,7 @@ class DurableLog:
 
     def append(self, payload: bytes) -> int:
         """Appends one record; returns its offset. Durable on return as the sync mode says."""
-        return self._append([payload], fsync=self.sync == "always")[0]
+        return self.write_many([payload])[0]
 
     def append_many(self, payloads: Iterable[bytes]) -> list[int]:
         """Appends records with one write (and, unless sync="never", one fsync); returns their offsets.
@@ -247,6 +252,11 @@ class DurableLog:
         All or nothing: if it raises, none of these records is in the log.
         """
         return self._append(list(payloads), fsync=self.sync != "never")
+
+    def write_many(self, payloads: Iterable[bytes]) -> list[int]:
+        """Appends records with one write, durable on return as `append`'s are (an fsync
+        only with sync="always"); returns their offsets. All or nothing, as `append_many`."""
+        return self._append(list(payloads), fsync=self.sync == "always")
 
     def flush(self) -> None:
         """Makes every record appended so far durable (fsync), whatever the sync mode."""

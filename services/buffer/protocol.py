@@ -9,11 +9,13 @@ producer socket (orchestrators)
     [b"ledger"]                     -> [b"ledger", LedgerView]
     [b"status"]                     -> [b"status", BufferStatus]
 trainer socket (one trainer)
-    [b"get", GetRequest]            -> [b"batch", BatchHeader, frame, ...] or [b"empty", BufferStatus]
-    [b"ack", AckRequest]            -> [b"acked", AckAnswer]
-    [b"commit", CommitRequest]      -> [b"committed", CommitAnswer]
-    [b"resume", ResumeRequest]      -> [b"resumed", ResumeAnswer]
-    [b"status"]                     -> [b"status", BufferStatus]
+    [b"get", GetRequest, token]         -> [b"batch", BatchHeader, frame, ...] or [b"empty", BufferStatus]
+    [b"ack", AckRequest, token]         -> [b"acked", AckAnswer]
+    [b"commit", CommitRequest, token]   -> [b"committed", CommitAnswer]
+    [b"resume", ResumeRequest, token]   -> [b"resumed", ResumeAnswer]
+    [b"status"]                         -> [b"status", BufferStatus]
+    `token` is the trainer's secret (`buffer.trainer_token_file`); a buffer with one
+    answers a request without it [b"error", ...]. Without one the frame may be left out.
 either socket, on a request it cannot take
     [b"error", UTF-8 text saying what was wrong]
 
@@ -22,10 +24,11 @@ either socket, on a request it cannot take
 body is one of the records below as a UTF-8 JSON object. A producer may have
 several requests with a seq in flight at once; their answers may come in any order.
 
-The buffer admits a put on what `wire.peek` reads (ids, group, ordinal, oldest
-policy version) and serves the frames as they came; the trainer decodes them in
-full. A frame that fails there is reported in the batch's ack (`bad_ids`) and its
-group is let go with the outcome "bad_frame", never trained on.
+The buffer checks a put's frame in full (`wire.admit`) before acknowledging it,
+refusing a broken one ("bad frame: ..."), and serves the frames as they came. The
+trainer decodes them again; a frame that fails there (held from a log an older
+buffer wrote) is reported in the batch's ack (`bad_ids`) and its group is let go
+with the outcome "bad_frame", never trained on.
 
 Delivery guarantees (what callers may rely on):
 

@@ -9,13 +9,19 @@ the answer's record back.
 
 A put is acknowledged once the trajectory is held in memory and written to the
 buffer's log (`rollwire.services.buffer.trajectory_log`; a burst of puts shares
-one fsync before their acks go out). The buffer reads only a frame's header fields
-(`wire.peek`) and keeps and serves the bytes it was sent: it never decodes a
-trajectory's arrays nor encodes one again; the trainer decodes them in full.
+one fsync before their acks go out, per `buffer.log_sync`). If that fsync fails,
+the burst's puts are taken back out of memory and refused ("storage: ..."), and
+the log is reopened (re-read from disk) before it is written again.
+
+A frame is checked in full before its put is acknowledged (`wire.admit`: every
+field and array, as the trainer's decoding checks them), so a broken one is refused
+to its producer ("bad frame: ...") rather than found by the trainer later; the
+buffer then keeps and serves the bytes it was sent, never encoding one again.
 Anything malformed gets an answer that says what was wrong, a counter
-(`buffer_bad_messages`, `buffer_bad_frames`), and the buffer keeps serving. When the log cannot be written (disk full, directory gone)
-puts are refused with a reason starting "storage:", which producers treat like
-"full": they wait and retry, they do not drop.
+(`buffer_bad_messages`, `buffer_bad_frames`), and the buffer keeps serving. When
+the log cannot be written (disk full, directory gone) puts are refused with a
+reason starting "storage:", which producers treat like "full": they wait and
+retry, they do not drop.
 
 Durability: the log holds every accepted trajectory and, as they happen, what
 became of it: trained but not yet in a trainer checkpoint, consumed for good
@@ -33,6 +39,7 @@ a refused client's messages never arrive here, and the refusal is counted.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import signal
@@ -70,7 +77,7 @@ from rollwire.services.core.metrics import (
     MetricsEndpoint,
     metrics_ready_file,
 )
-from rollwire.services.core.wire import TrajectoryFrame, WireError, peek
+from rollwire.services.core.wire import TrajectoryFrame, WireError, admit
 
 if TYPE_CHECKING:
     from rollwire.services.core.config.models import CurveServerConfig
@@ -88,6 +95,17 @@ class _WaitingGet:
     deadline: float
 
 
+@dataclass
+class _PutReply:
+    """A put's answer, encoded only once the burst it came in is durable (or is not)."""
+
+    seq: bytes
+    results: list[tuple[bool, str, str | None]]
+    """(accepted, reason, trajectory id or None) for each frame, in order."""
+    group: bool
+    """Answered as a PutGroupAnswer (one entry per frame), else as one PutAnswer."""
+
+
 class BufferServer:
     """Serves a BufferState on two ROUTER sockets until stopped."""
 
@@ -100,8 +118,10 @@ class BufferServer:
         max_frame_bytes: int = 256 * 1024 * 1024,
         curve: CurveServerConfig | None = None,
         trajectory_log: TrajectoryLog | None = None,
+        trainer_token: str | None = None,
     ) -> None:
-        """With `curve`, both sockets are CURVE servers behind its client allow-list.
+        """With `curve`, both sockets are CURVE servers behind its client allow-list. With
+        `trainer_token`, the trainer socket's get, ack, commit and resume must carry it.
 
         Raises:
             OSError: a port cannot be bound.
@@ -110,6 +130,7 @@ class BufferServer:
         self.state = state
         self.max_frame_bytes = max_frame_bytes
         self.trajectory_log = trajectory_log
+        self._trainer_token = None if trainer_token is None else trainer_token.encode()
         self._zap = None
         self._curve_keys = None
         self._monitors: dict[zmq.Socket, str] = {}
@@ -130,6 +151,10 @@ class BufferServer:
             raise
         self._waiting: list[_WaitingGet] = []
         self._running = True
+        self._unwritten: list[tuple[str, bytes]] = []  # accepted, not yet written to the log
+        self._unsynced: set[str] = set()  # accepted since the last durable point
+        self._lost: dict[str, str] = {}  # accepted in this burst, whose fsync failed: why
+        self._next_reopen = 0.0
 
     def _bind(self, host: str, port: int, name: str) -> zmq.Socket:
         socket = self.context.socket(zmq.ROUTER)
@@ -217,7 +242,7 @@ class BufferServer:
             self.trajectory_log.close()
 
     def _drain(self, socket: zmq.Socket, handler) -> None:
-        replies = []
+        replies: list[tuple[bytes, list[bytes] | _PutReply]] = []
         for _ in range(1000):  # bounded, so one busy socket cannot starve the other
             try:
                 parts = socket.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -231,40 +256,84 @@ class BufferServer:
                 COUNTERS.inc("buffer_internal_errors")
                 reply = _internal_error(body, f"internal error: {type(error).__name__}: {error}")
             if reply is not None:
-                replies.append([identity, *reply])
+                replies.append((identity, reply))
         self._make_durable()  # one fsync for the whole burst, before any of its acks
-        for reply in replies:
-            socket.send_multipart(reply)
+        lost, self._lost = self._lost, {}
+        for identity, reply in replies:
+            if isinstance(reply, _PutReply):
+                reply = self._encode_put(reply, lost)
+            socket.send_multipart([identity, *reply])
+
+    def _encode_put(self, reply: _PutReply, lost: dict[str, str]) -> list[bytes]:
+        """The put's answer; a trajectory whose log write did not become durable is
+        refused with the storage reason, so its producer sends it again."""
+        results = [
+            (False, lost[tid]) if tid in lost else (accepted, reason)
+            for accepted, reason, tid in reply.results
+        ]
+        if reply.group:
+            answer = PutGroupAnswer(
+                [{"accepted": accepted, "reason": reason} for accepted, reason in results],
+                self.state.trainer_version,
+            )
+            return [protocol.ACK, reply.seq, answer.encode()]
+        return [protocol.ACK, reply.seq, self._put_answer(*results[0])]
 
     def _make_durable(self) -> str | None:
-        """Writes what changed and flushes; returns what went wrong, or None."""
+        """Writes what changed and makes it durable; returns what went wrong, or None.
+
+        When that fails, every trajectory accepted since the last durable point is taken
+        back out of the state and its ack refused ("storage: ..."): after a failed fsync
+        the kernel may have dropped what was written, whatever a later read shows."""
         journal = self.state.take_journal()
         if self.trajectory_log is None:
             return None
         try:
+            self._reopen_if_broken()
+            if self._unwritten:  # the burst's accepted trajectories, in one write
+                accepted, self._unwritten = self._unwritten, []
+                self.trajectory_log.append_trajectories(accepted)
             self.trajectory_log.write(journal, self.state.ledger)
             self.trajectory_log.flush()
-        except LogWriteError as error:
+        except LogError as error:
             # Kept for the next write: replaying a record twice changes nothing.
             self.state.journal[:0] = journal
             COUNTERS.inc("buffer_storage_errors")
+            reason = f"storage: {error}"
             log.error("cannot write the trajectory log: %s", error)
-            return f"storage: {error}"
+            if self._unsynced:
+                COUNTERS.inc("buffer_puts_refused_unsynced", amount=len(self._unsynced))
+                self.state.forget(self._unsynced)
+                self.trajectory_log.forget(self._unsynced)
+                self._lost.update(dict.fromkeys(self._unsynced, reason))
+                self._unsynced = set()
+            return reason
+        self._unsynced = set()
         return None
 
-    def _on_producer(self, identity: bytes, body: list[bytes]) -> list[bytes] | None:
+    def _reopen_if_broken(self) -> None:
+        """A log whose fsync failed is reopened (which re-reads it from disk) before it is
+        written again, at most once a second; LogError while that does not work."""
+        assert self.trajectory_log is not None
+        broken = self.trajectory_log.broken
+        if broken is None:
+            return
+        now = time.monotonic()
+        if now < self._next_reopen:
+            raise LogWriteError(broken)
+        self._next_reopen = now + 1.0
+        self.trajectory_log.reopen()
+        COUNTERS.inc("buffer_log_reopens")
+        log.warning("reopened the trajectory log after: %s", broken)
+
+    def _on_producer(self, identity: bytes, body: list[bytes]) -> list[bytes] | _PutReply:
         kind = body[0] if body else b""
         if kind == protocol.STATUS:
             return [protocol.STATUS, self.state.status().encode()]
         if kind == protocol.LEDGER:
             return [protocol.LEDGER, self.state.ledger_view().encode()]
         if kind == protocol.PUT_GROUP and len(body) >= 3 and len(body[1]) == 8:
-            results = [self._put_frame(frame) for frame in body[2:]]
-            answer = PutGroupAnswer(
-                [{"accepted": accepted, "reason": reason} for accepted, reason in results],
-                self.state.trainer_version,
-            )
-            return [protocol.ACK, body[1], answer.encode()]
+            return _PutReply(body[1], [self._put_frame(frame) for frame in body[2:]], group=True)
         if kind == protocol.DROP and len(body) == 3 and len(body[1]) == 8:
             return [protocol.ACK, body[1], self._put_answer(*self._drop_ordinal(body[2]))]
         if len(body) != 3 or kind != protocol.PUT or len(body[1]) != 8:
@@ -274,7 +343,7 @@ class BufferServer:
                 b"expected [put, 8-byte seq, frame], [put_group, 8-byte seq, frame...], "
                 b"[drop, 8-byte seq, json], [ledger] or [status]",
             ]
-        return [protocol.ACK, body[1], self._put_answer(*self._put_frame(body[2]))]
+        return _PutReply(body[1], [self._put_frame(body[2])], group=False)
 
     def _put_answer(self, accepted: bool, reason: str) -> bytes:
         state = self.state
@@ -294,14 +363,14 @@ class BufferServer:
             return False, failure
         return True, "ok" if fresh else "duplicate"
 
-    def _put_frame(self, frame: bytes) -> tuple[bool, str]:
+    def _put_frame(self, frame: bytes) -> tuple[bool, str, str | None]:
         try:
-            trajectory = peek(frame, self.max_frame_bytes)
+            trajectory = admit(frame, self.max_frame_bytes)
         except WireError as error:
             COUNTERS.inc("buffer_bad_frames")
-            return False, f"bad frame: {error}"
+            return False, f"bad frame: {error}", None
         if not trajectory.trace_context:
-            return self._accept(trajectory)
+            return (*self._accept(trajectory), trajectory.trajectory_id)
         # The put joins the trajectory's trace (its group's, begun by the orchestrator).
         with _TRACER.start_as_current_span(
             "buffer put",
@@ -310,22 +379,17 @@ class BufferServer:
         ) as span:
             accepted, reason = self._accept(trajectory)
             span.set_attribute("rollwire.outcome", reason)
-            return accepted, reason
+            return accepted, reason, trajectory.trajectory_id
 
     def _accept(self, trajectory: TrajectoryFrame) -> tuple[bool, str]:
-        """Logs, then holds, a trajectory the state would take; a log that cannot be
-        written refuses it with a "storage:" reason (producers wait and retry)."""
-        if self.trajectory_log is not None:
-            if self.state.check(trajectory)[1] != "ok":
-                return self.state.put(trajectory)  # counts duplicates, refuses the rest
-            try:
-                self.trajectory_log.append_trajectory(trajectory.trajectory_id, trajectory.frame)
-            except LogWriteError as error:
-                COUNTERS.inc("buffer_storage_errors")
-                return False, f"storage: {error}"
-            self.state.add(trajectory)
-            return True, "ok"
-        return self.state.put(trajectory)
+        """Holds a trajectory the state would take, to be logged with the rest of its burst
+        before any ack goes out (`_make_durable`); a log that cannot be written then
+        refuses it with a "storage:" reason (producers wait and retry)."""
+        accepted, reason = self.state.put(trajectory)
+        if self.trajectory_log is not None and reason == "ok":
+            self._unwritten.append((trajectory.trajectory_id, trajectory.frame))
+            self._unsynced.add(trajectory.trajectory_id)
+        return accepted, reason
 
     def _on_trainer(self, identity: bytes, body: list[bytes]) -> list[bytes] | None:
         kind = body[0] if body else b""
@@ -335,6 +399,11 @@ class BufferServer:
         if record is None:
             COUNTERS.inc("buffer_bad_messages", socket="trainer")
             return [protocol.ERROR, b"expected get, ack, commit, resume or status"]
+        if self._trainer_token is not None and not hmac.compare_digest(
+            body[2] if len(body) > 2 else b"", self._trainer_token
+        ):
+            COUNTERS.inc("buffer_trainer_refused", kind=kind.decode(errors="replace"))
+            return [protocol.ERROR, _NOT_THE_TRAINER]
         try:
             request = record.decode(body[1] if len(body) > 1 else b"")
         except ProtocolError as error:
@@ -400,6 +469,12 @@ class BufferServer:
         self._waiting = still
 
 
+_NOT_THE_TRAINER = (
+    b"refused: a get, ack, commit or resume needs the trainer's token (buffer.trainer_token_file); "
+    b"only the trainer takes batches, lets them go and moves trainer_version"
+)
+
+
 def _internal_error(body: list[bytes], message: str) -> list[bytes]:
     """The answer to a request the buffer failed on: a refused ack where the request had
     a seq (so a producer with several requests in flight knows which), else [error]."""
@@ -457,6 +532,7 @@ def run_buffer(config: Any) -> int:
             section.max_frame_bytes,
             section.curve,
             trajectory_log,
+            section.trainer_token(),
         )
     except (OSError, ValueError, LogError, WireError) as error:
         if trajectory_log is not None:

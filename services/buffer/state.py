@@ -129,6 +129,26 @@ class BufferState:
             del self.partial[trajectory.group_id]
             self.ready.append(sorted(group, key=lambda t: t.sample_index))
 
+    def forget(self, trajectory_ids: set[str]) -> None:
+        """Undoes `add` for trajectories not yet served (a burst whose log write never
+        became durable): their groups lose them, and a resend is taken afresh."""
+        ready: deque[Group] = deque()
+        for group in self.ready:
+            if any(t.trajectory_id in trajectory_ids for t in group):
+                self.partial[group[0].group_id] = list(group)  # filtered just below
+            else:
+                ready.append(group)
+        self.ready = ready
+        for group_id, group in list(self.partial.items()):
+            kept = [t for t in group if t.trajectory_id not in trajectory_ids]
+            if kept:
+                self.partial[group_id] = kept
+            else:
+                del self.partial[group_id]
+        gone = self.seen & trajectory_ids
+        self.seen -= gone
+        self.accepted -= len(gone)
+
     def take_journal(self) -> list[tuple[bytes, dict[str, Any]]]:
         """What changed since the last call, for the trajectory log."""
         journal, self.journal = self.journal, []

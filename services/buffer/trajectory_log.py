@@ -98,19 +98,46 @@ class TrajectoryLog:
         starts = self.log.segment_offsets
         if len(starts) > 1 and starts[1] <= oldest:
             self.log.append(b"L" + json.dumps(ledger.snapshot()).encode())
-            self.log.flush()
+            if self.log.sync != "never":
+                self.log.flush()
             self.log.truncate_before(oldest)
 
     def append_trajectory(self, trajectory_id: str, frame: bytes) -> None:
         """Writes an accepted trajectory (reaches the kernel now; `flush` makes it durable)."""
-        self._live[trajectory_id] = self.log.append(b"T" + frame)
+        self.append_trajectories([(trajectory_id, frame)])
+
+    def append_trajectories(self, trajectories: list[tuple[str, bytes]]) -> None:
+        """Writes accepted trajectories, (id, frame) each, in one write: all or none."""
+        offsets = self.log.write_many([b"T" + frame for _, frame in trajectories])
+        for (trajectory_id, _), offset in zip(trajectories, offsets, strict=True):
+            self._live[trajectory_id] = offset
         self._dirty = True
 
     def flush(self) -> None:
-        """Makes what was appended durable (per the log's sync mode) before acks go out."""
-        if self._dirty:
+        """Makes what was appended durable before acks go out, as the sync mode says: one
+        fsync in "batch" mode; none in "always" (each append was) or "never" (the OS decides)."""
+        if self._dirty and self.log.sync == "batch":
             self.log.flush()
-            self._dirty = False
+        self._dirty = False
+
+    def forget(self, trajectory_ids: set[str]) -> None:
+        """Stops tracking trajectories whose ack was refused after a failed fsync. Their
+        records may still be on disk: a restart takes them back, and the producer's
+        resend is then a duplicate, so nothing is held twice."""
+        for trajectory_id in trajectory_ids:
+            self._live.pop(trajectory_id, None)
+
+    @property
+    def broken(self) -> str | None:
+        """Why the log refuses writes until reopened (a failed fsync), or None."""
+        return self.log.broken
+
+    def reopen(self) -> None:
+        """Closes the log and opens it again, which re-reads every segment from disk."""
+        old = self.log
+        old.close()
+        self.log = DurableLog(old.directory, segment_bytes=old.segment_bytes, sync=old.sync)
+        self._dirty = False
 
     def close(self) -> None:
         self.log.close()

@@ -7,6 +7,7 @@ prompts), which later accounting (exactly-once training) keys on.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,17 +209,22 @@ def task_key(task: Task) -> tuple[str, ...]:
 
 class Excluding(Sequence[Task]):
     """`tasks` without those whose `task_key` is in `held_out`: the training stream of a
-    run never yields a prompt of its evaluation set. Ordinals are positions in what is
+    run never yields a prompt of its evaluation set; with `order_seed`, in that seed's
+    order (a permutation), else in the dataset's. Ordinals are positions in what is
     left, so a restarted run numbers its prompts the same way. `excluded` counts the
     tasks left out."""
 
-    def __init__(self, tasks: Sequence[Task], held_out: Sequence[Task]) -> None:
+    def __init__(
+        self, tasks: Sequence[Task], held_out: Sequence[Task], order_seed: int | None = None
+    ) -> None:
         keys = {task_key(task) for task in held_out}
         self._tasks = tasks
         self._kept = [i for i in range(len(tasks)) if task_key(tasks[i]) not in keys]
         self.excluded = len(tasks) - len(self._kept)
         if not self._kept:
             raise ValueError("every training task is in the evaluation set")
+        if order_seed is not None:
+            random.Random(order_seed).shuffle(self._kept)
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -238,10 +244,16 @@ class Excluding(Sequence[Task]):
         )
 
 
-def training_tasks(dataset: DatasetConfig, eval_dataset: DatasetConfig | None) -> Excluding:
-    """The tasks a run trains on: `dataset` without any prompt of `eval_dataset`."""
+def training_tasks(
+    dataset: DatasetConfig, eval_dataset: DatasetConfig | None, run_seed: int = 0
+) -> Excluding:
+    """The tasks a run trains on: `dataset` without any prompt of `eval_dataset`, in the
+    order `run.seed` gives (`rollwire.services.core.seeds`; 0: the dataset's own)."""
+    from rollwire.services.core.seeds import stream_seed
+
     held_out = load_tasks(eval_dataset) if eval_dataset is not None else []
-    return Excluding(load_tasks(dataset), held_out)
+    order = None if run_seed == 0 else stream_seed(run_seed, "data")
+    return Excluding(load_tasks(dataset), held_out, order)
 
 
 def read_rows(path: Path) -> Iterator[dict[str, Any]]:

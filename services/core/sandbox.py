@@ -56,7 +56,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 SandboxKind = Literal["bwrap", "none"]
 
@@ -70,6 +70,8 @@ INSTALL_HINT = (
 SLOT_DIR = Path(tempfile.gettempdir()) / "rollwire-sandbox-slots"
 UID_BASE = 2_000_000
 """First uid of the sandbox slots when run as root: far above any account's id."""
+JUDGE_UID_BASE = UID_BASE + 1_000_000
+"""First uid of the judges of `run_pair` (a pair's two sandboxes run as two users)."""
 
 # Runs as `python -I -S -c LAUNCHER cpu memory file processes -- argv...` inside the
 # sandbox (or the plain child): sets the limits, then becomes the program.
@@ -183,6 +185,30 @@ class SandboxResult:
         return self.exit_code == 0 and not self.timed_out
 
 
+@dataclass(frozen=True)
+class PairResult:
+    """How a `run_pair` ended: the judge's stderr (its verdict) and exit status."""
+
+    verdict: bytes
+    """What the judge wrote on stderr (the first MiB)."""
+    exit_code: int
+    """The judge's exit status; negative for a signal (-9 when killed for the timeout)."""
+    timed_out: bool
+    """The wall-clock limit passed and both were killed."""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Command:
+    """A sandboxed run, ready to start."""
+
+    command: list[str]
+    cwd: Path | None
+    identity: dict[str, Any]
+    """user, group and extra_groups for Popen (the slot's uid when run as root)."""
+    environment: dict[str, str]
+
+
 def bwrap_path() -> str | None:
     """The bubblewrap program, or None."""
     return shutil.which("bwrap")
@@ -254,6 +280,7 @@ class Sandbox:
             raise SandboxUnavailable(INSTALL_HINT)
         self._as_root = os.geteuid() == 0
         # Inside bwrap only what is under the bound system folders exists.
+        self._setpriv = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
         found = shutil.which("prlimit", path="/usr/bin:/bin")
         self._prlimit = found if found and found.startswith(_SYSTEM) else None
         if kind == "bwrap" and self._as_root and not _readable_by_others(self.python):
@@ -318,25 +345,53 @@ class Sandbox:
             self._slot() as slot,
             tempfile.TemporaryDirectory(prefix="rollwire-sandbox-") as scratch,
         ):
-            source = Path(scratch, "src")
-            source.mkdir()
-            for name, text in (files or {}).items():
-                path = (source / name).resolve()
-                if source.resolve() not in path.parents:
-                    raise ValueError(f"file name {name!r} leaves the sandbox's folder")
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text, encoding="utf-8")
-            if self.kind == "bwrap":
-                # Readable by the slot's uid: the folder is bound read-only anyway.
-                os.chmod(scratch, 0o755)
-                for folder, _dirs, names in os.walk(source):
-                    os.chmod(folder, 0o755)
-                    for name in names:
-                        os.chmod(Path(folder, name), 0o644)
-                return self._run_bwrap(argv, slot, scratch, stdin, limits)
-            work = Path(scratch, "work")
-            work.mkdir()
-            return self._run_plain(argv, source, work, stdin, limits)
+            return self._wait(self._prepare(argv, files, scratch, slot, limits), stdin, limits)
+
+    def run_pair(
+        self,
+        judge: tuple[Sequence[str], Mapping[str, str | bytes]],
+        program: tuple[Sequence[str], Mapping[str, str | bytes]],
+        limits: Limits = Limits(),
+    ) -> PairResult:
+        """Runs two programs, each `(argv, files)` as `run` takes them, in two sandboxes
+        that share nothing but two pipes: the program's stdout is the judge's stdin and
+        the judge's stdout the program's stdin. The program's stderr is dropped; the
+        judge's is returned (its verdict). Both run under `limits`, and both end when the
+        judge does, or at the wall limit (`limits.timeout_s`). Under bwrap they run as two users, in two pid
+        namespaces: neither can see, signal or read the other's memory or files."""
+        with (
+            self._slot() as slot,
+            tempfile.TemporaryDirectory(prefix="rollwire-sandbox-") as judge_scratch,
+            tempfile.TemporaryDirectory(prefix="rollwire-sandbox-") as program_scratch,
+            tempfile.TemporaryFile() as verdict,
+        ):
+            judge_run = self._prepare(*judge, judge_scratch, slot, limits, JUDGE_UID_BASE)
+            program_run = self._prepare(*program, program_scratch, slot, limits)
+            started = time.monotonic()
+            to_judge_r, to_judge_w = os.pipe()
+            to_program_r, to_program_w = os.pipe()
+            children: list[subprocess.Popen] = []
+            try:
+                children.append(
+                    self._start(program_run, to_program_r, to_judge_w, subprocess.DEVNULL)
+                )
+                children.append(self._start(judge_run, to_judge_r, to_program_w, verdict))
+            finally:
+                for fd in (to_judge_r, to_judge_w, to_program_r, to_program_w):
+                    os.close(fd)  # the children hold their ends; EOF when one side ends
+            timed_out = False
+            try:
+                children[-1].wait(timeout=limits.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                for child in children:
+                    _kill_group(child.pid)
+                for child in children:
+                    child.wait(timeout=10)
+            verdict.seek(0)
+            written = verdict.read(2**20)
+        return PairResult(written, children[-1].returncode, timed_out, time.monotonic() - started)
 
     def run_python(
         self,
@@ -371,9 +426,42 @@ class Sandbox:
             str(cpu), str(memory), str(size), str(processes), "--",
         ]  # fmt: skip
 
-    def _run_bwrap(
-        self, argv: Sequence[str], slot: int, scratch: str, stdin: str, limits: Limits
-    ) -> SandboxResult:
+    def _prepare(
+        self,
+        argv: Sequence[str],
+        files: Mapping[str, str | bytes] | None,
+        scratch: str,
+        slot: int,
+        limits: Limits,
+        uid_base: int = UID_BASE,
+    ) -> _Command:
+        """Writes `files` under `scratch` and builds the command that runs `argv` on them."""
+        source = Path(scratch, "src")
+        source.mkdir()
+        for name, text in (files or {}).items():
+            path = (source / name).resolve()
+            if source.resolve() not in path.parents:
+                raise ValueError(f"file name {name!r} leaves the sandbox's folder")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(text, bytes):
+                path.write_bytes(text)
+            else:
+                path.write_text(text, encoding="utf-8")
+        if self.kind == "bwrap":
+            # Readable by the slot's uid: the folder is bound read-only anyway.
+            os.chmod(scratch, 0o755)
+            for folder, _dirs, names in os.walk(source):
+                os.chmod(folder, 0o755)
+                for name in names:
+                    os.chmod(Path(folder, name), 0o644)
+            return self._bwrap_command(argv, slot, scratch, limits, uid_base)
+        work = Path(scratch, "work")
+        work.mkdir()
+        return self._plain_command(argv, source, work, limits)
+
+    def _bwrap_command(
+        self, argv: Sequence[str], slot: int, scratch: str, limits: Limits, uid_base: int
+    ) -> _Command:
         assert self._bwrap is not None
         command = [self._bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
         for folder in _SYSTEM:
@@ -398,21 +486,30 @@ class Sandbox:
             "--setenv", "MKL_NUM_THREADS", "1",
         ]  # fmt: skip
         if self._as_root:
-            uid = UID_BASE + slot
+            uid = uid_base + slot
             # bwrap's own processes outside the program count too (measured: 2).
             processes = limits.processes + 2 if limits.processes else 0
-            identity = {"user": uid, "group": uid, "extra_groups": []}
+            identity = {}
+            if self._setpriv is not None:
+                # setpriv becomes the slot's user before bwrap starts. Popen's own user=
+                # would make it fork() instead of vfork(), and a forked child of a process
+                # with gRPC's threads runs gRPC's fork handlers, which can kill it (seen:
+                # "epoll_wait error: Bad file descriptor", then SIGABRT or SIGBUS).
+                ids = ["--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--"]
+                command = [self._setpriv, *ids, *command]
+            else:
+                identity = {"user": uid, "group": uid, "extra_groups": []}
         else:
             processes = (
                 _user_processes(os.getuid()) + limits.processes + 2 if limits.processes else 0
             )
             identity = {}
         command += [*self._launcher(limits, processes), *self._expand(argv, "/src")]
-        return self._wait(command, None, stdin, limits, identity)
+        return _Command(command, None, identity, {})
 
-    def _run_plain(
-        self, argv: Sequence[str], source: Path, work: Path, stdin: str, limits: Limits
-    ) -> SandboxResult:
+    def _plain_command(
+        self, argv: Sequence[str], source: Path, work: Path, limits: Limits
+    ) -> _Command:
         environment = {
             "PATH": os.defpath,
             "HOME": str(work),
@@ -428,37 +525,33 @@ class Sandbox:
         held = limits.processes and os.geteuid() != 0
         processes = _user_processes(os.getuid()) + limits.processes + 1 if held else 0
         command = [*self._launcher(limits, processes), *self._expand(argv, str(source))]
-        return self._wait(command, work, stdin, limits, {}, environment)
+        return _Command(command, work, {}, environment)
+
+    @staticmethod
+    def _start(run: _Command, stdin: Any, stdout: Any, stderr: Any) -> subprocess.Popen:
+        # start_new_session gives the run its own process group without a preexec_fn,
+        # which is unsafe in a process with threads such as a gRPC server.
+        return subprocess.Popen(
+            run.command,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            cwd=run.cwd,
+            env=run.environment,
+            start_new_session=True,
+            close_fds=True,
+            **run.identity,
+        )
 
     def _expand(self, argv: Sequence[str], source: str) -> list[str]:
         return [arg.replace("{src}", source).replace("{python}", self.python) for arg in argv]
 
-    def _wait(
-        self,
-        command: list[str],
-        cwd: Path | None,
-        stdin: str,
-        limits: Limits,
-        identity: dict,
-        environment: dict[str, str] | None = None,
-    ) -> SandboxResult:
+    def _wait(self, run: _Command, stdin: str, limits: Limits) -> SandboxResult:
         started = time.monotonic()
         with tempfile.TemporaryFile() as output, tempfile.TemporaryFile() as feed:
             feed.write(stdin.encode("utf-8"))
             feed.seek(0)
-            # start_new_session gives the run its own process group without a preexec_fn,
-            # which is unsafe in a process with threads such as a gRPC server.
-            child = subprocess.Popen(
-                command,
-                stdin=feed,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                cwd=cwd,
-                env=environment if environment is not None else {},
-                start_new_session=True,
-                close_fds=True,
-                **identity,
-            )
+            child = self._start(run, feed, output, subprocess.STDOUT)
             timed_out = False
             try:
                 child.wait(timeout=limits.timeout_s)

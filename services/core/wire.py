@@ -125,6 +125,9 @@ class Trajectory:
     teacher_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     """float32 [T] or empty: on-policy distillation's teacher logprob of each generated
     token (0 elsewhere), from a teacher rollout-server's ScoreTokens; empty otherwise."""
+    kind: str = "tokens"
+    """The modality the episode was generated in ("tokens"; later "images", "latents"),
+    carried unchanged so a relay such as the buffer moves any kind without decoding it."""
 
     @property
     def num_tokens(self) -> int:
@@ -165,8 +168,11 @@ _TOKEN_ARRAYS = {
 _STRING_FIELDS = ("trajectory_id", "group_id", "task_id", "source", "domain", "finish_reason")
 _INT_FIELDS = ("sample_index", "prompt_ordinal")
 _TRAJECTORY_KEYS = frozenset(f.name for f in fields(Trajectory))
-_OPTIONAL_KEYS = frozenset({"teacher_logprobs"})
+_OPTIONAL_KEYS = frozenset({"teacher_logprobs", "kind"})
 """Fields a frame may leave out (frames written before they existed): their defaults."""
+_DEFAULT_KIND = "tokens"
+"""The kind of a frame that names none. Encoding leaves it out, so a token trajectory's
+frame is the same bytes as before the field existed, which older readers still accept."""
 
 
 def _is_int(value: Any) -> bool:
@@ -188,6 +194,8 @@ def _trajectory_body(trajectory: Trajectory) -> dict[str, Any]:
     body["trace_context"] = {str(k): str(v) for k, v in trajectory.trace_context.items()}
     if trajectory.teacher_logprobs.size:
         body["teacher_logprobs"] = encode_array(trajectory.teacher_logprobs, "<f4")
+    if trajectory.kind != _DEFAULT_KIND:
+        body["kind"] = str(trajectory.kind)
     return body
 
 
@@ -233,11 +241,49 @@ def _trace_context(trace: Any, where: str) -> dict[str, str]:
     return trace
 
 
-def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
+_ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
+
+
+def _view(value: Any, name: str, dtype: str) -> np.ndarray:
+    """A read-only view of a 1-d array map of `dtype`, checked as `decode_array` checks it
+    (without copying: the caller copies what it keeps)."""
+    if type(value) is dict and value.keys() == _ARRAY_KEYS and value["dtype"] == dtype:
+        shape, data = value["shape"], value["data"]
+        if (
+            type(shape) is list
+            and len(shape) == 1
+            and _is_int(shape[0])
+            and type(data) is bytes
+            and len(data) == shape[0] * _ITEMSIZE[dtype]
+            and shape[0] >= 0
+        ):
+            return np.frombuffer(data, dtype=dtype)
+    return decode_array(value, name, dtype, ndim=1)  # raises, saying what is wrong
+
+
+_ITEMSIZE = {dtype: np.dtype(dtype).itemsize for dtype in _ALLOWED_DTYPES}
+
+
+@dataclass(slots=True)
+class _Checked:
+    """A trajectory body that passed every check, its arrays as views of the frame."""
+
+    arrays: dict[str, np.ndarray]
+    generated_versions: np.ndarray
+    """The policy versions of the generated tokens."""
+    step_rewards: np.ndarray
+    turn_ids: np.ndarray
+    teacher: np.ndarray | None
+    trace: dict[str, str]
+    kind: str
+
+
+def _check_body(body: Any, where: str) -> _Checked:
+    """Every check a trajectory body must pass, without copying its arrays: what the
+    buffer runs on each put (`admit`) and decoding runs before it copies (`decode`)."""
     _check_fields(body, where)
     arrays = {
-        name: decode_array(body[name], f"{where}.{name}", dtype, ndim=1)
-        for name, dtype in _TOKEN_ARRAYS.items()
+        name: _view(body[name], f"{where}.{name}", dtype) for name, dtype in _TOKEN_ARRAYS.items()
     }
     lengths = {name: array.shape[0] for name, array in arrays.items()}
     if len(set(lengths.values())) != 1:
@@ -245,10 +291,13 @@ def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
     mask = arrays["loss_mask"]
     if mask.size and mask.max() > 1:
         raise WireError(f"{where}.loss_mask: values must be 0 or 1")
-    generated = mask == 1
-    if not np.all(np.isfinite(arrays["behaviour_logprobs"][generated])):
+    generated = mask.view(np.bool_)  # 0 or 1 only, as just checked
+    logprobs = arrays["behaviour_logprobs"]
+    # One reduction when every value is finite (the usual case); the exact check if not.
+    if not math.isfinite(float(logprobs.sum())) and not np.isfinite(logprobs[generated]).all():
         raise WireError(f"{where}.behaviour_logprobs: not finite on a generated token")
-    if np.any(arrays["policy_versions"][generated] < 0):
+    versions = arrays["policy_versions"][generated]
+    if versions.size and versions.min() < 0:
         raise WireError(f"{where}.policy_versions: a generated token has no version")
     reward = body["reward"]
     if (
@@ -257,10 +306,10 @@ def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
         or not math.isfinite(reward)
     ):
         raise WireError(f"{where}.reward: expected a finite number")
-    step_rewards = decode_array(body["step_rewards"], f"{where}.step_rewards", "<f4", ndim=1)
-    if not np.all(np.isfinite(step_rewards)):
+    step_rewards = _view(body["step_rewards"], f"{where}.step_rewards", "<f4")
+    if step_rewards.size and not np.isfinite(step_rewards).all():
         raise WireError(f"{where}.step_rewards: not finite")
-    turn_ids = decode_array(body["turn_ids"], f"{where}.turn_ids", "<i4", ndim=1)
+    turn_ids = _view(body["turn_ids"], f"{where}.turn_ids", "<i4")
     turn_keys = body["turn_keys"]
     if not isinstance(turn_keys, list) or not all(isinstance(k, str) for k in turn_keys):
         raise WireError(f"{where}.turn_keys: expected a list of strings")
@@ -272,26 +321,43 @@ def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
         if turn_ids.min() < -1 or turn_ids.max() >= max(len(turn_keys), 1):
             raise WireError(f"{where}.turn_ids: a turn id outside [-1, {len(turn_keys)})")
     trace = _trace_context(body["trace_context"], where)
-    teacher = np.zeros(0, np.float32)
+    teacher = None
     if "teacher_logprobs" in body:
-        teacher = decode_array(body["teacher_logprobs"], f"{where}.teacher_logprobs", "<f4", 1)
+        teacher = _view(body["teacher_logprobs"], f"{where}.teacher_logprobs", "<f4")
         if teacher.shape[0] != mask.shape[0]:
             raise WireError(
                 f"{where}.teacher_logprobs: {teacher.shape[0]} entries for {mask.shape[0]} tokens"
             )
-        if not np.all(np.isfinite(teacher[generated])):
+        if not np.isfinite(teacher[generated]).all():
             raise WireError(f"{where}.teacher_logprobs: not finite on a generated token")
+    kind = body.get("kind", _DEFAULT_KIND)
+    if not isinstance(kind, str) or not kind:
+        raise WireError(f"{where}.kind: expected a non-empty string")
+    for name in ("reward_components", "timings"):
+        value = body[name]
+        # The usual case in one pass (finite floats under string keys); else the full check.
+        if type(value) is not dict or not all(
+            type(k) is str and type(v) is float and math.isfinite(v) for k, v in value.items()
+        ):
+            _float_map(value, f"{where}.{name}")
+    return _Checked(arrays, versions, step_rewards, turn_ids, teacher, trace, kind)
+
+
+def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
+    checked = _check_body(body, where)
+    teacher = checked.teacher
     return Trajectory(
         **{name: body[name] for name in _STRING_FIELDS + _INT_FIELDS},
-        **arrays,
-        reward=float(reward),
-        reward_components=_float_map(body["reward_components"], f"{where}.reward_components"),
-        step_rewards=step_rewards,
-        turn_ids=turn_ids,
-        turn_keys=list(turn_keys),
-        timings=_float_map(body["timings"], f"{where}.timings"),
-        trace_context=dict(trace),
-        teacher_logprobs=teacher,
+        **{name: array.copy() for name, array in checked.arrays.items()},
+        reward=float(body["reward"]),
+        reward_components={k: float(v) for k, v in body["reward_components"].items()},
+        step_rewards=checked.step_rewards.copy(),
+        turn_ids=checked.turn_ids.copy(),
+        turn_keys=list(body["turn_keys"]),
+        timings={k: float(v) for k, v in body["timings"].items()},
+        trace_context=dict(checked.trace),
+        teacher_logprobs=np.zeros(0, np.float32) if teacher is None else teacher.copy(),
+        kind=checked.kind,
     )
 
 
@@ -375,8 +441,15 @@ def peek(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajec
     )
     if mask.shape != versions.shape:
         raise WireError("trajectory: loss_mask and policy_versions differ in length")
-    generated = versions[mask == 1]
     trace = _trace_context(body["trace_context"], "trajectory")
+    return _header(body, versions[mask == 1], trace, frame)
+
+
+def _header(
+    body: dict[str, Any], generated: np.ndarray, trace: dict[str, str], frame: bytes
+) -> TrajectoryFrame:
+    """The TrajectoryFrame of a body whose header fields passed their checks; `generated`:
+    the policy versions of its generated tokens."""
     return TrajectoryFrame(
         trajectory_id=body["trajectory_id"],
         group_id=body["group_id"],
@@ -388,6 +461,17 @@ def peek(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajec
         trace_context=trace,
         frame=bytes(frame),
     )
+
+
+def admit(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> TrajectoryFrame:
+    """A frame checked in full, as `decode_trajectory` checks it, and the header `peek`
+    reads, without copying an array: what a relay keeps that must never pass on a frame
+    its consumer would refuse. WireError if anything in it is wrong."""
+    kind, body = _unpack_envelope(frame, max_frame_bytes)
+    if kind != "trajectory":
+        raise WireError(f"expected a trajectory frame, got kind {kind!r}")
+    checked = _check_body(body, "trajectory")
+    return _header(body, checked.generated_versions, checked.trace, frame)
 
 
 # ---------------------------------------------------------------- frames

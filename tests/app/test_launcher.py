@@ -49,8 +49,8 @@ def test_trainer_settings_that_do_not_compose_are_refused_with_the_reason() -> N
     cases = {
         "needs trainer.backend fsdp2 or deepspeed": {"world_size": 2},
         "trainer.lora runs on trainer.backend=local only": {"backend": "fsdp2", "lora": {}},
-        "trainer.kl.coef > 0": {"backend": "deepspeed", "kl": {"coef": 0.1}},
-        "needs trainer.aggregation_constant": {"aggregation": "constant"},
+        "trainer.algorithm.kl.coef > 0": {"backend": "deepspeed", "kl": {"coef": 0.1}},
+        "needs trainer.algorithm.aggregation_constant": {"aggregation": "constant"},
     }
     for message, settings in cases.items():
         with pytest.raises(ValidationError, match=message):

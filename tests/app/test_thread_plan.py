@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollwire.trainer.thread_plan import GIVE_ABOVE, REPLAN_STEPS, TAKE_BELOW, ThreadPlan
+from rollwire.trainer.process.thread_plan import GIVE_ABOVE, REPLAN_STEPS, TAKE_BELOW, ThreadPlan
 
 
 def test_sync_gives_the_step_every_thread_and_generation_all_but_one_and_never_moves() -> None:
@@ -79,7 +79,7 @@ class _Policy:
 
 
 async def test_the_trainer_hands_out_the_plan_and_a_side_that_cannot_change_fixes_it() -> None:
-    from rollwire.trainer.loop import follow_plan
+    from rollwire.trainer.process.loop import follow_plan
 
     plan = ThreadPlan.start(6, sync=False)
     policy, stubs = _Policy(), [_Stub(), _Stub()]

@@ -14,7 +14,7 @@ from rollwire.services.buffer.protocol import PutAnswer
 from rollwire.services.buffer.server import BufferServer
 from rollwire.services.buffer.state import BufferState
 from rollwire.services.core.metrics import COUNTERS
-from rollwire.services.core.wire import Trajectory
+from rollwire.services.core.wire import Trajectory, encode
 from tests.helpers.trajectories import trajectory
 
 
@@ -87,6 +87,41 @@ async def test_producer_to_trainer_over_zeromq(buffer_server) -> None:
     finally:
         producer.close()
         trainer.close()
+
+
+@pytest.mark.integration
+async def test_only_the_trainer_moves_the_version_or_takes_batches() -> None:
+    """With a trainer token, a client of the trainer socket without it (or with another)
+    cannot raise trainer_version (which would make every group stale), take a batch or
+    acknowledge one: refused, counted, and the buffer keeps serving the trainer."""
+    server = BufferServer(BufferState(group_size=2, max_staleness=0), trainer_token="s3cret")
+    thread = threading.Thread(target=server.serve, kwargs={"poll_ms": 10}, daemon=True)
+    thread.start()
+    endpoint = server.endpoints["trainer"]
+    producer = BufferProducer(server.endpoints["producer"], timeout=2)
+    clients = [BufferTrainerClient(endpoint, timeout=2, token=t) for t in (None, "guess")]
+    trainer = BufferTrainerClient(endpoint, timeout=2, token="s3cret")
+    try:
+        for i in range(2):
+            assert (await producer.put(trajectory("g", i))).accepted
+        before = COUNTERS.get("buffer_trainer_refused", kind="get")
+        for stranger in clients:
+            with pytest.raises(BufferError, match="needs the trainer's token"):
+                await asyncio.to_thread(stranger.get_batch, 10**6, 1, 0.1)
+            with pytest.raises(BufferError, match="needs the trainer's token"):
+                await asyncio.to_thread(stranger.ack, "", 10**6, ["g/0", "g/1"])
+            assert (await asyncio.to_thread(stranger.status)).trainer_version == 0
+        assert COUNTERS.get("buffer_trainer_refused", kind="get") == before + 2
+        batch = await asyncio.to_thread(trainer.get_batch, 0, 1, 1.0)
+        assert [t.trajectory_id for t in batch.trajectories] == ["g/0", "g/1"]  # not stale
+        await asyncio.to_thread(trainer.ack, batch.batch_id, 1)
+        assert (await producer.status()).trainer_version == 1
+    finally:
+        for client in (*clients, trainer):
+            client.close()
+        producer.close()
+        server.stop()
+        thread.join(timeout=5)
 
 
 @pytest.mark.integration
@@ -175,17 +210,17 @@ async def test_an_unanswered_put_is_sent_again_with_its_seq_and_the_resend_count
 
 def _undecodable(group: str, index: int, version: int = 0) -> Trajectory:
     """A sample whose header fields are fine but whose logprob on a generated token is
-    NaN: the buffer admits it on `peek`, the trainer's full decode refuses it."""
+    NaN: what `peek` alone would let through and the trainer's full decode refuses."""
     broken = trajectory(group, index, version)
     broken.behaviour_logprobs[2] = np.nan
     return broken
 
 
 @pytest.mark.integration
-async def test_the_trainer_gets_the_frames_it_was_sent_and_a_bad_one_costs_its_group_only(
-    buffer_server,
-) -> None:
-    from rollwire.services.core.wire import encode
+async def test_a_frame_broken_past_its_header_is_refused_in_its_ack(buffer_server) -> None:
+    """The buffer checks every frame in full before acknowledging it: a broken one is
+    refused to its producer (counted), never stored to cost the trainer its group; and
+    what it serves is the bytes it was sent."""
 
     producer = BufferProducer(buffer_server.endpoints["producer"], timeout=2)
     trainer = BufferTrainerClient(buffer_server.endpoints["trainer"], timeout=2)
@@ -198,28 +233,52 @@ async def test_the_trainer_gets_the_frames_it_was_sent_and_a_bad_one_costs_its_g
         assert header.trajectories == 2 and frames == [encode(t) for t in sent]  # byte for byte
         await asyncio.to_thread(trainer.ack, header.batch_id, 0)
 
+        before = COUNTERS.get("buffer_bad_frames")
+        answers = await producer.put_group([_undecodable("bad", 0), trajectory("bad", 1)])
+        assert not answers[0].accepted and not answers[0].wait_and_retry  # final
+        assert answers[0].reason.startswith("bad frame: ")
+        assert "behaviour_logprobs: not finite" in answers[0].reason
+        assert answers[1].reason == "ok"
+        assert COUNTERS.get("buffer_bad_frames") == before + 1
+        status = await producer.status()
+        assert status.accepted == 3 and status.partial_groups == 1 and status.ready_groups == 0
+    finally:
+        producer.close()
+        trainer.close()
+
+
+@pytest.mark.integration
+async def test_a_bad_frame_already_held_costs_its_group_only() -> None:
+    """Frames held before the buffer checked them in full (a log written by an older
+    buffer) are still caught by the trainer's client: their groups are let go
+    ("bad_frame"), the rest is trained, and a batch of bad groups only is acknowledged
+    by the client itself."""
+    from rollwire.services.core.wire import peek
+
+    state = BufferState(group_size=2, max_staleness=5)
+    held = [trajectory("good", 0), _undecodable("bad", 0), trajectory("bad", 1)]
+    held += [trajectory("good", 1), *(_undecodable("worse", i, version=1) for i in range(2))]
+    for sample in held:
+        assert state.put(peek(encode(sample))) == (True, "ok")
+    server = BufferServer(state)
+    thread = threading.Thread(target=server.serve, kwargs={"poll_ms": 10}, daemon=True)
+    thread.start()
+    trainer = BufferTrainerClient(server.endpoints["trainer"], timeout=2)
+    try:
         before = COUNTERS.get("buffer_bad_frames_served")
-        assert all(a.accepted for a in await producer.put_group([trajectory("good", 0)]))
-        bad = [_undecodable("bad", 0), trajectory("bad", 1)]
-        assert all(a.accepted for a in await producer.put_group(bad))  # admitted on its header
-        assert (await producer.put_group([trajectory("good", 1)]))[0].accepted
         batch = await asyncio.to_thread(trainer.get_batch, 0, 2, 1.0)
         assert [t.trajectory_id for t in batch.trajectories] == ["good/0", "good/1"]
         assert COUNTERS.get("buffer_bad_frames_served") == before + 2
         await asyncio.to_thread(trainer.ack, batch.batch_id, 1)
-        status = await producer.status()
+        status = await asyncio.to_thread(trainer.status)
         assert status.dropped == {"bad_frame": 2}
-        assert status.outcomes == {"trained": 2, "bad_frame": 1}
-        assert status.ready_groups == status.unacked_batches == 0  # nothing served again
-
-        # A batch of bad groups only is let go by the client itself: nothing to train on.
-        worse = [_undecodable("worse", i, version=1) for i in range(2)]
-        assert all(a.accepted for a in await producer.put_group(worse))
-        assert await asyncio.to_thread(trainer.get_batch, 1, 1, 1.0) is None
-        assert (await producer.status()).outcomes["bad_frame"] == 2
+        assert status.outcomes == {"trained": 1, "bad_frame": 1}
+        assert await asyncio.to_thread(trainer.get_batch, 1, 1, 1.0) is None  # "worse" only
+        assert (await asyncio.to_thread(trainer.status)).outcomes["bad_frame"] == 2
     finally:
-        producer.close()
         trainer.close()
+        server.stop()
+        thread.join(timeout=5)
 
 
 @pytest.mark.integration

@@ -11,6 +11,7 @@ import yaml
 from rollwire.services.core.config import (
     ConfigError,
     RunConfig,
+    TrainerConfig,
     load_config,
     parse_assignment,
     write_resolved_config,
@@ -204,7 +205,46 @@ def test_the_overlong_penalty_counts_to_the_orchestrators_limit() -> None:
     config = RunConfig.model_validate(
         {"trainer": {"overlong": {"penalty_tokens": 4}}, "orchestrator": {"max_new_tokens": 12}}
     )
-    assert config.trainer.overlong.max_tokens == 12
-    assert RunConfig().trainer.overlong.max_tokens is None  # the default is left alone
+    assert config.trainer.algorithm.overlong.max_tokens == 12
+    assert RunConfig().trainer.algorithm.overlong.max_tokens is None  # the default is left alone
     with pytest.raises(ValueError, match="more than orchestrator.max_new_tokens=10"):
         RunConfig.model_validate({"trainer": {"overlong": {"penalty_tokens": 40}}})
+
+
+def test_a_flat_trainer_section_of_earlier_releases_loads_where_each_key_lives_now(
+    tmp_path, caplog
+) -> None:
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "trainer:\n  learning_rate: 0.003\n  checkpoint_every: 0\n  weight_transport: group\n"
+        "  advantage: {type: rloo}\n  lr_schedule: {type: cosine}\n"
+    )
+    with caplog.at_level("WARNING"):
+        config = load_config(old, ["trainer.micro_batch_size=4"], environ={})
+    trainer = config.trainer
+    assert trainer.optimizer.learning_rate == 0.003 and trainer.checkpointing.every == 0
+    assert trainer.weights.transport == "group" and trainer.algorithm.advantage.type == "rloo"
+    assert trainer.schedule.type == "cosine" and trainer.batching.micro_batch_size == 4
+    assert "trainer.learning_rate is now trainer.optimizer.learning_rate" in caplog.text
+    # The written config has the new keys only: it loads again without a word.
+    resolved = write_resolved_config(config, tmp_path / "run")
+    assert "learning_rate: 0.003" in resolved.read_text()
+    assert load_config(resolved, environ={}).trainer == trainer
+    both = tmp_path / "both.yaml"
+    both.write_text("trainer:\n  learning_rate: 0.1\n  optimizer: {learning_rate: 0.2}\n")
+    with pytest.raises(ConfigError, match="keep trainer.optimizer.learning_rate"):
+        load_config(both, environ={})
+    with pytest.raises(ValueError, match="keep trainer.checkpointing.every"):
+        TrainerConfig(checkpoint_every=1, checkpointing={"every": 2})
+
+
+def test_a_pipeline_reads_its_held_out_rows_from_eval_data_or_a_fraction_not_both() -> None:
+    for section in ("sft", "dpo", "reward_model"):
+        config = load_config(None, [f"{section}.eval_data=held.jsonl"], environ={})
+        assert str(getattr(config, section).eval_data) == "held.jsonl"
+        with pytest.raises(ConfigError, match="both say where the held-out"):
+            load_config(
+                None,
+                [f"{section}.eval_data=held.jsonl", f"{section}.held_out_fraction=0.2"],
+                environ={},
+            )

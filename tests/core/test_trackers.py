@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rollwire.services.core.config import load_config
-from rollwire.trainer.records import MetricsLog
+from rollwire.trainer.process.records import MetricsLog
 
 STEPS = {1: {"loss": 0.5, "reward_mean": 0.25}, 2: {"loss": 0.4, "reward_mean": 0.5}}
 
@@ -56,6 +56,8 @@ def _records(path) -> list[bytes]:
             position += left
             continue
         length, kind = struct.unpack("<HB", data[position + 4 : position + 7])
+        if position + 7 + length > len(data):
+            break  # a piece still being written (W&B's writer runs on its own)
         piece = data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind == 1:
@@ -75,9 +77,14 @@ def _wandb_history(run_dir) -> tuple[list[dict], dict]:
 
     [run_file] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     history, config = [], {}
+    from google.protobuf.message import DecodeError
+
     for data in _records(run_file):
         record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
+        try:
+            record.ParseFromString(data)
+        except DecodeError:
+            break  # the tail of a file still being written: read again later
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append(

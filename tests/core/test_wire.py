@@ -62,6 +62,7 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
         teacher_logprobs=np.where(mask == 1, logprobs - 1, 0).astype(np.float32)
         if draw(st.booleans())
         else np.zeros(0, np.float32),
+        kind=draw(st.sampled_from(["tokens", "latents"])),
     )
 
 
@@ -255,6 +256,22 @@ def test_teacher_logprobs_are_optional_and_checked() -> None:
     scored.teacher_logprobs = np.full(6, np.nan, np.float32)
     with pytest.raises(WireError, match="teacher_logprobs: not finite"):
         decode_trajectory(encode(scored))
+
+
+def test_kind_travels_through_the_buffer_unchanged_and_defaults_to_tokens() -> None:
+    """The buffer admits a frame on `peek` and serves its bytes as they came, so a
+    trajectory of another modality reaches the trainer with its kind; a frame written
+    before the field existed reads as tokens."""
+    latents = sample()
+    latents.kind = "latents"
+    held = peek(encode(latents))
+    assert held.decode() == latents and held.decode().kind == "latents"
+    old = msgpack.unpackb(held.frame, raw=False)
+    del old["body"]["kind"]
+    assert decode_trajectory(msgpack.packb(old, use_bin_type=True)).kind == "tokens"
+    assert "kind" not in msgpack.unpackb(encode(sample()), raw=False)["body"]
+    with pytest.raises(WireError, match="kind: expected a non-empty string"):
+        decode_trajectory(_frame(lambda e: e["body"].update(kind=3)))
 
 
 @given(trajectories())

@@ -190,6 +190,20 @@ def test_the_kubernetes_manifests_are_in_step_with_the_compose_file() -> None:
         d for d in documents if d["kind"] == "Service" and d["metadata"]["name"] == "env-server"
     )
     assert env_service["spec"]["clusterIP"] == "None", "dns:/// must see every env-server pod"
+    # Every service asks for the stack's token; only the buffer and the trainer hold the
+    # trainer's, in both.
+    assert all(
+        name in (service.get("secrets") or compose["x-service"]["secrets"])
+        for service in services.values()
+        for name in ["rollwire-token"]
+    )
+    for name, entry in workloads.items():
+        mounted = {m["mountPath"] for m in entry["container"]["volumeMounts"]}
+        assert "/run/secrets/rollwire-token" in mounted, name
+        trainer_token = "/run/secrets/rollwire-trainer-token" in mounted
+        compose_secrets = services[name].get("secrets") or compose["x-service"]["secrets"]
+        assert trainer_token == (name in ("buffer", "trainer")), name
+        assert ("rollwire-trainer-token" in compose_secrets) == trainer_token, name
     for entry in workloads.values():
         assert entry["pod"]["securityContext"]["runAsNonRoot"] is True
         assert entry["container"]["securityContext"]["allowPrivilegeEscalation"] is False

@@ -135,9 +135,9 @@ def test_rollwire_train_loads_the_plugins_before_warm_up(
         return output_path
 
     # The real one trains with torch; this one only draws the examples it would train on.
-    fake_sft = types.ModuleType("rollwire.trainer.sft")
+    fake_sft = types.ModuleType("rollwire.trainer.pipelines.warmup")
     fake_sft.warm_up_on = warm_up_on
-    monkeypatch.setitem(sys.modules, "rollwire.trainer.sft", fake_sft)
+    monkeypatch.setitem(sys.modules, "rollwire.trainer.pipelines.warmup", fake_sft)
     config = RunConfig(
         env_server={"plugins": [PLUGIN]},
         orchestrator={"dataset": {"type": "env", "env_id": "plugin_countdown"}},

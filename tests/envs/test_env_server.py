@@ -138,6 +138,55 @@ async def test_env_server_error_contract(env_stub) -> None:
 
 
 @pytest.mark.integration
+async def test_the_operator_not_the_client_decides_the_sandbox(start_service) -> None:
+    """A Reset that asks a code-running env for less isolation than the env-server's
+    sandbox (none instead of bubblewrap, a longer run, more memory) is refused with
+    PERMISSION_DENIED and counted; the server's own choice is used otherwise; an operator
+    may let clients lower it."""
+    from rollwire.services.core.config import EnvSandboxConfig
+    from rollwire.services.core.sandbox import bwrap_path
+
+    def kwargs(**values) -> struct_pb2.Struct:
+        struct = struct_pb2.Struct()
+        struct.update({"tools": ["python"], **values})
+        return struct
+
+    strict = EnvServerConfig(sandbox=EnvSandboxConfig(kind="none", max_timeout_s=5))
+    runtime = await start_service(registrations(strict))
+    async with open_channel(runtime.address) as channel:
+        stub = env_pb2_grpc.EnvServiceStub(channel)
+        before = COUNTERS.get("env_rejected", reason="sandbox")
+        await expect(
+            stub.Reset(
+                env_pb2.ResetRequest(env_id="tool_use", env_kwargs=kwargs(python_timeout_s=30))
+            ),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "python_timeout_s: 30",
+        )
+        assert COUNTERS.get("env_rejected", reason="sandbox") == before + 1
+        # Within the limits: the server's sandbox kind, without the client naming one.
+        reply = await stub.Reset(env_pb2.ResetRequest(env_id="tool_use", env_kwargs=kwargs()))
+        assert reply.session_id
+    if bwrap_path() is not None:  # the default server runs bubblewrap: `none` is lower
+        runtime = await start_service(registrations(EnvServerConfig()))
+        async with open_channel(runtime.address) as channel:
+            stub = env_pb2_grpc.EnvServiceStub(channel)
+            await expect(
+                stub.Reset(
+                    env_pb2.ResetRequest(env_id="tool_use", env_kwargs=kwargs(sandbox="none"))
+                ),
+                grpc.StatusCode.PERMISSION_DENIED,
+                "sandbox: none",
+            )
+    lenient = EnvSandboxConfig(kind="none", max_timeout_s=5, clients_may_lower=True)
+    runtime = await start_service(registrations(EnvServerConfig(sandbox=lenient)))
+    async with open_channel(runtime.address) as channel:
+        stub = env_pb2_grpc.EnvServiceStub(channel)
+        reset = env_pb2.ResetRequest(env_id="tool_use", env_kwargs=kwargs(python_timeout_s=30))
+        assert (await stub.Reset(reset)).session_id
+
+
+@pytest.mark.integration
 async def test_env_server_survives_a_crashing_env_and_enforces_session_limit(env_stub) -> None:
     stub = env_stub
     broken = (await stub.Reset(env_pb2.ResetRequest(env_id="test_exploding"))).session_id

@@ -22,10 +22,10 @@ from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.server.hf_engine import HFEngine
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.config import RLSection, TrainerConfig
-from rollwire.trainer.mismatch import measure
-from rollwire.trainer.model import Policy
-from rollwire.trainer.pipeline import save_model
-from rollwire.trainer.weight_sender import publish
+from rollwire.trainer.pipelines.common import save_model
+from rollwire.trainer.process.weight_sender import publish
+from rollwire.trainer.rl.mismatch import measure
+from rollwire.trainer.rl.policy import Policy
 from tests.conftest import rollout_server_args
 from tests.helpers.servers import serve_engine
 from tests.helpers.trajectories import group

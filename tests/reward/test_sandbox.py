@@ -222,6 +222,46 @@ def test_it_cannot_kill_its_parent_or_another_host_process(box: Sandbox) -> None
         sentinel.wait(timeout=10)
 
 
+def test_a_pair_talks_over_two_pipes_and_neither_sees_the_other(box: Sandbox) -> None:
+    """`run_pair`: the program's stdout is the judge's stdin and back; the judge's
+    stderr is the verdict. The program cannot find the judge's process or files."""
+    program = (
+        "import os, sys\n"
+        "visible = sorted(p for p in os.listdir('/proc') if p.isdigit())\n"
+        "files = sorted(os.listdir('/src'))\n"
+        "print(len(visible) <= 3, files, flush=True)\n"
+        "print(sys.stdin.readline().strip()[::-1], flush=True)\n"
+    )
+    judge = (
+        "import sys\n"
+        "seen = sys.stdin.readline().strip()\n"
+        "print('olleh', flush=True)\n"
+        "sys.stderr.write(seen + ' | ' + sys.stdin.readline().strip() + '\\n')\n"
+    )
+    result = box.run_pair(
+        (["{python}", "-I", "-S", "{src}/judge.py"], {"judge.py": judge, "secret.txt": "tests"}),
+        (["{python}", "-I", "-S", "{src}/main.py"], {"main.py": program}),
+        Limits(timeout_s=20),
+    )
+    assert result.exit_code == 0 and not result.timed_out, result
+    assert result.verdict.decode().strip() == "True ['main.py'] | hello"
+
+
+def test_a_pair_that_hangs_ends_both_at_the_wall_clock(box: Sandbox) -> None:
+    marker = f"rollwire-pair-{uuid.uuid4().hex}"
+    sleeper = f"import time; time.sleep(60)  # {marker}\n"
+    result = box.run_pair(
+        (["{python}", "-I", "-S", "{src}/a.py", marker], {"a.py": sleeper}),
+        (["{python}", "-I", "-S", "{src}/b.py", marker], {"b.py": sleeper}),
+        Limits(timeout_s=1),
+    )
+    assert result.timed_out and 1 <= result.seconds < 10
+    deadline = time.monotonic() + 5  # the kernel ends a killed namespace's processes soon after
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(marker) == []
+
+
 def test_runs_beyond_max_parallel_wait_for_a_slot() -> None:
     box = Sandbox(KIND, max_parallel=2)
     code = "import time\nstart = time.time()\ntime.sleep(0.4)\nprint('span', start, time.time())"

@@ -157,7 +157,7 @@ def test_chat_turns_build_exactly_what_the_template_renders() -> None:
 async def test_a_chat_formatted_prompt_is_exactly_what_the_template_renders(tmp_path) -> None:
     """`orchestrator.use_chat_template`: the prompt's tokens are the rendered template's,
     not the keys of the mapping transformers 5 returns from apply_chat_template."""
-    from rollwire.rollout.orchestrator.loop import Orchestrator
+    from rollwire.rollout.orchestrator.sampler import Sampler
     from rollwire.services.core.config import RunConfig
     from rollwire.services.core.datasets import Task
     from rollwire.services.core.tiny import build_tokenizer
@@ -168,19 +168,11 @@ async def test_a_chat_formatted_prompt_is_exactly_what_the_template_renders(tmp_
         {
             "run": {"output_dir": str(tmp_path)},
             "orchestrator": {"use_chat_template": True, "prompt_template": "Q: {question}"},
-            # Never called: channels and sockets connect only when used.
-            "endpoints": {
-                "rollout_servers": ["127.0.0.1:9"],
-                "reward_servers": ["127.0.0.1:9"],
-                "buffer_producer": "tcp://127.0.0.1:9",
-            },
+            # Never called: channels connect only when used.
+            "endpoints": {"rollout_servers": ["127.0.0.1:9"], "reward_servers": ["127.0.0.1:9"]},
         }
     )
-    orchestrator = Orchestrator(config, chat)
-    try:
-        ids = orchestrator.encode_prompt(Task(0, "t0", "What is 1 + 2?", "3", "math", "test"))
-    finally:
-        orchestrator.producer.close()
+    ids = Sampler(config, chat).encode_prompt(Task(0, "t0", "What is 1 + 2?", "3", "math", "test"))
     rendered = chat.apply_chat_template(
         [{"role": "user", "content": "Q: What is 1 + 2?"}],
         tokenize=False,

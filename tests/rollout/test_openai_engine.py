@@ -195,6 +195,19 @@ def stop_group(process: subprocess.Popen) -> None:
             continue
 
 
+async def streaming(engine: OpenAIEngine, request_id: str, future, tokens: int = 3) -> bool:
+    """Waits (60 s at most) until the request has `tokens` tokens in flight: True then,
+    False if it ended first (a stream can finish between two looks on a loaded machine)."""
+    deadline = time.monotonic() + 60
+    while not future.done():
+        stream = engine._inflight.get(request_id)
+        if stream is not None and len(stream.tokens) >= tokens:
+            return True
+        assert time.monotonic() < deadline, f"{request_id} never streamed {tokens} tokens"
+        await asyncio.sleep(0.005)
+    return False
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(
@@ -223,7 +236,8 @@ async def test_generation_updates_and_interruptions_against_vllm(vllm_server) ->
 
         # A weight update through the worker extension, tied LM head included.
         new = perturbed(model, seed=1)
-        assert await engine.update_weights(new, 1) > 0 and engine.version == 1
+        assert await asyncio.wait_for(engine.update_weights(new, 1), 120) > 0
+        assert engine.version == 1
         load_into(model, new)
         after = await engine.generate("d", prompt, SamplingSpec(max_new_tokens=16, seed=4))
         assert after.policy_versions == [1] * 16
@@ -236,9 +250,15 @@ async def test_generation_updates_and_interruptions_against_vllm(vllm_server) ->
             )
             for i in range(8)
         ]
-        long = asyncio.ensure_future(engine.generate("long", [9], SamplingSpec(max_new_tokens=240)))
-        while len(engine._streams.get("long").tokens if "long" in engine._streams else []) < 3:
-            await asyncio.sleep(0.005)
+        for _ in range(5):  # (a stream that ended before it was seen is tried again)
+            long = asyncio.ensure_future(
+                engine.generate("long", [9], SamplingSpec(max_new_tokens=240))
+            )
+            if await streaming(engine, "long", long):
+                break
+            await long
+        else:
+            pytest.fail("five 240-token streams in a row ended before 3 of their tokens were seen")
         assert engine.abort(["long"]) == 1
         aborted = await asyncio.wait_for(long, 60)
         # (an abort that lands as the stream ends still says so, with all 240 tokens)
@@ -252,10 +272,9 @@ async def test_generation_updates_and_interruptions_against_vllm(vllm_server) ->
             mid = asyncio.ensure_future(
                 engine.generate("mid", [11, 12], SamplingSpec(max_new_tokens=240, seed=2))
             )
-            while len(engine._streams["mid"].tokens if "mid" in engine._streams else []) < 3:
-                await asyncio.sleep(0.005)
+            await streaming(engine, "mid", mid)  # (if it already ended, the update lands after)
             newer = perturbed(model, seed=version)
-            await engine.update_weights(newer, version)
+            await asyncio.wait_for(engine.update_weights(newer, version), 120)
             result = await asyncio.wait_for(mid, 120)
             assert len(result.token_ids) == 240 and result.finish_reason == "length"
             if version in result.policy_versions:
@@ -360,6 +379,7 @@ async def test_a_yes_no_judge_on_vllm_reads_the_models_own_probabilities(tmp_pat
                 yes=yes,
                 no=no,
                 template="{prompt}|{reference}|{response}|",
+                fence_response=False,  # the rubric compared with is the bare one
             )
         )
         (score,) = await judge.score([ScoreInput(prompt="2+2", reference="4", response="4")], 60)

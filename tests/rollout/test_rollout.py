@@ -80,6 +80,21 @@ async def test_batched_generation_matches_an_unbatched_forward(engine) -> None:
         assert result.policy_versions == [0] * 12
 
 
+async def test_the_engine_seed_repeats_requests_that_bring_none(tiny_model_path) -> None:
+    """rollout_server.seed starts the generator of requests without a seed: two engines
+    with one seed sample the same tokens, another seed other ones."""
+    drawn = []
+    for seed in (11, 11, 12):
+        engine = HFEngine(tiny_model_path, max_batch_size=8, device=DEVICE, seed=seed)
+        await engine.start()
+        try:
+            spec = SamplingSpec(max_new_tokens=24, temperature=1.5)
+            drawn.append([(await engine.generate(f"r{i}", [5, 6], spec)).token_ids for i in (0, 1)])
+        finally:
+            await engine.close()
+    assert drawn[0] == drawn[1] and drawn[0] != drawn[2]
+
+
 async def test_seeds_stop_tokens_and_temperature(engine) -> None:
     first = await engine.generate("a", [5, 6], SamplingSpec(max_new_tokens=10, seed=7))
     again = await engine.generate("b", [5, 6], SamplingSpec(max_new_tokens=10, seed=7))
@@ -433,6 +448,12 @@ async def test_rollout_server_rejects_bad_input_and_keeps_serving(rollout_stub) 
         grpc.StatusCode.INVALID_ARGUMENT,
         "empty",
     )
+    for bad in ({"temperature": math.nan}, {"temperature": math.inf}, {"top_p": math.nan}):
+        await expect(
+            stub.Generate(generate_request("nan", **bad)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "must be finite",
+        )
     await expect(
         stub.Generate(generate_request("long", max_new_tokens=100)),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -599,7 +620,7 @@ async def test_generate_group_samples_a_prompt_n_times(rollout_stub) -> None:
 async def test_mismatch_tool_finds_the_hf_engine_agrees_with_the_trainer(
     start_service, tiny_model_path
 ) -> None:
-    from rollwire.trainer.mismatch import measure
+    from rollwire.trainer.rl.mismatch import measure
 
     engine = HFEngine(tiny_model_path, max_batch_size=8, device=DEVICE)
     address, servicer = await serve_engine(start_service, engine)

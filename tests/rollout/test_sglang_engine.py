@@ -262,7 +262,7 @@ async def test_update_mid_generation(interruptible: bool, long_model_path) -> No
 
 @on_gpu
 async def test_rollout_server_over_grpc_with_sglang(start_service, tiny_model_path) -> None:
-    from rollwire.trainer.mismatch import measure
+    from rollwire.trainer.rl.mismatch import measure
 
     engine = make_engine(tiny_model_path)
     servicer = RolloutServicer(engine)

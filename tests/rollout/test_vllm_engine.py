@@ -270,7 +270,7 @@ async def test_update_mid_generation(interruptible: bool, tiny_model_path) -> No
 
 
 async def test_rollout_server_over_grpc_with_vllm(start_service, tiny_model_path) -> None:
-    from rollwire.trainer.mismatch import measure
+    from rollwire.trainer.rl.mismatch import measure
 
     engine = make_engine(tiny_model_path)
     servicer = RolloutServicer(engine)

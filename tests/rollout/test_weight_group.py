@@ -15,7 +15,7 @@ from rollwire.rollout.server.servicer import RolloutServicer
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.server import Registration
-from rollwire.trainer.weight_sender import GroupPublisher, publish
+from rollwire.trainer.process.weight_sender import GroupPublisher, publish
 from tests.helpers.runs import SHORT_RUN, jsonl, rollwire_train
 
 torch.set_num_threads(1)
@@ -170,7 +170,7 @@ def free_port() -> int:
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_a_run_sends_its_weights_by_broadcast(tmp_path) -> None:
-    run_dir, result = rollwire_train(tmp_path, *SHORT_RUN, "trainer.weight_transport=group")
+    run_dir, result = rollwire_train(tmp_path, *SHORT_RUN, "trainer.weights.transport=group")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
     assert len(steps) == 4 and all(step["weights_by_group"] == 1.0 for step in steps)

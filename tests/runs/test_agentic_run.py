@@ -123,10 +123,13 @@ def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_short_agentic_run_with_step_level_advantages(tmp_path) -> None:
-    """`trainer.advantage: step` (GiGPO) through every process: guess-the-number names its
+    """`trainer.algorithm.advantage: step` (GiGPO) through every process: guess-the-number names its
     states, so turns taken in the same state get a step-level advantage."""
     run_dir, result = rollwire_train(
-        tmp_path, *GUESS_RUN, "rl.max_steps=3", "trainer.advantage={type: step, weight: 0.5}"
+        tmp_path,
+        *GUESS_RUN,
+        "rl.max_steps=3",
+        "trainer.algorithm.advantage={type: step, weight: 0.5}",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = jsonl(run_dir / "metrics" / "trainer.jsonl")

@@ -123,7 +123,7 @@ def test_every_kind_of_process_killed_mid_run_loses_nothing_and_trains_nothing_t
     overrides = [
         *SHORT_RUN,
         f"rl.max_steps={max_steps}",
-        "trainer.checkpoint_every=2",
+        "trainer.checkpointing.every=2",
         f"run.output_dir={run_dir}",
     ]
     process = start_rollwire("train", overrides, tmp_path, subprocess.PIPE)
@@ -253,7 +253,7 @@ def test_a_killed_trainer_rank_restarts_the_group_and_a_two_rank_run_resumes(tmp
     overrides = [
         *SHORT_RUN,
         "rl.max_steps=12",
-        "trainer.checkpoint_every=2",
+        "trainer.checkpointing.every=2",
         "trainer.backend=fsdp2",
         "trainer.world_size=2",
         f"run.output_dir={run_dir}",

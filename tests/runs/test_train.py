@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -22,9 +23,9 @@ from tests.helpers.runs import (
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
-    # The weights go out in the background (trainer.overlap_publish): every version still
+    # The weights go out in the background (trainer.weights.overlap_publish): every version still
     # reaches the rollout-server, in order (below).
-    run_dir, result = rollwire_train(tmp_path, *SHORT_RUN, "trainer.overlap_publish=true")
+    run_dir, result = rollwire_train(tmp_path, *SHORT_RUN, "trainer.weights.overlap_publish=true")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "held-out eval reward" in result.stdout
 
@@ -60,9 +61,11 @@ def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
         checkpoint / "trainer_state.pt"
     ).exists()
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
-    assert yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["endpoints"][
-        "rollout_servers"
-    ]
+    resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())
+    assert resolved["endpoints"]["rollout_servers"]
+    # The buffer took batches and acks only from the trainer: a secret of this run's own.
+    token = Path(resolved["buffer"]["trainer_token_file"])
+    assert token.parent == run_dir / "secrets" and token.stat().st_mode & 0o777 == 0o600
 
     # Every process of the run has exited.
     assert_no_process_left(run_dir)
@@ -88,40 +91,40 @@ def test_short_asynchronous_run_through_every_process(tmp_path) -> None:
 ALGORITHMS = {
     # Every advantage estimator, policy loss and correction in one short run or another.
     "dr_grpo+gspo+none": [
-        "trainer.advantage={type: dr_grpo}",
-        "trainer.loss={type: gspo}",
-        "trainer.correction={type: none}",
-        "trainer.aggregation=seq_mean_token_mean",
+        "trainer.algorithm.advantage={type: dr_grpo}",
+        "trainer.algorithm.loss={type: gspo}",
+        "trainer.algorithm.correction={type: none}",
+        "trainer.algorithm.aggregation=seq_mean_token_mean",
     ],
     "rloo+cispo+decoupled": [
-        "trainer.advantage={type: rloo}",
-        "trainer.loss={type: cispo}",
-        "trainer.correction={type: decoupled}",
+        "trainer.algorithm.advantage={type: rloo}",
+        "trainer.algorithm.loss={type: cispo}",
+        "trainer.algorithm.correction={type: decoupled}",
     ],
     "lite_ppo+topr+mis+overlong": [
-        "trainer.advantage={type: lite_ppo}",
-        "trainer.loss={type: topr}",
-        "trainer.correction={type: mis}",
-        "trainer.aggregation=seq_mean_token_sum",
-        "trainer.overlong={mask_truncated: true, penalty_tokens: 4}",
+        "trainer.algorithm.advantage={type: lite_ppo}",
+        "trainer.algorithm.loss={type: topr}",
+        "trainer.algorithm.correction={type: mis}",
+        "trainer.algorithm.aggregation=seq_mean_token_sum",
+        "trainer.algorithm.overlong={mask_truncated: true, penalty_tokens: 4}",
     ],
     "reinforce_plus_plus+raft_plus_plus+kl_in_reward": [
-        "trainer.advantage={type: reinforce_plus_plus, baseline: group}",
-        "trainer.loss={type: raft_plus_plus}",
-        "trainer.entropy_coef=0.001",
-        "trainer.kl={coef: 0.05, estimator: k1, in_reward: true}",
+        "trainer.algorithm.advantage={type: reinforce_plus_plus, baseline: group}",
+        "trainer.algorithm.loss={type: raft_plus_plus}",
+        "trainer.algorithm.entropy_coef=0.001",
+        "trainer.algorithm.kl={coef: 0.05, estimator: k1, in_reward: true}",
     ],
     "episode+reinforce+constant+kl": [
-        "trainer.advantage={type: episode, keep_groups_fraction: 0.5}",
-        "trainer.loss={type: reinforce}",
-        "trainer.aggregation=constant",
-        "trainer.aggregation_constant=10",
-        "trainer.kl={coef: 0.01, estimator: k2}",
+        "trainer.algorithm.advantage={type: episode, keep_groups_fraction: 0.5}",
+        "trainer.algorithm.loss={type: reinforce}",
+        "trainer.algorithm.aggregation=constant",
+        "trainer.algorithm.aggregation_constant=10",
+        "trainer.algorithm.kl={coef: 0.01, estimator: k2}",
     ],
     "gae+ppo_clip+tis+running_norm": [
-        "trainer.advantage={type: gae, lam: 0.9, critic: {learning_rate: 0.003}}",
-        "trainer.loss={type: ppo_clip, dual_clip: 3}",
-        "trainer.reward_normalization=running",
+        "trainer.algorithm.advantage={type: gae, lam: 0.9, critic: {learning_rate: 0.003}}",
+        "trainer.algorithm.loss={type: ppo_clip, dual_clip: 3}",
+        "trainer.algorithm.reward_normalization=running",
     ],
 }
 
@@ -137,7 +140,7 @@ def test_each_algorithm_trains_through_every_process(algorithm: str, tmp_path) -
     run_dir, result = rollwire_train(
         tmp_path,
         *[item for item in SHORT_RUN if not item.startswith(("warmup.", "run.tiny_model"))],
-        "trainer.minibatches_per_step=2",
+        "trainer.batching.minibatches_per_step=2",
         *ALGORITHMS[algorithm],
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -160,6 +163,7 @@ def test_each_algorithm_trains_through_every_process(algorithm: str, tmp_path) -
         checkpoints = list((run_dir / "checkpoints").glob("step_*"))
         assert checkpoints and all((c / "critic").is_dir() for c in checkpoints)
     resolved = yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["trainer"]
+    resolved = resolved["algorithm"]
     assert resolved["loss"]["type"] in algorithm and resolved["advantage"]["type"] in algorithm
 
 
@@ -189,6 +193,36 @@ def test_a_short_run_with_trainer_ranks_on_cuda(backend: str, tmp_path) -> None:
     assert_no_process_left(run_dir)
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_run_seed_decides_the_first_batches_and_losses(tmp_path) -> None:
+    """run.seed reaches prompt order, sampling and initialisation: two runs with one seed
+    train the same first two batches to the same losses; another seed, other ones. (One
+    group at a time, generated one at a time: arrival order is not the question here.)"""
+    seeded = [
+        # The default tiny model and warm-up (as the algorithm runs'): some groups hold
+        # right and wrong answers, so the first steps have something to train on.
+        *[item for item in SHORT_RUN if not item.startswith(("warmup.", "run.tiny_model"))],
+        "rl.max_steps=2",
+        "rl.mode=sync",
+        "orchestrator.eval_dataset=null",
+        "orchestrator.max_concurrent_groups=1",
+        "rollout_server.max_batch_size=1",
+        "trainer.lora={rank: 4}",  # an adapter the trainer makes new: initialisation
+    ]
+    first: dict[str, tuple[list, list]] = {}
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        run_dir, result = rollwire_train(tmp_path / name, *seeded, f"run.seed={seed}")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        batches = [sorted(row["ids"]) for row in jsonl(run_dir / "metrics" / "trained_ids.jsonl")]
+        losses = [row["loss"] for row in jsonl(run_dir / "metrics" / "trainer.jsonl")]
+        first[name] = (batches[:2], losses[:2])
+    assert first["a"][0] == first["b"][0]
+    assert first["a"][1] == pytest.approx(first["b"][1], rel=1e-6, abs=1e-9)
+    assert first["a"][0][0] != first["c"][0][0]  # other prompts first
+    assert first["a"][1] != pytest.approx(first["c"][1], abs=1e-4)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_checkpoint_loads_with_from_pretrained(tmp_path) -> None:
@@ -197,7 +231,7 @@ def test_checkpoint_loads_with_from_pretrained(tmp_path) -> None:
 
     from rollwire.services.core.config import RLSection, TrainerConfig
     from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
-    from rollwire.trainer.model import Policy
+    from rollwire.trainer.rl.policy import Policy
 
     base = ensure_tiny_model(
         tmp_path / "tiny", TinySpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
@@ -212,7 +246,7 @@ def test_checkpoint_loads_with_from_pretrained(tmp_path) -> None:
     assert all(
         torch.equal(a, b)
         for a, b in zip(
-            model.state_dict().values(), policy.model.state_dict().values(), strict=True
+            model.state_dict().values(), policy.learner.model.state_dict().values(), strict=True
         )
     )
 
@@ -224,7 +258,8 @@ def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -
     from rollwire.services.core.config import RLSection, TrainerConfig
     from rollwire.services.core.tiny import TinySpec, ensure_tiny_model
     from rollwire.services.core.wire import Trajectory
-    from rollwire.trainer.model import Policy, collate
+    from rollwire.trainer.batching import collate
+    from rollwire.trainer.rl.policy import Policy
 
     base = ensure_tiny_model(
         tmp_path / "tiny", TinySpec(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
@@ -233,9 +268,9 @@ def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -
     prompt, good, bad = [20, 3, 14, 3, 21, 3, 32], [99, 22, 100, 1], [99, 23, 100, 1]
 
     def sequence_logprob(response: list[int]) -> float:
-        batch = collate([make(response, 0.0)], policy.pad_token_id)
+        batch = collate([make(response, 0.0)], policy.learner.pad_token_id)
         with torch.no_grad():
-            logprobs = policy._logprobs(policy.model, batch, slice(0, 1))
+            logprobs = policy.step.logprobs(policy.learner.model, batch, slice(0, 1))
         return float((logprobs * batch.mask).sum())
 
     def make(response: list[int], reward: float, version: int = 0) -> Trajectory:
@@ -257,9 +292,9 @@ def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -
         )
 
     def on_policy(trajectory: Trajectory) -> Trajectory:
-        batch = collate([trajectory], policy.pad_token_id)
+        batch = collate([trajectory], policy.learner.pad_token_id)
         with torch.no_grad():
-            logprobs = policy._logprobs(policy.model, batch, slice(0, 1))[0].numpy()
+            logprobs = policy.step.logprobs(policy.learner.model, batch, slice(0, 1))[0].numpy()
         trajectory.behaviour_logprobs = (
             np.concatenate([[0.0], logprobs]).astype(np.float32) * trajectory.loss_mask
         )
@@ -281,9 +316,9 @@ def test_a_train_step_moves_probability_toward_the_rewarded_response(tmp_path) -
     # for both: what must move is the gap between them (their one different token).
     assert after_good - after_bad > before_good - before_bad + 1.0, (after_good, after_bad)
     # A group whose rewards are all equal carries no signal and changes nothing.
-    frozen = {n: p.clone() for n, p in policy.model.named_parameters()}
+    frozen = {n: p.clone() for n, p in policy.learner.model.named_parameters()}
     assert policy.train_step([make(good, 1.0), make(bad, 1.0)], 5)["sequences_with_signal"] == 0
-    assert all(torch.equal(p, frozen[n]) for n, p in policy.model.named_parameters())
+    assert all(torch.equal(p, frozen[n]) for n, p in policy.learner.model.named_parameters())
 
 
 @pytest.mark.e2e
@@ -369,17 +404,17 @@ def test_dynamic_sampling_replaces_uniform_groups_and_the_run_still_moves(tmp_pa
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_a_sync_run_on_a_thread_plan_then_a_fresh_start_on_two_rollout_servers(tmp_path) -> None:
-    plan = ["rl.mode=sync", "run.cpu_threads=2", "trainer.checkpoint_every=2"]
+    plan = ["rl.mode=sync", "run.cpu_threads=2", "trainer.checkpointing.every=2"]
     run_dir, result = rollwire_train(tmp_path, *SHORT_RUN, *plan)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "threads: 2 shared (sync mode): trainer 2, rollout-server 1" in result.stdout
     steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
     assert [(s["threads_trainer"], s["threads_rollout"]) for s in steps] == [(2, 1)] * 4
 
-    # trainer.resume false in the same folder: the buffer's log of the run before goes
+    # trainer.checkpointing.resume false in the same folder: the buffer's log of the run before goes
     # too, so this run's orchestrator does not take the prompts as done (it hung so).
     # This run generates on two rollout-servers, one thread each.
-    two = ["trainer.resume=false", "run.local_rollout_servers=2"]
+    two = ["trainer.checkpointing.resume=false", "run.local_rollout_servers=2"]
     _, again = rollwire_train(tmp_path, *SHORT_RUN, *plan, *two, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "the buffer's log" in again.stdout and "resuming from" not in again.stdout

@@ -1,4 +1,4 @@
-"""The trainer backends (trainer/backends.py): the token split, and one optimizer step of
+"""The trainer backends (trainer/backends/__init__.py): the token split, and one optimizer step of
 fsdp2 and DeepSpeed ZeRO on two CPU ranks against the same step in one local process.
 
 The multiproc tests run tests/helpers/backend_worker.py under `torchrun --standalone` (a free
@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from rollwire.services.core.config.distributed import DeepSpeedConfig, DistributedConfig
-from rollwire.trainer.backend_weights import buckets
 from rollwire.trainer.backends import split_by_tokens
+from rollwire.trainer.backends.weights import buckets
 
 WORKER = Path(__file__).parents[1] / "helpers" / "backend_worker.py"
 POLICY_WORKER = Path(__file__).parents[1] / "helpers" / "policy_worker.py"

@@ -53,16 +53,18 @@ def test_a_student_learns_from_the_teachers_kept_answers(tmp_path) -> None:
     distilled = tmp_path / "distill" / "distill.jsonl"
     report = fine_tune(tmp_path, tmp_path / "student", distilled, evaluate=True)
     # The untrained student scores 0, the teacher 0.325. While the teacher's samples were
-    # unseeded the student's score varied with them: of eight runs on 2026-12-02 four fell
-    # under 0.1 (0.095, 0.093 read), and on 2026-12-04 one read 0.0325. They are seeded
-    # now (orchestrator.sampling_seed and each prompt's place): 0.13, and 0.15 token-level.
-    # The bar stays "clearly above nothing".
-    assert report["greedy_reward"] >= 0.05, report
+    # unseeded the student's score varied with them (of eight runs on 2026-12-02 four fell
+    # under 0.1), and the bar was lowered to 0.05. Seeded (orchestrator.sampling_seed, each
+    # prompt's place, run.seed), five runs on 2026-12-04 all read 0.13, and 0.15
+    # token-level: the bar is back at 0.1.
+    print(f"student on the kept answers: held-out greedy reward {report['greedy_reward']}")
+    assert report["greedy_reward"] >= 0.1, report
     # Token-level: the same rows, the loss a forward KL to the teacher's top-8.
     report = fine_tune(
         tmp_path, tmp_path / "token_level", distilled, "sft.loss=forward_kl", evaluate=True
     )
-    assert report["greedy_reward"] >= 0.05, report
+    print(f"token-level student: held-out greedy reward {report['greedy_reward']}")
+    assert report["greedy_reward"] >= 0.1, report
 
 
 def test_distill_generate_refuses_an_env_dataset(tmp_path) -> None:

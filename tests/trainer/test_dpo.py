@@ -64,8 +64,8 @@ def _dpo_run(tmp_path: Path, name: str, model: Path, data: Path, *sets: str) -> 
         "dpo.max_steps=4",
         "dpo.batch_size=6",
         "dpo.eval_every=2",
-        "trainer.micro_batch_size=4",
-        "trainer.learning_rate=0.003",
+        "trainer.batching.micro_batch_size=4",
+        "trainer.optimizer.learning_rate=0.003",
         *sets,
     )
     return jsonl(run / "metrics" / "dpo.jsonl")

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from rollwire.services.core.config import LoraConfig, RLSection, TrainerConfig
 from rollwire.trainer.batching import collate
-from rollwire.trainer.model import Policy
+from rollwire.trainer.rl.policy import Policy
 from tests.helpers.trajectories import group
 
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -24,7 +24,7 @@ def adapters(policy: Policy) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Target layer name (plain model's) -> its (B, A) weights."""
     from peft.tuners.lora import LoraLayer
 
-    base = policy.model.get_base_model()
+    base = policy.learner.model.get_base_model()
     return {
         name: (layer.lora_B["default"].weight.detach(), layer.lora_A["default"].weight.detach())
         for name, layer in base.named_modules()
@@ -48,22 +48,24 @@ def test_config_defaults_and_unknown_keys() -> None:
 
 def test_only_the_adapters_train(tiny_model_path) -> None:
     policy = make_policy(tiny_model_path, learning_rate=5e-2)
-    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    trainable = {n for n, p in policy.learner.model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    held = {id(p) for group in policy.optimizer.param_groups for p in group["params"]}
-    assert held == {id(p) for n, p in policy.model.named_parameters() if n in trainable}
+    held = {id(p) for group in policy.learner.optimizer.param_groups for p in group["params"]}
+    assert held == {id(p) for n, p in policy.learner.model.named_parameters() if n in trainable}
     # Every attention projection of both layers has its A and B.
     assert len(trainable) == 2 * 4 * 2
-    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in policy.learner.model.named_parameters()}
     metrics = policy.train_step(group(), 0)
     assert metrics["optimizer_steps"] == 1
-    for name, p in policy.model.named_parameters():
+    for name, p in policy.learner.model.named_parameters():
         if name in trainable:
             continue
         assert torch.equal(p, before[name]), name
     # B starts at zero; after one update every adapter has moved.
     assert all(
-        not torch.equal(p, before[n]) for n, p in policy.model.named_parameters() if ".lora_B." in n
+        not torch.equal(p, before[n])
+        for n, p in policy.learner.model.named_parameters()
+        if ".lora_B." in n
     )
 
 
@@ -89,7 +91,7 @@ def test_published_weights_are_merged_and_load_into_a_plain_model(tiny_model_pat
         else:
             assert torch.equal(tensor, base[name]), name
     # The adapters stay apart: the model still computes W x + scale B A x.
-    layer = policy.model.get_base_model().model.layers[0].self_attn.q_proj
+    layer = policy.learner.model.get_base_model().model.layers[0].self_attn.q_proj
     assert torch.equal(layer.base_layer.weight, base["model.layers.0.self_attn.q_proj.weight"])
     # The plain model's full state dict: the tied lm_head is the embedding's tensor.
     state = dict(published)
@@ -99,9 +101,9 @@ def test_published_weights_are_merged_and_load_into_a_plain_model(tiny_model_pat
     plain.load_state_dict(state, strict=True)
     tokens = torch.tensor([[20, 3, 14, 3, 21, 3, 32]])
     with torch.no_grad():
-        policy.model.eval()
+        policy.learner.model.eval()
         torch.testing.assert_close(
-            plain(input_ids=tokens).logits, policy.model(input_ids=tokens).logits
+            plain(input_ids=tokens).logits, policy.learner.model(input_ids=tokens).logits
         )
 
 
@@ -111,11 +113,15 @@ def test_the_kl_reference_is_the_base_model_without_a_copy(tiny_model_path) -> N
     policy = make_policy(tiny_model_path, learning_rate=5e-2, kl={"coef": 0.1})
     policy.train_step(group(), 0)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    batch = collate(group(), policy.pad_token_id)
+    batch = collate(group(), policy.learner.pad_token_id)
     with torch.no_grad():
-        expected = policy.updater.logprobs(plain, batch)
-        torch.testing.assert_close(policy.updater.logprobs(policy.reference, batch), expected)
-        assert not torch.allclose(policy.updater.logprobs(policy.model, batch), expected)
+        expected = policy.step.updater.logprobs(plain, batch)
+        torch.testing.assert_close(
+            policy.step.updater.logprobs(policy.step.reference, batch), expected
+        )
+        assert not torch.allclose(
+            policy.step.updater.logprobs(policy.learner.model, batch), expected
+        )
 
 
 def test_checkpoint_round_trip(tiny_model_path, tmp_path) -> None:
@@ -134,15 +140,15 @@ def test_checkpoint_round_trip(tiny_model_path, tmp_path) -> None:
 
     resumed = make_policy(tiny_model_path, learning_rate=1e-2)
     resumed.restore(folder)
-    assert resumed.optimizer_steps == 1
+    assert resumed.learner.optimizer_steps == 1
     for (name, ours), theirs in zip(
-        resumed.model.named_parameters(), straight.model.parameters(), strict=True
+        resumed.learner.model.named_parameters(), straight.learner.model.parameters(), strict=True
     ):
         assert torch.equal(ours, theirs), name
     straight.train_step(group(), 1)
     resumed.train_step(group(), 1)
     for (name, ours), theirs in zip(
-        resumed.model.named_parameters(), straight.model.parameters(), strict=True
+        resumed.learner.model.named_parameters(), straight.learner.model.parameters(), strict=True
     ):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=name)
     with pytest.raises(ValueError, match="LoRA"):

@@ -1,4 +1,4 @@
-"""Policy losses, corrections, aggregation and KL estimators (trainer/losses.py) against
+"""Policy losses, corrections, aggregation and KL estimators (trainer/math/losses.py) against
 numbers worked out by hand: values and gradients on one or two sequences of three
 tokens, the first of them a prompt token (masked out)."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rollwire.trainer.losses import (
+from rollwire.trainer.math.losses import (
     CORRECTIONS,
     POLICY_LOSSES,
     PREFERENCE_LOSSES,

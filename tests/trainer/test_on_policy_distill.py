@@ -104,13 +104,13 @@ def test_the_student_moves_toward_the_teacher(tmp_path) -> None:
     """A teacher fine-tuned on right answers; the default student (warmed up on answers
     60% off by one) trained by the teacher's per-token scores alone, no reward."""
     data = chain_sum_files(tmp_path / "data")
-    teacher = fine_tune(tmp_path, tmp_path / "teacher", data / "sft.jsonl")
+    teacher = fine_tune(tmp_path, tmp_path / "teacher", data / "sft.jsonl", "sft.epochs=16")
     run = tmp_path / "run"
     rollwire(
         tmp_path,
         "train",
         f"run.output_dir={run}",
-        "trainer.advantage={type: on_policy_distill}",
+        "trainer.algorithm.advantage={type: on_policy_distill}",
         f"distill.teacher_model_path={teacher}",
         "rl.max_steps=40",
         "orchestrator.eval_every=10",
@@ -125,14 +125,13 @@ def test_the_student_moves_toward_the_teacher(tmp_path) -> None:
     kl = [row["teacher_kl"] for row in steps]
     print(f"teacher_kl first five {np.mean(kl[:5]):.3f}, last five {np.mean(kl[-5:]):.3f}")
     # The student's divergence from the teacher on its own samples falls, and its
-    # held-out reward rises. Measured from a warm model at 0.205: 0.305, 0.31, 0.325, 0.31
-    # at versions 10-40, teacher_kl 0.263 over the first five steps, 0.192 over the last;
-    # on a slower machine (2026-12-03) from 0.215: best 0.255 (teacher_kl 0.256 -> 0.142)
-    # and, in sync mode, 0.25 (0.247 -> 0.139). The KL is the test's main claim; the
-    # reward's bar asks only for a rise (4 of the 200 held-out prompts; the measured
-    # rises were 0.035 to 0.12).
+    # held-out reward rises toward the teacher's. The teacher trains 16 epochs: at 8 it
+    # scored about 0.325, barely above a student warmed up to 0.265, and the rise it could
+    # give (0.03 to 0.065 in three runs) was no test. Five runs on 2026-12-04 (async, two
+    # cores shared with the rest of the suite's load): best rises 0.095, 0.115, 0.09,
+    # 0.115, 0.115 from 0.265; teacher_kl 0.45 over the first five steps, 0.25 the last.
     assert np.mean(kl[-5:]) < np.mean(kl[:5]) - 0.05, kl
-    assert max(reward for _, reward in curve[2:]) >= curve[0][1] + 0.02, curve
+    assert max(reward for _, reward in curve[2:]) >= curve[0][1] + 0.05, curve
 
 
 @pytest.mark.multiproc
@@ -149,7 +148,7 @@ def test_on_policy_distillation_on_two_fsdp2_ranks(tmp_path, tiny_model_path) ->
         "train",
         f"run.output_dir={run}",
         f"trainer.model_path={tiny_model_path}",
-        "trainer.advantage={type: on_policy_distill, reward_weight: 0.5}",
+        "trainer.algorithm.advantage={type: on_policy_distill, reward_weight: 0.5}",
         "trainer.backend=fsdp2",
         "trainer.world_size=2",
         f"distill.teacher_model_path={teacher}",
@@ -175,15 +174,17 @@ def test_on_policy_distillation_on_two_fsdp2_ranks(tmp_path, tiny_model_path) ->
 
 def test_an_evaluation_of_a_distillation_run_starts_no_teacher(tmp_path, tiny_model_path) -> None:
     """`rollwire eval` with an on-policy distillation config: the held-out reward of the
-    checkpoint, with no teacher-server (the evaluation scores no tokens)."""
+    checkpoint, with no teacher-server (the evaluation scores no tokens) and no buffer
+    (it sends no trajectories)."""
     out = rollwire(
         tmp_path,
         "eval",
         f"run.output_dir={tmp_path / 'run'}",
-        "trainer.advantage={type: on_policy_distill}",
+        "trainer.algorithm.advantage={type: on_policy_distill}",
         f"distill.teacher_model_path={tmp_path / 'no-such-teacher'}",
         extra=["--checkpoint", str(tiny_model_path)],
     )
     assert "greedy_reward" in out
     logs = tmp_path / "run" / "evals" / tiny_model_path.name / "logs"
     assert (logs / "rollout-server.log").exists() and not (logs / "teacher-server.log").exists()
+    assert not (logs / "buffer.log").exists()

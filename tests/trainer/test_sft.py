@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollwire.trainer.pipeline import batches
+from rollwire.trainer.pipelines.common import batches
 from tests.helpers.runs import chain_sum_files, jsonl, rollwire
 
 
@@ -57,7 +57,7 @@ def test_sft_from_scratch_then_rl_on_its_model(tmp_path) -> None:
         f"sft.data={data}",
         "sft.epochs=8",
         "sft.eval_every=100",
-        "trainer.learning_rate=0.003",
+        "trainer.optimizer.learning_rate=0.003",
     )
     assert "held_out: " in out and "rows kept" in out  # what preparing the data counted
     metrics = jsonl(run / "metrics" / "sft.jsonl")
@@ -99,8 +99,8 @@ def _sft_run(tmp_path: Path, name: str, data: Path, *sets: str) -> list[dict]:
         "sft.max_steps=6",
         "sft.batch_size=8",
         "sft.eval_every=3",
-        "trainer.learning_rate=0.003",
-        "trainer.micro_batch_size=3",
+        "trainer.optimizer.learning_rate=0.003",
+        "trainer.batching.micro_batch_size=3",
         *sets,
     )
     return jsonl(run / "metrics" / "sft.jsonl")
@@ -194,7 +194,7 @@ def test_the_warm_up_is_the_sft_step_and_equals_the_loop_it_replaced(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollwire.trainer.sft import warm_up_on
+    from rollwire.trainer.pipelines.warmup import warm_up_on
 
     steps, size = 25, 8
 

@@ -9,7 +9,7 @@ import pytest
 
 from rollwire.services.core.datasets import read_rows
 from rollwire.trainer.batching import pack
-from rollwire.trainer.supervised_data import (
+from rollwire.trainer.pipelines.data import (
     Rendered,
     conversation_of,
     distill_examples,

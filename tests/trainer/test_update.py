@@ -12,7 +12,6 @@ import torch
 
 from rollwire.services.core.config import LRScheduleConfig, RLSection, TrainerConfig
 from rollwire.services.core.wire import Trajectory
-from rollwire.trainer.algorithms import token_entropy
 from rollwire.trainer.batching import (
     TokenBatch,
     collate,
@@ -23,8 +22,11 @@ from rollwire.trainer.batching import (
     split_rows,
     supervised_batch,
 )
-from rollwire.trainer.model import Policy
-from rollwire.trainer.update import average
+from rollwire.trainer.learner import Learner
+from rollwire.trainer.math.algorithms import token_entropy
+from rollwire.trainer.pipelines.steps import SupervisedStep
+from rollwire.trainer.rl.policy import Policy
+from rollwire.trainer.rl.update import average
 from tests.helpers.trajectories import PROMPT, RESPONSES, REWARDS, group
 
 
@@ -32,9 +34,13 @@ def make_policy(path, **settings) -> Policy:
     return Policy(path, TrainerConfig(**settings), RLSection(group_size=4, max_steps=4))
 
 
+def make_supervised(path, **settings) -> SupervisedStep:
+    return SupervisedStep(Learner(path, TrainerConfig(**settings), total_updates=4))
+
+
 def advantaged_batch(policy: Policy) -> TokenBatch:
     trajectories = group()
-    batch = collate(trajectories, policy.pad_token_id)
+    batch = collate(trajectories, policy.learner.pad_token_id)
     batch.advantages = per_token_advantages(
         trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), None, batch.mask.shape[1]
     )
@@ -42,9 +48,9 @@ def advantaged_batch(policy: Policy) -> TokenBatch:
 
 
 def gradients(policy: Policy, parts: list[TokenBatch]) -> dict[str, torch.Tensor]:
-    policy.model.zero_grad(set_to_none=True)
-    policy.updater.accumulate(parts, trainer_version=0)
-    return {name: p.grad.clone() for name, p in policy.model.named_parameters()}
+    policy.learner.model.zero_grad(set_to_none=True)
+    policy.step.updater.accumulate(parts, trainer_version=0)
+    return {name: p.grad.clone() for name, p in policy.learner.model.named_parameters()}
 
 
 def test_split_rows_and_pack_by_tokens_by_hand() -> None:
@@ -62,7 +68,7 @@ def test_micro_batches_within_the_token_budget_give_the_one_batch_gradient(
 ) -> None:
     policy = make_policy(tiny_model_path, max_tokens_per_micro_batch=24)
     batch = advantaged_batch(policy)
-    parts = policy.updater.parts(batch)
+    parts = policy.step.updater.parts(batch)
     # Lengths 11, 10, 13 and 9: 13 pads with 11 to 26 > 24, so each pair differs.
     assert [p.input_ids.shape for p in parts] == [(1, 13), (2, 11), (1, 9)]
     assert all(p.input_ids.numel() <= 24 for p in parts)
@@ -83,11 +89,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model_path) -> Non
     plain = make_policy(tiny_model_path)
     checkpointed = make_policy(tiny_model_path, gradient_checkpointing=True)
     assert (
-        checkpointed.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+        checkpointed.learner.model.is_gradient_checkpointing
+        and not plain.learner.model.is_gradient_checkpointing
     )
     expected = gradients(plain, [advantaged_batch(plain)])
     # Count the passes through one layer: checkpointing runs it again in the backward.
-    mlp = checkpointed.model.model.layers[0].mlp
+    mlp = checkpointed.learner.model.model.layers[0].mlp
     passes, forward = [], mlp.forward
     mlp.forward = lambda *args, **kwargs: passes.append(1) or forward(*args, **kwargs)
     for name, grad in gradients(checkpointed, [advantaged_batch(checkpointed)]).items():
@@ -107,9 +114,9 @@ def test_one_update_per_step_never_clips(tiny_model_path) -> None:
 
 def test_the_second_minibatch_is_clipped_against_the_proximal_policy(tiny_model_path) -> None:
     policy = make_policy(tiny_model_path, learning_rate=5e-2, minibatches_per_step=2)
-    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    before = {name: p.detach().clone() for name, p in policy.learner.model.named_parameters()}
     metrics = policy.train_step(group(), 0)
-    first, second = policy.update_metrics
+    first, second = policy.step.update_metrics
     assert metrics["optimizer_steps"] == 2
     # The first update runs on the weights the proximal logprobs came from: ratio 1.
     assert first["ratio_min"] == pytest.approx(1.0, abs=1e-6)
@@ -125,7 +132,7 @@ def test_the_second_minibatch_is_clipped_against_the_proximal_policy(tiny_model_
     assert metrics["ratio_max"] == max(first["ratio_max"], second["ratio_max"])
     # Mismatch and entropy come from the weights before the step (the proximal pass).
     assert metrics["mismatch_tokens"] == 15
-    assert any(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in policy.learner.model.named_parameters())
 
 
 def test_epochs_reuse_the_proximal_logprobs_and_the_reference_is_computed_once(
@@ -138,7 +145,7 @@ def test_epochs_reuse_the_proximal_logprobs_and_the_reference_is_computed_once(
         kl={"coef": 0.1},
     )
     metrics = policy.train_step(group(), 0)
-    first, second = policy.update_metrics
+    first, second = policy.step.update_metrics
     assert metrics["optimizer_steps"] == 2
     assert first["ratio_max"] == pytest.approx(1.0, abs=1e-6)
     assert abs(second["ratio_mean"] - 1.0) > 1e-3
@@ -151,9 +158,9 @@ def test_entropy_mean_is_that_of_the_generated_tokens_at_the_sampling_temperatur
     tiny_model_path,
 ) -> None:
     policy = Policy(tiny_model_path, TrainerConfig(), RLSection(group_size=4, temperature=0.7))
-    batch = collate(group(), policy.pad_token_id)
+    batch = collate(group(), policy.learner.pad_token_id)
     with torch.no_grad():
-        logits = policy.updater.logits(policy.model, batch)
+        logits = policy.step.updater.logits(policy.learner.model, batch)
     entropy = token_entropy(logits, 0.7)
     expected = float((entropy * batch.mask).sum() / batch.mask.sum())
     metrics = policy.train_step(group(), 0)
@@ -164,26 +171,26 @@ def test_entropy_mean_is_that_of_the_generated_tokens_at_the_sampling_temperatur
 def test_bf16_keeps_float32_master_weights_and_loss_math(tiny_model_path) -> None:
     fp32 = make_policy(tiny_model_path)
     bf16 = make_policy(tiny_model_path, precision="bf16")
-    batch = collate(group(), bf16.pad_token_id)
+    batch = collate(group(), bf16.learner.pad_token_id)
     with torch.no_grad():
-        assert bf16.updater.logits(bf16.model, batch).dtype == torch.bfloat16
+        assert bf16.step.updater.logits(bf16.learner.model, batch).dtype == torch.bfloat16
         low, full = (
-            bf16.updater.logprobs(bf16.model, batch),
-            fp32.updater.logprobs(fp32.model, batch),
+            bf16.step.updater.logprobs(bf16.learner.model, batch),
+            fp32.step.updater.logprobs(fp32.learner.model, batch),
         )
     assert low.dtype == torch.float32
     difference = float(((low - full) * batch.mask).abs().max())
     assert 0 < difference < 0.1  # bf16 did run, and stayed close
-    bf16.updater.accumulate(bf16.updater.parts(advantaged_batch(bf16)), 0)
-    assert all(p.grad.dtype == torch.float32 for p in bf16.model.parameters())
+    bf16.step.updater.accumulate(bf16.step.updater.parts(advantaged_batch(bf16)), 0)
+    assert all(p.grad.dtype == torch.float32 for p in bf16.learner.model.parameters())
     metrics = bf16.train_step(group(), 0)
     assert metrics["grad_norm"] > 0 and np.isfinite(metrics["loss"])
-    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
-    moments = [s["exp_avg_sq"] for s in bf16.optimizer.state.values()]
+    assert all(p.dtype == torch.float32 for p in bf16.learner.model.parameters())
+    moments = [s["exp_avg_sq"] for s in bf16.learner.optimizer.state.values()]
     assert moments and all(m.dtype == torch.float32 for m in moments)
     published = dict(bf16.named_weights())
     assert {t.dtype for t in published.values()} == {torch.float32}
-    assert all(torch.equal(published[n], p) for n, p in bf16.model.named_parameters())
+    assert all(torch.equal(published[n], p) for n, p in bf16.learner.model.named_parameters())
 
 
 def test_adam_settings_reach_the_optimizer_and_win_over_a_checkpoint(
@@ -193,16 +200,16 @@ def test_adam_settings_reach_the_optimizer_and_win_over_a_checkpoint(
     saved.train_step(group(), 0)
     folder = saved.save_checkpoint(tmp_path / "ckpt", step=1, version=1)
     policy = make_policy(tiny_model_path, adam_betas=[0.8, 0.95], adam_eps=1e-6, weight_decay=0.1)
-    (settings,) = policy.optimizer.param_groups
+    (settings,) = policy.learner.optimizer.param_groups
     assert (settings["betas"], settings["eps"]) == ((0.8, 0.95), 1e-6)
     policy.restore(folder)
-    (settings,) = policy.optimizer.param_groups
+    (settings,) = policy.learner.optimizer.param_groups
     assert (settings["betas"], settings["eps"], settings["weight_decay"]) == (
         (0.8, 0.95),
         1e-6,
         0.1,
     )
-    assert policy.optimizer_steps == 1
+    assert policy.learner.optimizer_steps == 1
 
 
 def test_a_resumed_run_continues_the_lr_schedule(tiny_model_path, tmp_path) -> None:
@@ -219,14 +226,14 @@ def test_a_resumed_run_continues_the_lr_schedule(tiny_model_path, tmp_path) -> N
     assert rates == pytest.approx([5e-3, 1e-2, 1e-2, 5.5e-3])
 
     resumed = make_policy(tiny_model_path, **settings)
-    assert resumed.learning_rate() == pytest.approx(5e-3)
+    assert resumed.learner.learning_rate() == pytest.approx(5e-3)
     resumed.restore(folder)
-    assert resumed.optimizer_steps == 2
+    assert resumed.learner.optimizer_steps == 2
     assert [resumed.train_step(group(), v)["learning_rate"] for v in (2, 3)] == pytest.approx(
         rates[2:]
     )
     for (name, ours), theirs in zip(
-        resumed.model.named_parameters(), straight.model.parameters(), strict=True
+        resumed.learner.model.named_parameters(), straight.learner.model.parameters(), strict=True
     ):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-8, msg=name)
 
@@ -238,31 +245,33 @@ def test_average_means_rows_and_takes_extremes() -> None:
 
 
 def test_advantage_settings_reach_the_step(tiny_model_path) -> None:
-    """trainer.advantage picks the estimator, trainer.reward_clip clips rewards first, and
+    """trainer.algorithm.advantage picks the estimator, trainer.algorithm.reward_clip clips rewards first, and
     StarPO-S's filter zeroes the groups whose rewards vary least."""
     trajectories = group() + group()
     rewards = torch.tensor([3.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0])
     policy = make_policy(tiny_model_path, advantage={"type": "dr_grpo"}, reward_clip=1.0)
-    advantages, per_turn = policy.advantages(trajectories, rewards)
+    advantages, per_turn = policy.step.advantages.advantages(trajectories, rewards)
     # Clipped to [1, 0, 1, 0 | 1, 1, 1, 0], minus each group's mean (0.5, 0.75).
     assert advantages.tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5, 0.25, 0.25, 0.25, -0.75])
     assert per_turn is None
-    policy.config.advantage = TrainerConfig(advantage={"type": "rloo"}).advantage
-    policy.config.reward_clip = None
+    policy.step.config.algorithm.advantage = TrainerConfig(
+        advantage={"type": "rloo"}
+    ).algorithm.advantage
+    policy.step.config.algorithm.reward_clip = None
     # RLOO on the raw rewards: 3 - 1/3, 0 - 4/3, 1 - 1, 0 - 4/3 | ...
-    assert policy.advantages(trajectories, rewards)[0].tolist()[:4] == pytest.approx(
-        [3 - 1 / 3, -4 / 3, 0.0, -4 / 3]
-    )
-    policy.config.advantage = TrainerConfig(
+    assert policy.step.advantages.advantages(trajectories, rewards)[0].tolist()[
+        :4
+    ] == pytest.approx([3 - 1 / 3, -4 / 3, 0.0, -4 / 3])
+    policy.step.config.algorithm.advantage = TrainerConfig(
         advantage={"type": "episode", "keep_groups_fraction": 0.5}
-    ).advantage
-    kept = policy.advantages(trajectories, rewards)[0]
+    ).algorithm.advantage
+    kept = policy.step.advantages.advantages(trajectories, rewards)[0]
     # Group 0's rewards vary more (std 1.22 against 0.43): group 1 is left out.
     assert kept[:4].abs().sum() > 0 and kept[4:].tolist() == [0.0] * 4
 
 
 def critic_weights(policy: Policy) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in policy.critic.backend.module.named_parameters()}
+    return {n: p.detach().clone() for n, p in policy.step.critic.backend.module.named_parameters()}
 
 
 def test_the_critic_starts_at_zero_and_its_value_loss_falls_on_a_fixed_batch(
@@ -276,7 +285,7 @@ def test_the_critic_starts_at_zero_and_its_value_loss_falls_on_a_fixed_batch(
         advantage={"type": "gae", "lam": 1.0, "critic": {"learning_rate": 1e-2}},
         epochs_per_step=2,
     )
-    assert policy.critic is not None
+    assert policy.step.critic is not None
     first = policy.train_step(group(), 0)
     assert first["critic_value_mean"] == 0.0
     # Rewards 1, 0, 1, 0 on 4, 3, 6 and 2 generated tokens: 10 of 15 tokens have return 1.
@@ -333,7 +342,7 @@ def test_a_kl_in_the_reward_is_paid_by_the_tokens_before_it(tiny_model_path) -> 
         reference_logprobs=torch.tensor([[0.0, quarter, half]]),
         token_rewards=torch.tensor([[0.0, 0.0, 1.0]]),
     )
-    metrics = policy._token_advantages([part])
+    metrics = policy.step.advantages._token_advantages([part])
     # k1 = log pi - log ref = ln 2 on the first generated token, 0 on the second: mean
     # ln 2 / 2. Rewards -0.1 ln 2 and 1; returns to go 1 - 0.0693 and 1; whitened: -1, 1.
     assert metrics["kl"] == pytest.approx(math.log(2) / 2)
@@ -356,7 +365,7 @@ def test_a_kl_in_the_reward_needs_an_estimator_that_takes_token_rewards() -> Non
 
 
 def test_overlong_responses_are_penalised_or_left_out(tiny_model_path) -> None:
-    """trainer.overlong: the soft penalty lowers the reward of long responses before the
+    """trainer.algorithm.overlong: the soft penalty lowers the reward of long responses before the
     advantages; mask_truncated leaves responses cut at the limit out of the loss."""
     trajectories = group()  # 4, 3, 6 and 2 generated tokens; rewards 1, 0, 1, 0
     trajectories[2] = dataclasses.replace(trajectories[2], finish_reason="length")
@@ -365,7 +374,7 @@ def test_overlong_responses_are_penalised_or_left_out(tiny_model_path) -> None:
         advantage={"type": "dr_grpo"},
         overlong={"penalty_tokens": 2, "max_tokens": 6},
     )
-    rewards, truncated, metrics = policy._shaped_rewards(
+    rewards, truncated, metrics = policy.step.advantages._shaped_rewards(
         trajectories, torch.tensor([1.0, 0.0, 1.0, 0.0])
     )
     # Free up to 4 tokens: only the 6-token response pays, -1 (at the limit).
@@ -381,19 +390,24 @@ def test_overlong_responses_are_penalised_or_left_out(tiny_model_path) -> None:
 def test_reward_normalization_by_batch_and_running_resumes(tiny_model_path, tmp_path) -> None:
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
     batch = make_policy(tiny_model_path, reward_normalization="batch")
-    assert batch._shaped_rewards(group(), rewards)[0].tolist() == pytest.approx(
+    assert batch.step.advantages._shaped_rewards(group(), rewards)[0].tolist() == pytest.approx(
         [1.0, -1.0, 1.0, -1.0], abs=1e-5
     )
     running = make_policy(tiny_model_path, reward_normalization="running")
     running.train_step(group(), 0)  # seen: 1, 0, 1, 0
-    shaped, _, metrics = running._shaped_rewards(group(), torch.tensor([3.0, 3.0, 3.0, 3.0]))
+    shaped, _, metrics = running.step.advantages._shaped_rewards(
+        group(), torch.tensor([3.0, 3.0, 3.0, 3.0])
+    )
     # Seen now: four 3s too, mean 14 / 8 = 1.75, std sqrt(38 / 8 - 1.75^2) = 1.299.
     assert metrics["reward_running_mean"] == pytest.approx(1.75)
     assert shaped.tolist() == pytest.approx([(3 - 1.75) / 1.2990] * 4, rel=1e-3)
     folder = running.save_checkpoint(tmp_path / "ckpt", step=1, version=1)
     resumed = make_policy(tiny_model_path, reward_normalization="running")
     resumed.restore(folder)
-    assert resumed.reward_moments.state_dict() == running.reward_moments.state_dict()
+    assert (
+        resumed.step.advantages.reward_moments.state_dict()
+        == running.step.advantages.reward_moments.state_dict()
+    )
 
 
 def test_packed_rows_hold_each_sequence_apart() -> None:
@@ -413,15 +427,15 @@ def test_a_packed_supervised_step_equals_the_padded_one(tiny_model_path) -> None
     sequences = [
         (PROMPT + response, [0] * len(PROMPT) + [1] * len(response)) for response in RESPONSES
     ]
-    padded, packed = make_policy(tiny_model_path), make_policy(tiny_model_path)
-    one = padded.supervised_step(sequences)
-    other = packed.supervised_step(sequences, pack_tokens=24)
+    padded, packed = make_supervised(tiny_model_path), make_supervised(tiny_model_path)
+    one = padded.step(sequences)
+    other = packed.step(sequences, pack_tokens=24)
     # 11, 10, 13 and 9 tokens in rows of 24: 11 + 10 and 13 + 9.
     assert (one["rows"], other["rows"]) == (4.0, 2.0)
     assert other["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert other["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
     for (name, ours), theirs in zip(
-        packed.model.named_parameters(), padded.model.parameters(), strict=True
+        packed.learner.model.named_parameters(), padded.learner.model.parameters(), strict=True
     ):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7, msg=name)
 
@@ -430,8 +444,8 @@ def distilled_group(policy: Policy, lift: float) -> list[Trajectory]:
     """group() with teacher logprobs: the policy's own, `lift` higher on each response's
     second token."""
     trajectories = group()
-    student = policy._logprobs(
-        policy.model, collate(trajectories, policy.pad_token_id), slice(None)
+    student = policy.step.logprobs(
+        policy.learner.model, collate(trajectories, policy.learner.pad_token_id), slice(None)
     )
     for row, trajectory in enumerate(trajectories):
         n = trajectory.num_tokens
@@ -456,13 +470,13 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(tiny_model_
         0.0, abs=1e-4
     )
     trajectories = distilled_group(policy, 2.0)
-    batch = collate(trajectories, policy.pad_token_id)
+    batch = collate(trajectories, policy.learner.pad_token_id)
     second = [len(PROMPT)] * 4  # target index of each response's second token
-    before = policy._logprobs(policy.model, batch, slice(None))
+    before = policy.step.logprobs(policy.learner.model, batch, slice(None))
     metrics = policy.train_step(trajectories, 1)
     # KL estimate: student minus teacher, -2 on 4 of the 15 tokens.
     assert metrics["teacher_kl"] == pytest.approx(-2.0 * 4 / 15, abs=1e-4)
-    after = policy._logprobs(policy.model, batch, slice(None))
+    after = policy.step.logprobs(policy.learner.model, batch, slice(None))
     rows = torch.arange(4)
     assert bool((after[rows, second] > before[rows, second]).all()), (before, after)
 
@@ -475,16 +489,16 @@ def test_on_policy_distillation_adds_the_task_reward_and_needs_the_teacher(
     )
     rewards = torch.tensor(REWARDS)
     # GRPO of 1, 0, 1, 0 is +-1; half of it.
-    assert policy._distill_task_advantages(rewards).tolist() == pytest.approx(
+    assert policy.step.advantages._distill_task_advantages(rewards).tolist() == pytest.approx(
         [0.5, -0.5, 0.5, -0.5], abs=1e-5
     )
     with pytest.raises(ValueError, match="needs the teacher's logprobs of every sample"):
         policy.train_step(group(), 0)
     plain = make_policy(tiny_model_path, advantage={"type": "on_policy_distill"})
-    assert plain._distill_task_advantages(rewards).tolist() == [0.0] * 4
+    assert plain.step.advantages._distill_task_advantages(rewards).tolist() == [0.0] * 4
 
 
-def topk_sequences(policy: Policy, k: int = 4) -> tuple[list, list]:
+def topk_sequences(k: int = 4) -> tuple[list, list]:
     """RESPONSES after PROMPT, with a made-up teacher: at every response token it puts
     0.9 on that token and spreads 0.05 over k - 1 others."""
     sequences, top = [], []
@@ -502,26 +516,25 @@ def topk_sequences(policy: Policy, k: int = 4) -> tuple[list, list]:
 
 @pytest.mark.parametrize("loss", ["forward_kl", "reverse_kl"])
 def test_token_level_distillation_steps_lower_the_kl_packed_or_not(tiny_model_path, loss) -> None:
-    padded, packed = make_policy(tiny_model_path, learning_rate=3e-3), make_policy(tiny_model_path)
-    sequences, top = topk_sequences(padded)
-    first = padded.supervised_loss(sequences, None, loss, top)
+    padded = make_supervised(tiny_model_path, learning_rate=3e-3)
+    packed = make_supervised(tiny_model_path)
+    sequences, top = topk_sequences()
+    first = padded.loss(sequences, None, loss, top)
     # Packing changes nothing: the same loss on rows holding two sequences each.
-    assert packed.supervised_loss(sequences, 24, loss, top)["loss"] == pytest.approx(
-        first["loss"], rel=1e-5
-    )
+    assert packed.loss(sequences, 24, loss, top)["loss"] == pytest.approx(first["loss"], rel=1e-5)
     for _ in range(20):
-        padded.supervised_step(sequences, None, loss, top)
+        padded.step(sequences, None, loss, top)
     # Measured over 20 steps: forward 3.97 -> 1.73, reverse 2.78 -> 2.06 (mode-seeking is slower
     # from a student that spreads its mass over the whole vocabulary).
-    assert padded.supervised_loss(sequences, None, loss, top)["loss"] < 0.85 * first["loss"]
+    assert padded.loss(sequences, None, loss, top)["loss"] < 0.85 * first["loss"]
     with pytest.raises(ValueError, match="needs the teacher's top-k"):
-        padded.supervised_step(sequences, None, loss, None)
+        padded.step(sequences, None, loss, None)
 
 
 def test_a_weights_snapshot_is_what_the_step_left_and_the_next_step_does_not_change(
     tiny_model_path,
 ) -> None:
-    """What an overlapped publish sends (`trainer.overlap_publish`): a copy, so the step
+    """What an overlapped publish sends (`trainer.weights.overlap_publish`): a copy, so the step
     after it cannot change the weights halfway through being sent."""
     policy = make_policy(tiny_model_path, learning_rate=5e-2)
     policy.train_step(group(), 0)

@@ -1,9 +1,9 @@
 """The trainer's algorithm settings: advantage estimator, policy loss, off-policy correction,
-KL. Each is a union on `type` whose entries are `rollwire.trainer.algorithms.ADVANTAGE_ESTIMATORS`,
-`rollwire.trainer.losses.POLICY_LOSSES` and `rollwire.trainer.losses.CORRECTIONS`.
+KL. Each is a union on `type` whose entries are `rollwire.trainer.math.algorithms.ADVANTAGE_ESTIMATORS`,
+`rollwire.trainer.math.losses.POLICY_LOSSES` and `rollwire.trainer.math.losses.CORRECTIONS`.
 
 Imports neither torch nor grpc; each field's docstring is its help text. A section
-without `type` takes the default entry (`trainer.loss: {clip_high: 0.3}` is `ppo_clip`).
+without `type` takes the default entry (`trainer.algorithm.loss: {clip_high: 0.3}` is `ppo_clip`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from rollwire.services.core.config.names import KLEstimator
 from rollwire.services.core.config.runtime import StrictModel
 
 # ---------------------------------------------------------------- advantage estimators
@@ -27,7 +28,7 @@ class GRPOAdvantage(StrictModel):
 
 class DrGRPOAdvantage(StrictModel):
     """Dr. GRPO: each reward minus its group's mean, no std (use with
-    `trainer.aggregation: constant` for the paper's length normaliser)."""
+    `trainer.algorithm.aggregation: constant` for the paper's length normaliser)."""
 
     type: Literal["dr_grpo"] = "dr_grpo"
 
@@ -85,13 +86,13 @@ class CriticConfig(StrictModel):
     """Model the critic starts from; the policy's own (trainer.model_path) when unset. Its
     head is new and starts at 0 (every value 0 before the first update)."""
     learning_rate: float | None = Field(None, gt=0)
-    """The critic's AdamW rate; trainer.learning_rate when unset (critics often take a
+    """The critic's AdamW rate; trainer.optimizer.learning_rate when unset (critics often take a
     few times the policy's). The trainer's lr_schedule applies to it too."""
     value_clip: float | None = Field(0.2, gt=0)
     """PPO's value clipping: an update moves a value at most this far from where the
     step began (in reward units); unset is a plain squared error."""
     max_grad_norm: float | None = Field(None, gt=0)
-    """Gradient norm clip of the critic's updates; trainer.max_grad_norm when unset."""
+    """Gradient norm clip of the critic's updates; trainer.optimizer.max_grad_norm when unset."""
 
 
 class GAEAdvantage(StrictModel):
@@ -159,8 +160,8 @@ class PPOClipLoss(StrictModel):
     """Lower clip of the ratio pi / pi_old: 1 - clip_low."""
     clip_high: float = Field(0.28, ge=0)
     """Upper clip of the ratio: 1 + clip_high (clip-higher when above clip_low). The clip
-    binds only from a step's second update on (`trainer.minibatches_per_step`,
-    `trainer.epochs_per_step`): in the first, pi is the proximal policy itself."""
+    binds only from a step's second update on (`trainer.batching.minibatches_per_step`,
+    `trainer.batching.epochs_per_step`): in the first, pi is the proximal policy itself."""
     dual_clip: float | None = Field(None, gt=1)
     """Dual clip c for negative advantages: the surrogate is bounded below by c * A, so a
     huge ratio on a bad token cannot dominate (3 is usual); unset is off."""
@@ -168,7 +169,7 @@ class PPOClipLoss(StrictModel):
 
 class GSPOLoss(StrictModel):
     """GSPO: one ratio per sequence (the geometric mean of its token ratios), clipped per
-    sequence; use with `trainer.aggregation: seq_mean_token_mean`."""
+    sequence; use with `trainer.algorithm.aggregation: seq_mean_token_mean`."""
 
     type: Literal["gspo"] = "gspo"
     clip_low: float = Field(3e-4, ge=0, lt=1)
@@ -273,7 +274,7 @@ class KLConfig(StrictModel):
 
     coef: float = Field(0.0, ge=0)
     """Weight of the KL term; 0 loads no reference model."""
-    estimator: Literal["k1", "k2", "k3"] = "k3"
+    estimator: KLEstimator = "k3"
     """Per-token estimator of KL(pi || ref) with d = log ref - log pi: `k1` = -d, `k2` =
     d^2 / 2, `k3` = exp(d) - d - 1 (unbiased and never negative)."""
     in_reward: bool = False
@@ -302,7 +303,7 @@ class OverlongConfig(StrictModel):
     def _penalty_fits(self) -> OverlongConfig:
         if self.penalty_tokens and self.max_tokens and self.penalty_tokens > self.max_tokens:
             raise ValueError(
-                f"trainer.overlong.penalty_tokens={self.penalty_tokens} is more than "
+                f"trainer.algorithm.overlong.penalty_tokens={self.penalty_tokens} is more than "
                 f"max_tokens={self.max_tokens}"
             )
         return self

@@ -19,6 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from rollwire.services.core.config.models import RunConfig
+from rollwire.services.core.config.trainer import move_flat_keys, moved_keys
 from rollwire.services.core.files import write_atomically
 
 ENV_PREFIX = "ROLLWIRE__"
@@ -144,15 +145,21 @@ def load_config(
     _strip_masked_secrets(data)
     default_eval = copy.deepcopy(data["orchestrator"]["eval_dataset"])
     if path is not None:
-        _merge(data, _read_yaml(Path(path)))
+        read = _read_yaml(Path(path))
+        if isinstance(read.get("trainer"), dict):  # a flat section of earlier releases
+            try:
+                read["trainer"] = move_flat_keys(read["trainer"])
+            except ValueError as error:
+                raise ConfigError(f"invalid configuration ({path}): {error}") from None
+        _merge(data, read)
     sources = [str(path) if path is not None else "defaults"]
     env = os.environ if environ is None else environ
     for keys, value, name in env_assignments(env):
-        _set_path(data, keys, value, origin=f"environment variable {name}")
+        _set_path(data, moved_keys(keys), value, origin=f"environment variable {name}")
         sources.append(name)
     for text in overrides:
         keys, value = parse_assignment(text)
-        _set_path(data, keys, value, origin=f"override {text!r}")
+        _set_path(data, moved_keys(keys), value, origin=f"override {text!r}")
         sources.append(f"--set {text}")
     orchestrator = data.get("orchestrator")
     if (

@@ -34,7 +34,13 @@ from rollwire.services.core.config.orchestrator import (
     scored_domains,
     share_key,
 )
-from rollwire.services.core.config.pipelines import DistillConfig, DPOConfig, SFTConfig
+from rollwire.services.core.config.pipelines import (
+    DistillConfig,
+    DPOConfig,
+    PipelineSections,
+    RewardModelTrainingConfig,
+    SFTConfig,
+)
 from rollwire.services.core.config.runtime import (
     Z85_ALPHABET,
     AuthConfig,
@@ -47,32 +53,47 @@ from rollwire.services.core.config.runtime import (
     TelemetryConfig,
     TLSConfig,
     check_curve_key,
+    read_token_file,
 )
 from rollwire.services.core.config.servers import (
     BufferConfig,
+    EnvSandboxConfig,
     EnvServerConfig,
     JudgeConfig,
-    LoraConfig,
-    LRScheduleConfig,
     RewardModelConfig,
     RewardServerConfig,
     RolloutServerConfig,
     SandboxConfig,
+)
+from rollwire.services.core.config.trainer import (
+    AlgorithmConfig,
+    BatchingConfig,
+    CheckpointingConfig,
+    LoraConfig,
+    LRScheduleConfig,
+    OptimizerConfig,
     TrainerConfig,
+    WeightsConfig,
 )
 
 __all__ = [
     "CHAIN_SUM_SMALL",
     "Z85_ALPHABET",
     "AgentConfig",
+    "AlgorithmConfig",
     "AuthConfig",
+    "BatchingConfig",
     "BufferConfig",
+    "CheckpointingConfig",
     "ClientConfig",
     "CurveClientConfig",
     "CurveServerConfig",
+    "DPOConfig",
     "DatasetConfig",
+    "DistillConfig",
     "EndpointsConfig",
     "EnvDataset",
+    "EnvSandboxConfig",
     "EnvServerConfig",
     "FileDataset",
     "JudgeConfig",
@@ -82,10 +103,13 @@ __all__ = [
     "MiB",
     "MixtureDataset",
     "MixturePart",
+    "OptimizerConfig",
     "OrchestratorConfig",
+    "PipelineSections",
     "RLSection",
     "ReasoningGymDataset",
     "RewardModelConfig",
+    "RewardModelTrainingConfig",
     "RewardServerConfig",
     "RolloutServerConfig",
     "RunConfig",
@@ -99,7 +123,9 @@ __all__ = [
     "TelemetryConfig",
     "TrainerConfig",
     "WarmupConfig",
+    "WeightsConfig",
     "check_curve_key",
+    "read_token_file",
     "scored_domains",
     "share_key",
 ]
@@ -113,7 +139,7 @@ class EndpointsConfig(StrictModel):
     reward_servers: list[str] = []
     """Reward-server addresses (host:port)."""
     teacher_servers: list[str] = []
-    """Rollout-server addresses of on-policy distillation's teacher (`trainer.advantage:
+    """Rollout-server addresses of on-policy distillation's teacher (`trainer.algorithm.advantage:
     on_policy_distill`); `rollwire train` starts one on distill.teacher_model_path when
     empty."""
     env_servers: list[str] = []
@@ -183,7 +209,11 @@ class RunSection(StrictModel):
     output_dir: Path = Path("runs/default")
     """Run directory: resolved config, logs, checkpoints, the buffer's log."""
     seed: int = 0
-    """Seed for data order, sampling and initialisation."""
+    """Seed of the run's randomness: mixed into the order of the training prompts (and an
+    offline pipeline's rows), the samples' seeds (`orchestrator.sampling_seed`), the
+    rollout engine's generator (`rollout_server.seed`) and what the trainer initialises
+    (an adapter, a head). 0 leaves each as set; the prompts themselves and the held-out
+    set stay the same whatever the seed (`rollwire.services.core.seeds`)."""
     local_env_servers: int | None = Field(None, ge=1)
     """Env-servers `rollwire train` starts for an `env` dataset (1 when unset); not with
     `endpoints.env_servers`, which names servers already running. A resolved config lists
@@ -208,8 +238,9 @@ class RunSection(StrictModel):
     openai engines and fsdp2/deepspeed ranks keep the threads they started with."""
 
 
-class RunConfig(StrictModel):
-    """A whole run: every service reads this file and uses its own section."""
+class RunConfig(PipelineSections):
+    """A whole run: every service reads this file and uses its own section (the
+    pipelines' sections come from `PipelineSections`)."""
 
     run: RunSection = RunSection()
     """Identity and outputs of the run."""
@@ -231,14 +262,6 @@ class RunConfig(StrictModel):
     """The replay buffer."""
     trainer: TrainerConfig = TrainerConfig()
     """The trainer."""
-    sft: SFTConfig = SFTConfig()
-    """`rollwire sft`: supervised fine-tuning with the trainer section's model, backend
-    and optimizer."""
-    dpo: DPOConfig = DPOConfig()
-    """`rollwire dpo`: preference tuning with the trainer section's model, backend and
-    optimizer."""
-    distill: DistillConfig = DistillConfig()
-    """`rollwire distill generate`: a teacher's answers as rows for `rollwire sft`."""
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     """The orchestrator."""
     endpoints: EndpointsConfig = EndpointsConfig()
@@ -246,17 +269,17 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _on_policy_distillation_has_a_teacher(self) -> RunConfig:
-        if self.trainer.advantage.type != "on_policy_distill":
+        if self.trainer.algorithm.advantage.type != "on_policy_distill":
             return self
         if self.distill.teacher_model_path is None and not self.endpoints.teacher_servers:
             raise ValueError(
-                "trainer.advantage on_policy_distill needs a teacher: set "
+                "trainer.algorithm.advantage on_policy_distill needs a teacher: set "
                 "distill.teacher_model_path (a Hugging Face folder rollwire train serves) or "
                 "endpoints.teacher_servers"
             )
         if self.rl.temperature != 1.0:
             raise ValueError(
-                "trainer.advantage on_policy_distill compares the student's and the teacher's "
+                "trainer.algorithm.advantage on_policy_distill compares the student's and the teacher's "
                 f"own distributions: set rl.temperature to 1 (it is {self.rl.temperature})"
             )
         if self.orchestrator.filter_uniform_groups:
@@ -277,15 +300,15 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _overlong_limit_is_the_orchestrators(self) -> RunConfig:
-        overlong = self.trainer.overlong
+        overlong = self.trainer.algorithm.overlong
         if overlong.penalty_tokens is not None and overlong.max_tokens is None:
             limit = self.orchestrator.max_new_tokens
             if overlong.penalty_tokens > limit:
                 raise ValueError(
-                    f"trainer.overlong.penalty_tokens={overlong.penalty_tokens} is more than "
+                    f"trainer.algorithm.overlong.penalty_tokens={overlong.penalty_tokens} is more than "
                     f"orchestrator.max_new_tokens={limit}"
                 )
-            self.trainer.overlong = overlong.model_copy(update={"max_tokens": limit})
+            self.trainer.algorithm.overlong = overlong.model_copy(update={"max_tokens": limit})
         return self
 
     @model_validator(mode="after")

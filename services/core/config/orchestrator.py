@@ -178,8 +178,8 @@ class OrchestratorConfig(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling; keep 1 for RL so behaviour logprobs are of the full softmax."""
     sampling_seed: int | None = 0
-    """Each sampled response of a training group gets a seed made from this, the prompt's
-    ordinal and the sample's index, so the samples of a run are reproducible (with the HF
+    """Each sampled response of a training group gets a seed made from this (mixed with
+    `run.seed`), the prompt's ordinal and the sample's index, so the samples of a run are reproducible (with the HF
     engine at `rollout_server.max_batch_size: 1` and `max_concurrent_groups: 1` bit for
     bit: exact resume). None: samples draw from the engine's own generator. Multi-turn
     episodes draw from the engine's."""

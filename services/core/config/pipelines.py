@@ -1,5 +1,7 @@
 """Settings of the pipelines around RL: supervised fine-tuning (`rollwire sft`),
-preference tuning (`rollwire dpo`) and distillation data (`rollwire distill generate`).
+preference tuning (`rollwire dpo`), distillation data (`rollwire distill generate`) and
+reward models (`rollwire reward-model`), each a section of the run config by way of
+`PipelineSections` (a new pipeline's section is one field there).
 
 The model, backend, ranks, precision, LoRA and optimizer are the `trainer` section's:
 every pipeline trains with the same machinery. Imports neither torch nor grpc.
@@ -8,23 +10,57 @@ every pipeline trains with the same machinery. Imports neither torch nor grpc.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from rollwire.services.core.config.names import PreferenceLoss, SupervisedLoss
 from rollwire.services.core.config.runtime import StrictModel
 
+HELD_OUT_FRACTION = 0.05
+"""The default share of a pipeline's data held out. A config is validated with every
+default filled in, so `eval_data` beside another fraction is what says both."""
 
-class SFTConfig(StrictModel):
-    """`rollwire sft`: supervised fine-tuning of trainer.model_path on a dataset file of
-    chat `messages` or `prompt`/`completion` rows, the loss on the assistant's tokens."""
+
+class PipelineData(StrictModel):
+    """What every pipeline that steps through a data file has: the file, its held-out
+    part, the epochs, steps, checkpoints and seed (`rollwire.trainer.pipelines.common`)."""
+
+    section: ClassVar[str] = ""
+    """The section's name in the run config, for messages."""
 
     data: Path | None = None
     """The training rows: a .jsonl or .parquet file, or a `save_to_disk` folder."""
     eval_data: Path | None = None
     """Held-out rows; unset holds out `held_out_fraction` of `data` instead."""
-    held_out_fraction: float = Field(0.05, ge=0, lt=1)
-    """Share of `data` held out for the evaluation loss when `eval_data` is unset."""
+    held_out_fraction: float = Field(HELD_OUT_FRACTION, ge=0, lt=1)
+    """Share of `data` held out for the held-out metrics when `eval_data` is unset."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the training rows (each in a new seeded order)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps, before the epochs are done."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Steps between checkpoints (model, optimizer, schedule; a restarted run resumes
+    from the newest); 0 writes only the final model."""
+    seed: int = 0
+    """Seed of the held-out split and of every epoch's order."""
+
+    @model_validator(mode="after")
+    def _eval_source(self) -> PipelineData:
+        if self.eval_data is not None and self.held_out_fraction != HELD_OUT_FRACTION:
+            raise ValueError(
+                f"{self.section}.eval_data and {self.section}.held_out_fraction both say "
+                "where the held-out rows come from; set one"
+            )
+        return self
+
+
+class SFTConfig(PipelineData):
+    """`rollwire sft`: supervised fine-tuning of trainer.model_path on a dataset file of
+    chat `messages` or `prompt`/`completion` rows, the loss on the assistant's tokens."""
+
+    section: ClassVar[str] = "sft"
+
     max_length: int = Field(1024, ge=2)
     """Tokens per example; longer ones are cut (or left out when `truncate` is off)."""
     truncate: bool = True
@@ -33,53 +69,31 @@ class SFTConfig(StrictModel):
     chat_template: bool | None = None
     """Render with the tokenizer's chat template; unset: when it has one. Without, the
     contents are concatenated with the end-of-sequence token after the last answer."""
-    loss: Literal["nll", "forward_kl", "reverse_kl"] = "nll"
+    loss: SupervisedLoss = "nll"
     """`nll`: the negative log-likelihood of the rows' tokens. `forward_kl` and
     `reverse_kl`: token-level distillation, a KL to the teacher's top-k distribution at
-    every completion token (`rollwire.trainer.losses.DISTILL_LOSSES`), from rows `rollwire
+    every completion token (`rollwire.trainer.math.losses.DISTILL_LOSSES`), from rows `rollwire
     distill generate` wrote with distill.top_k set."""
     packing: bool = False
     """Pack each step's examples into rows of up to max_length tokens, each example
     attending only to itself (block-diagonal attention, positions from 0 each): far
     fewer padding tokens when examples are short; the loss is the same."""
-    epochs: int = Field(1, ge=1)
-    """Passes over the training rows (each in a new seeded order)."""
-    max_steps: int | None = Field(None, ge=1)
-    """Stop after this many optimizer steps, before the epochs are done."""
     batch_size: int = Field(32, ge=1)
-    """Examples per optimizer step (trainer.micro_batch_size or
-    trainer.max_tokens_per_micro_batch cut it into passes)."""
+    """Examples per optimizer step (trainer.batching.micro_batch_size or
+    trainer.batching.max_tokens_per_micro_batch cut it into passes)."""
     eval_every: int = Field(50, ge=0)
     """Steps between evaluation losses on the held-out rows (and one at the end); 0:
     only at the end."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Steps between checkpoints (model, optimizer, schedule; a restarted run resumes
-    from the newest); 0 writes only the final model."""
-    seed: int = 0
-    """Seed of the held-out split and of every epoch's order."""
-
-    @model_validator(mode="after")
-    def _eval_source(self) -> SFTConfig:
-        if self.eval_data is not None and "held_out_fraction" in self.model_fields_set:
-            raise ValueError(
-                "sft.eval_data and sft.held_out_fraction both say where the held-out rows "
-                "come from; set one"
-            )
-        return self
 
 
-class DPOConfig(StrictModel):
+class DPOConfig(PipelineData):
     """`rollwire dpo`: preference tuning of trainer.model_path on `prompt`/`chosen`/
     `rejected` rows (strings or message lists) against itself as it starts (the frozen
     reference, whose logprobs are computed once per pair, before the first update)."""
 
-    data: Path | None = None
-    """The preference rows: a .jsonl or .parquet file, or a `save_to_disk` folder."""
-    eval_data: Path | None = None
-    """Held-out pairs; unset holds out `held_out_fraction` of `data` instead."""
-    held_out_fraction: float = Field(0.05, ge=0, lt=1)
-    """Share of `data` held out when `eval_data` is unset."""
-    loss: Literal["dpo", "ipo", "simpo"] = "dpo"
+    section: ClassVar[str] = "dpo"
+
+    loss: PreferenceLoss = "dpo"
     """`dpo`: -log sigmoid(beta h); `ipo`: (h - 1 / 2 beta)^2; `simpo`: length-normalised,
     with margin `gamma` and no reference (h: the chosen's log-ratio to the reference
     minus the rejected's)."""
@@ -97,27 +111,10 @@ class DPOConfig(StrictModel):
     """Cut pairs longer than max_length instead of leaving them out."""
     chat_template: bool | None = None
     """Render with the tokenizer's chat template; unset: when it has one."""
-    epochs: int = Field(1, ge=1)
-    """Passes over the pairs."""
-    max_steps: int | None = Field(None, ge=1)
-    """Stop after this many optimizer steps."""
     batch_size: int = Field(16, ge=1)
     """Pairs per optimizer step."""
     eval_every: int = Field(25, ge=0)
     """Steps between held-out evaluations (and one at the end); 0: only at the end."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Steps between checkpoints a restarted run resumes from; 0: only the final model."""
-    seed: int = 0
-    """Seed of the held-out split and of every epoch's order."""
-
-    @model_validator(mode="after")
-    def _eval_source(self) -> DPOConfig:
-        if self.eval_data is not None and "held_out_fraction" in self.model_fields_set:
-            raise ValueError(
-                "dpo.eval_data and dpo.held_out_fraction both say where the held-out pairs "
-                "come from; set one"
-            )
-        return self
 
 
 class DistillConfig(StrictModel):
@@ -127,7 +124,7 @@ class DistillConfig(StrictModel):
     orchestrator.dataset (the evaluation set's left out) at rl.temperature, the
     reward-server scores each answer, and the kept ones are written as
     `prompt`/`completion` rows (with top_k, the teacher's top-k per token too) that
-    `rollwire sft` trains a student on. On-policy distillation (`trainer.advantage:
+    `rollwire sft` trains a student on. On-policy distillation (`trainer.algorithm.advantage:
     on_policy_distill` in `rollwire train`) serves teacher_model_path to score the
     student's samples."""
 
@@ -152,3 +149,41 @@ class DistillConfig(StrictModel):
     teacher_engine: Literal["hf", "vllm"] = "hf"
     """The engine of the teacher rollout-server `rollwire train` starts (the engines that
     score given tokens)."""
+
+
+class RewardModelTrainingConfig(PipelineData):
+    """`rollwire reward-model`: a Bradley-Terry reward model (trainer.model_path's body
+    with a one-output head) trained on `prompt`/`chosen`/`rejected` rows of strings, for
+    the reward-server's `reward_model` domain (reward_server.reward_model.model_path:
+    `<run.output_dir>/final`). A row's `prompt` is what the reward-server will hand the
+    model: a task's question (`ScoreItem.prompt`), not the prompt the policy is shown."""
+
+    section: ClassVar[str] = "reward_model"
+
+    chat: bool = True
+    """Render each prompt and response as a user and an assistant turn with the
+    tokenizer's chat template (when it has one); False joins the two strings. Serve the
+    model with the same reward_server.reward_model.chat."""
+    max_length: int = Field(1024, ge=8)
+    """Tokens per text; longer ones keep their end (the response), as the
+    reward-server's reward_model.max_length does."""
+    batch_size: int = Field(16, ge=1)
+    """Pairs per optimizer step."""
+    eval_every: int = Field(25, ge=0)
+    """Steps between held-out evaluations (and one at the end); 0: only at the end."""
+
+
+class PipelineSections(StrictModel):
+    """The pipelines' sections of the run config (`RunConfig` has them all)."""
+
+    sft: SFTConfig = SFTConfig()
+    """`rollwire sft`: supervised fine-tuning with the trainer section's model, backend
+    and optimizer."""
+    dpo: DPOConfig = DPOConfig()
+    """`rollwire dpo`: preference tuning with the trainer section's model, backend and
+    optimizer."""
+    distill: DistillConfig = DistillConfig()
+    """`rollwire distill generate`: a teacher's answers as rows for `rollwire sft`."""
+    reward_model: RewardModelTrainingConfig = RewardModelTrainingConfig()
+    """`rollwire reward-model`: a reward model for the reward-server, with the trainer
+    section's backend and optimizer."""

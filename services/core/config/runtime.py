@@ -70,9 +70,15 @@ class AuthConfig(StrictModel):
         if self.token is not None:
             return self.token.get_secret_value() or None
         if self.token_file is not None:
-            lines = self.token_file.read_text().splitlines()
-            return lines[0].strip() if lines and lines[0].strip() else None
+            return read_token_file(self.token_file)
         return None
+
+
+def read_token_file(path: Path) -> str | None:
+    """The first line of `path`, stripped (None if it is empty): a secret kept in a file
+    (a mounted Kubernetes secret, a file the launcher wrote)."""
+    lines = path.read_text().splitlines()
+    return lines[0].strip() if lines and lines[0].strip() else None
 
 
 Z85_ALPHABET = frozenset(

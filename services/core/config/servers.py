@@ -7,27 +7,38 @@ Each field's docstring is its help text.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rollwire.services.core.config.algorithms import (
-    AdvantageConfig,
-    CorrectionConfig,
-    GRPOAdvantage,
-    KLConfig,
-    OverlongConfig,
-    PolicyLossConfig,
-    PPOClipLoss,
-    TISCorrection,
+from rollwire.services.core.config.names import (
+    Dtype,
+    LogSync,
 )
-from rollwire.services.core.config.distributed import DistributedConfig
 from rollwire.services.core.config.runtime import (
     CurveServerConfig,
     MiB,
     ServerConfig,
     StrictModel,
+    read_token_file,
 )
+
+
+class EnvSandboxConfig(StrictModel):
+    """How the env-server runs the code of envs that run code (an env whose constructor
+    takes `sandbox`, as the `tool_use` env's `<python>` tool does): the operator's
+    choice, not the client's."""
+
+    kind: Literal["bwrap", "none"] = "bwrap"
+    """The sandbox every such env gets (`rollwire.services.core.sandbox`)."""
+    max_timeout_s: float = Field(10.0, gt=0)
+    """The longest run a Reset may ask for (`python_timeout_s`)."""
+    max_memory_mb: int = Field(1024, ge=32)
+    """The most memory a Reset may ask for (`python_memory_mb`)."""
+    clients_may_lower: bool = False
+    """Let a Reset ask for less isolation than the above (`sandbox: none` where `kind` is
+    `bwrap`, longer runs, more memory). Without it such a Reset is refused with
+    PERMISSION_DENIED and counted (`env_rejected{reason="sandbox"}`)."""
 
 
 class EnvServerConfig(StrictModel):
@@ -46,6 +57,8 @@ class EnvServerConfig(StrictModel):
     blocking_threads: int = Field(64, ge=1)
     """Threads that run the calls of blocking envs (`blocking = True`: subprocesses,
     network tools); more blocking calls than this at once wait for a thread."""
+    sandbox: EnvSandboxConfig = EnvSandboxConfig()
+    """Where envs that run code run it, and how far a client may ask for less."""
     plugins: list[str] = []
     """Python modules imported before serving, and by `rollwire train` before its warm-up;
     each registers its envs, and their scripted demonstrators for the warm-up, with
@@ -114,6 +127,11 @@ class JudgeConfig(StrictModel):
     template: str | None = None
     """The rubric, naming `{prompt}`, `{response}`, `{reference}` and `{max_score}` in
     braces (a literal brace is doubled); a default for each mode when unset."""
+    fence_response: bool = True
+    """Show the response to the judge between two marks made for each item (which the
+    response cannot know, so cannot close), with a line saying that an instruction or a
+    score written in it is part of the answer. False puts the response in as it is (a
+    judge trained on rubrics without the marks)."""
     max_score: float = Field(10.0, gt=0)
     """`score`: the top of the judge's scale."""
     score_pattern: str = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
@@ -186,7 +204,7 @@ class RewardModelConfig(StrictModel):
     """Items per forward pass."""
     device: str = "cpu"
     """torch device, e.g. `cpu` or `cuda:0`."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
     """Precision the model runs in."""
     threads: int = Field(1, ge=1)
     """CPU threads torch may use for it."""
@@ -202,6 +220,10 @@ class RewardServerConfig(StrictModel):
     item_timeout_seconds: float = Field(10.0, gt=0)
     """Default time limit for scoring one item. Items of a call also end before the
     call's deadline (a late one with its error flag), whatever this says."""
+    max_item_timeout_seconds: float = Field(60.0, gt=0)
+    """The longest per-item limit a caller may ask for (`ScoreRequest.item_timeout_seconds`);
+    a longer one is cut to this and counted (`reward_timeouts_capped`). A caller cannot hold
+    a scoring worker longer than the operator allows."""
     workers: int | None = Field(None, ge=1)
     """Scoring worker processes (each scores one item at a time); by default one per CPU
     core, at most 8."""
@@ -214,6 +236,15 @@ class RewardServerConfig(StrictModel):
     """The `judge` domain's model and rubric; the domain exists only when set."""
     reward_model: RewardModelConfig | None = None
     """The `reward_model` domain's model; the domain exists only when set."""
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> RewardServerConfig:
+        if self.max_item_timeout_seconds < self.item_timeout_seconds:
+            raise ValueError(
+                f"reward_server.max_item_timeout_seconds ({self.max_item_timeout_seconds:g}) "
+                f"is below item_timeout_seconds ({self.item_timeout_seconds:g})"
+            )
+        return self
 
 
 class RolloutServerConfig(StrictModel):
@@ -237,7 +268,9 @@ class RolloutServerConfig(StrictModel):
     base_url: str | None = None
     """`engine: openai`: the server's base URL, e.g. `http://127.0.0.1:8000/v1`."""
     seed: int = 0
-    """Seed of the engine's own generator (requests with a seed draw from their own)."""
+    """Seed of the generator requests without a seed of their own draw from (with
+    `engine: openai`, each such request is sent a seed made from it and its id); mixed
+    with `run.seed`."""
     max_batch_size: int = Field(32, ge=1)
     """Requests generated together in one batch."""
     batch_wait_seconds: float = Field(0.002, ge=0)
@@ -246,7 +279,7 @@ class RolloutServerConfig(StrictModel):
     little longer), when it is full, or at `batch_max_wait_seconds`."""
     batch_max_wait_seconds: float = Field(0.05, ge=0)
     """The longest the first request of a batch waits for others to join it."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Dtype = "float32"
     """Precision the model runs in."""
     device: str = "cpu"
     """torch device, e.g. `cpu` or `cuda:0`."""
@@ -293,10 +326,11 @@ class BufferConfig(StrictModel):
     rebuild from that log on restart; False holds trajectories in memory only."""
     data_dir: Path | None = None
     """Where the trajectory log lives; `<run.output_dir>/buffer` when unset."""
-    log_sync: Literal["batch", "always", "never"] = "batch"
+    log_sync: LogSync = "batch"
     """`batch`: one fsync per burst of puts, before their acks (survives a crash of the
-    machine); `always`: one per put; `never`: the OS decides (survives a crash of the
-    buffer process, not of the machine)."""
+    machine); `always`: one after every write to the log (a burst's trajectories go in
+    one write; each record of what became of them in its own); `never`: no fsync, the OS
+    decides (survives a crash of the buffer process, not of the machine)."""
     log_segment_bytes: int = Field(64 * MiB, ge=4096)
     """Size at which the log starts a new segment file; old ones are deleted once all
     they hold is consumed."""
@@ -314,223 +348,19 @@ class BufferConfig(StrictModel):
     curve: CurveServerConfig | None = None
     """ZeroMQ CURVE encryption and client allow-list on both sockets; plaintext and open
     to anyone who can connect when absent (fine on loopback or inside a private network)."""
+    trainer_token_file: Path | None = None
+    """File whose first line is the secret the trainer sends with each request on the
+    trainer socket (the buffer and the trainer read the same file). Set, a get, ack,
+    commit or resume without it is refused and counted (`buffer_trainer_refused`): only
+    the trainer takes batches, lets them go and moves `trainer_version`, with CURVE or
+    without. `rollwire train` writes one per run when this is unset."""
 
-
-Beta = Annotated[float, Field(ge=0, lt=1)]
-
-
-class LRScheduleConfig(StrictModel):
-    """The learning rate over optimizer updates (`rollwire.trainer.algorithms.lr_factor`)."""
-
-    type: Literal["constant", "linear", "cosine"] = "constant"
-    """After the warm-up: `constant` keeps trainer.learning_rate; `linear` and `cosine`
-    decay it to min_lr_ratio times that over the run's rl.max_steps x
-    minibatches_per_step x epochs_per_step updates, and hold it there."""
-    warmup_steps: int = Field(0, ge=0)
-    """Optimizer updates over which the rate rises linearly to trainer.learning_rate
-    (update k of the warm-up, from 0, runs at (k + 1) / warmup_steps of it)."""
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    """Where `linear` and `cosine` end, as a fraction of trainer.learning_rate."""
-    decay_from: Literal["warmup_end", "start"] = "warmup_end"
-    """`warmup_end`: `linear` and `cosine` decay from the end of the warm-up; `start`:
-    they decay over the whole run from update 0 and the warm-up ramp multiplies them
-    (the rate then peaks a little below trainer.learning_rate)."""
-
-
-class LoraConfig(StrictModel):
-    """LoRA adapters (peft) on the local backend: only the adapters train, the base
-    weights stay frozen; the weights published and saved are the merged ones."""
-
-    rank: int = Field(16, ge=1)
-    """Rank r of each adapter: the inner size of its B (out x r) and A (r x in)."""
-    alpha: float = 32.0
-    """Scale numerator: a target layer's weight is W + (alpha / rank) B A."""
-    dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on each adapter's input in training passes (the proximal pass too, so
-    above 0 the first update's ratio is no longer exactly 1)."""
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    """Suffixes of the names of the linear layers that get an adapter, e.g. `q_proj`
-    or `mlp.down_proj`."""
-
-
-class TrainerConfig(StrictModel):
-    """The trainer.
-
-    A step takes one batch from the buffer and publishes the weights once, as one new
-    policy version. Within it the trainer computes the advantages and the proximal
-    logprobs (see `trainer.loss`), then makes epochs_per_step passes over the batch in
-    minibatches_per_step minibatches, one optimizer update each; each minibatch is
-    split into micro-batches whose gradients accumulate.
-    """
-
-    server: ServerConfig = ServerConfig()
-    """Listening settings for the TrainerService."""
-    backend: Literal["local", "fsdp2", "deepspeed"] = "local"
-    """`local`: one process on CPU or one GPU. `fsdp2`: torch FSDP2 (parameters, gradients
-    and optimizer state sharded over the ranks); `deepspeed`: DeepSpeed ZeRO stage 1, 2
-    or 3 (`trainer.distributed`). Either runs `world_size` ranks (gloo on CPUs, NCCL on
-    GPUs); rank 0 alone talks to the buffer and the rollout-servers."""
-    world_size: int = Field(1, ge=1)
-    """Trainer ranks on this machine (one per GPU; on CPUs, one per `threads` cores).
-    Above 1, `rollwire trainer` starts itself under torchrun (`--standalone`); for several
-    machines run `torchrun --nnodes ... -m rollwire.services.app.cli trainer -c FILE` on
-    each with torchrun's own rendezvous options, and WORLD_SIZE decides."""
-    distributed: DistributedConfig = DistributedConfig()
-    """Settings of the `fsdp2` and `deepspeed` backends (collective timeout, resharding,
-    ZeRO stage, offload)."""
-
-    model_path: Path | None = None
-    """Model to start from (Hugging Face folder); the built-in tiny model when unset.
-    `rollwire train` starts the rollout-servers from the same model (setting
-    `rollout_server.model_path` to another one is an error)."""
-    learning_rate: float = Field(1e-4, gt=0)
-    """AdamW learning rate (the peak, when lr_schedule warms up or decays)."""
-    lr_schedule: LRScheduleConfig = LRScheduleConfig()
-    """Learning rate over the run's optimizer updates; its position is saved in every
-    checkpoint, so a resumed run carries on along it."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    adam_betas: tuple[Beta, Beta] = (0.9, 0.99)
-    """AdamW's decay rates of the gradient's first and second moments, e.g. `[0.9, 0.999]`."""
-    adam_eps: float = Field(1e-8, gt=0)
-    """AdamW's epsilon, added to the root of the second moment."""
-    max_grad_norm: float = Field(1.0, gt=0)
-    """Gradient norm clip, per optimizer update."""
-    minibatches_per_step: int = Field(1, ge=1)
-    """Optimizer updates per pass over the batch (PPO minibatches: the kept sequences in
-    this many contiguous parts). Above 1 (or with epochs_per_step above 1) the proximal
-    logprobs cost one extra forward pass per step, and the clip acts from the second
-    update on. A batch with fewer sequences that carry signal makes fewer updates."""
-    epochs_per_step: int = Field(1, ge=1)
-    """Passes over the batch per step (PPO epochs), all against the same proximal
-    logprobs; the weights are published once, after the last."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Sequences per forward/backward pass when max_tokens_per_micro_batch is unset;
-    gradients accumulate over a minibatch."""
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
-    """Pack sequences, longest first, into forward/backward passes of at most this many
-    padded tokens (sequences x the longest of them); a longer sequence goes alone.
-    Replaces micro_batch_size when set; the gradient is the same either way."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """`bf16`: forward and backward passes under bfloat16 autocast, with float32 master
-    weights, optimizer state and loss math (logprobs, ratios, advantages). Published
-    weights and checkpoints stay float32; a rollout-server casts them to its own dtype."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass instead of keeping them (Hugging Face
-    `gradient_checkpointing_enable`): less memory, about one more forward of time."""
-    advantage: AdvantageConfig = GRPOAdvantage()
-    """The advantage estimator (`type`: grpo, dr_grpo, rloo, lite_ppo,
-    reinforce_plus_plus, episode, step, gae, on_policy_distill); sequences whose advantage is 0 are left
-    out. `gae` trains a critic (a second model, `trainer.advantage.critic`) beside the
-    policy: its forward and update passes roughly double a step's time."""
-    reward_normalization: Literal["none", "batch", "running"] = "none"
-    """Standardise rewards before the advantages: minus the mean, over the std, of the
-    batch (`batch`) or of every reward trained on so far (`running`, kept in each
-    checkpoint); for estimators that do not normalise within groups (gae,
-    reinforce_plus_plus) and rewards on an arbitrary scale."""
-    reward_clip: float | None = Field(None, gt=0)
-    """Clip every reward to [-reward_clip, reward_clip] before the advantages (a reward
-    model's outliers; after reward_normalization, so in std units then); unset leaves
-    them as scored."""
-    loss: PolicyLossConfig = PPOClipLoss()
-    """The policy loss (`type`: ppo_clip, gspo, cispo, topr, raft_plus_plus, reinforce).
-
-    Three logprobs of every generated token meet in it. **Behaviour** (mu): the
-    engine's, recorded when it sampled the token; it differs from the others when the
-    token is stale (sampled by an older policy version) and by the engine/trainer
-    mismatch (kernels, precision: the `mismatch_*` metrics). **Proximal** (pi_prox): the
-    trainer's weights before this step's first update, computed once per step.
-    **Current** (pi): the weights being updated; equal to the proximal ones in the first
-    update of a step, different from the second on (`minibatches_per_step` or
-    `epochs_per_step` above 1), which is where a clip acts."""
-    correction: CorrectionConfig = TISCorrection()
-    """The off-policy correction (`type`: none, tis, decoupled, mis): what the ratio is
-    taken against (mu, or pi_prox) and how each token is weighted or masked by
-    pi_prox / mu."""
-    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"] = (
-        "token_mean"
-    )
-    """How token losses become the loss: the mean over all tokens, the mean over
-    sequences of their sums or of their means, or the token sum over sequences x
-    `aggregation_constant` (Dr. GRPO)."""
-    aggregation_constant: float | None = Field(None, gt=0)
-    """`aggregation: constant`: the fixed length each sequence's sum is divided by (the
-    run's orchestrator.max_new_tokens, say)."""
-    overlong: OverlongConfig = OverlongConfig()
-    """DAPO's overlong filtering (mask_truncated) and soft length penalty (penalty_tokens)."""
-    kl: KLConfig = KLConfig()
-    """KL penalty to the initial model (a frozen reference; the base model under LoRA)."""
-    entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus: this times the policy's mean token entropy is subtracted from the
-    loss (its gradient then costs a softmax over the vocabulary per token)."""
-    lora: LoraConfig | None = None
-    """Train LoRA adapters instead of all the weights (`local` backend only). The rollout-servers
-    get the merged weights; a checkpoint holds the adapters (`adapter/`) and the merged
-    model as its Hugging Face folder. A KL reference is then the base model itself
-    (the adapters switched off), not a second copy."""
-    device: str = "cpu"
-    """torch device, e.g. `cpu` or `cuda:0`."""
-    threads: int = Field(1, ge=1)
-    """CPU threads torch may use in this process."""
-    checkpoint_every: int = Field(10, ge=0)
-    """Steps between checkpoints. The buffer keeps the batches trained since the last
-    checkpoint until the next one holds them, so a restarted trainer resumes from its
-    checkpoint and trains them again: nothing lost. 0 writes only the final checkpoint,
-    and batches are let go as soon as they are trained (a crash then loses them)."""
-    resume: bool = True
-    """Start from the newest checkpoint under run.output_dir/checkpoints when there is one
-    (a restarted trainer carries on where its checkpoint left off)."""
-    batch_timeout_seconds: float = Field(600.0, gt=0)
-    """Waiting longer than this for a batch is an error naming what to check."""
-    weight_chunk_bytes: int = Field(4 * MiB, ge=1024)
-    """Size of one chunk of a weight update."""
-    weight_transport: Literal["stream", "group"] = "stream"
-    """How new weights reach the rollout-servers. `stream`: a chunked gRPC stream to each
-    (any engine, any network). `group`: broadcasts in a process group of the trainer and
-    every rollout-server (NCCL between GPUs, gloo on CPUs), the control still on gRPC; if
-    a member is lost the run goes on with streams (`weight_group_failures`)."""
-    weight_group_address: str = "127.0.0.1"
-    """`group`: the address rollout-servers reach this trainer's rendezvous store at (the
-    port is picked by the OS)."""
-    weight_group_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """`group`: NCCL when this trainer has a CUDA GPU (auto), else gloo."""
-    weight_group_timeout_seconds: float = Field(60.0, gt=0)
-    """`group`: how long forming the group, or one broadcast, may take."""
-    overlap_publish: bool = False
-    """Async mode: the new weights are copied and sent while the trainer acknowledges,
-    waits for its next batch and starts the next step, instead of before (the copy costs
-    the model's size in memory once more, on the device the weights are on; a sharded
-    backend's gathered copy is used as it is). The next publish waits for this one, so
-    versions arrive in order. Sync mode always sends first: generation waits for them.
-    Off by default: on 2 CPU cores with a 27M model it made steps 1.15x longer (the
-    sending competes with generation for the cores, and the rollout-servers serve the
-    new version later, so the orchestrator waits at the staleness bound more)."""
-
-    @model_validator(mode="after")
-    def _backend_settings_compose(self) -> TrainerConfig:
-        if self.world_size > 1 and self.backend == "local":
-            raise ValueError(
-                f"trainer.world_size={self.world_size} needs trainer.backend fsdp2 or deepspeed "
-                "(local is one process)"
-            )
-        if self.backend != "local" and self.lora is not None:
-            raise ValueError(f"trainer.lora runs on trainer.backend=local only, not {self.backend}")
-        if self.backend != "local" and self.kl.coef > 0:
-            raise ValueError(
-                f"trainer.kl.coef > 0 (a frozen reference model) runs on "
-                f"trainer.backend=local only, not {self.backend}"
-            )
-        if self.kl.in_reward and self.kl.coef == 0:
-            raise ValueError("trainer.kl.in_reward needs trainer.kl.coef > 0")
-        if self.kl.in_reward and self.advantage.type not in ("gae", "reinforce_plus_plus"):
-            raise ValueError(
-                "trainer.kl.in_reward folds the KL into token rewards, which only "
-                f"gae and reinforce_plus_plus take; trainer.advantage is {self.advantage.type}"
-                " (use the KL as a loss term there: leave in_reward false)"
-            )
-        if self.aggregation == "constant" and self.aggregation_constant is None:
-            raise ValueError(
-                "trainer.aggregation: constant needs trainer.aggregation_constant (the fixed "
-                "length, e.g. the run's orchestrator.max_new_tokens)"
-            )
-        return self
+    def trainer_token(self) -> str | None:
+        """The trainer's token from `trainer_token_file` (None when unset); ValueError if
+        the file is empty. The buffer and the trainer both read it here."""
+        if self.trainer_token_file is None:
+            return None
+        token = read_token_file(self.trainer_token_file)
+        if token is None:
+            raise ValueError(f"buffer.trainer_token_file {self.trainer_token_file} is empty")
+        return token

@@ -1,0 +1,58 @@
+"""What differs between kinds of trained model, behind one small interface.
+
+A `ModelFamily` says how a model of its kind is loaded (master weights and a frozen
+copy), how its forward runs on a batch, its padding id, what is saved beside its
+weights (a tokenizer today; a processor or a noise scheduler for the families to
+come), LoRA's targets and task, and how its weights are named on the wire to the
+rollout-servers. The `Learner` (trainer/learner.py) holds one and knows no other model
+detail; the steps (trainer/rl/, trainer/pipelines/) call its forward.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ModelFamily(ABC):
+    """One kind of model. Subclasses are stateless apart from their settings."""
+
+    name: str
+    """The family's name in the table (`rollwire.trainer.models.FAMILIES`)."""
+
+    lora_task: str
+    """peft's `TaskType` name for LoRA on this family (e.g. `CAUSAL_LM`)."""
+
+    @abstractmethod
+    def load(self, path: Path, *, value_head: bool = False) -> torch.nn.Module:
+        """The model at `path` in float32 on the CPU, in training mode: the master
+        weights. `value_head`: the same body with a zeroed one-output head per position
+        (a critic), where the family has one."""
+
+    @abstractmethod
+    def load_frozen(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+        """The model at `path` in `dtype`, evaluation mode, no gradients (a reference)."""
+
+    @abstractmethod
+    def load_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        """The float32 weights of a saved folder, by the names `load` gives them."""
+
+    @abstractmethod
+    def logits(self, model: Any, batch: Any, device: torch.device) -> torch.Tensor:
+        """The model's forward on `batch` (the caller holds the precision's autocast)."""
+
+    @abstractmethod
+    def save_extras(self, source: Path, folder: Path) -> None:
+        """Writes into `folder` what a saved model needs beside its weights and config,
+        read from the model folder the run started from."""
+
+    def pad_token_id(self, config: Any) -> int:
+        """The id padding positions hold (never attended to, never in a loss)."""
+        return int(getattr(config, "pad_token_id", None) or 0)
+
+    def wire_name(self, name: str) -> str:
+        """A parameter's name as the rollout-servers load it (the same by default)."""
+        return name
