@@ -235,7 +235,7 @@ class Stack:
             service.log_handle.close()
 
 
-WARM_UP_STEP = "Policy.supervised_step"
+WARM_UP_STEP = "SupervisedStep"
 """Part of a warm-up's cache key: a cached model of another implementation is not reused."""
 
 

@@ -186,7 +186,7 @@ def test_sft_and_dpo_on_cuda_ranks(tmp_path) -> None:
 def test_the_warm_up_is_the_sft_step_and_equals_the_loop_it_replaced(
     tiny_model_path, tmp_path
 ) -> None:
-    """`warm_up_on` trains through `Policy.supervised_step`; its schedule and optimizer are
+    """`warm_up_on` trains through `SupervisedStep`; its schedule and optimizer are
     the warm-up's own, calibrated ones: batch for batch it gives the weights of a plain
     loop (HF's loss on the taught tokens, AdamW, clip 1, ramp x linear decay), bit for bit."""
     import random

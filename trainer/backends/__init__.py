@@ -1,8 +1,8 @@
 """The trainer's backends, chosen by `trainer.backend`: `local`, `fsdp2` or `deepspeed`.
 
 `backend_for(trainer_config, model_path, distributed)` (or `make_backend`) builds one;
-the interface is `TrainBackend` (`backend_base.py`), the multi-process ones live in
-`backend_fsdp2.py` and `backend_deepspeed.py` and join the torchrun group
+the interface is `TrainBackend` (`base.py`), the multi-process ones live in
+`fsdp2.py` and `deepspeed.py` and join the torchrun group
 (`init_process_group`). Leave with `backend.close()`, then `shutdown_process_group()`.
 """
 

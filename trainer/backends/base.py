@@ -1,8 +1,8 @@
 """What every trainer backend offers, the process group they run in, and the one-process backend.
 
 A backend owns the trained module and its optimizer, however they are spread over the
-ranks: `local` (one process, `LocalBackend` here), `fsdp2` (`backend_fsdp2.py`) and
-`deepspeed` (`backend_deepspeed.py`); `backends.make_backend` picks one by
+ranks: `local` (one process, `LocalBackend` here), `fsdp2` (`fsdp2.py`) and
+`deepspeed` (`deepspeed.py`); `backends.make_backend` picks one by
 `trainer.backend`. A train step on any of them reads
 
     backend.zero_grad()

@@ -1,6 +1,6 @@
 """Weights in buckets, and a Hugging Face model folder written from a stream of them.
 
-Shared by the trainer backends (`backend_base.py`); torch and safetensors, nothing
+Shared by the trainer backends (`base.py`); torch and safetensors, nothing
 distributed.
 """
 

@@ -247,8 +247,8 @@ ADVANTAGE_ESTIMATORS = {
 }
 """`trainer.algorithm.advantage.type` -> the estimator of one advantage per sequence, from [B]
 rewards in adjacent groups of `group_size`. `episode` (StarPO) and `step` (GiGPO) start
-from `grpo` (`rollwire.trainer.learner.Policy.advantages`); `gae` and `on_policy_distill`
-are per token (`gae`, `distill_advantages`)."""
+from `grpo` (`rollwire.trainer.rl.advantages.SEQUENCE_ADVANTAGES`); `gae` and
+`on_policy_distill` are per token (`TOKEN_ADVANTAGES` there)."""
 
 
 def high_variance_groups(rewards: torch.Tensor, group_size: int, fraction: float) -> torch.Tensor:
