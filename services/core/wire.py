@@ -229,8 +229,18 @@ def _check_fields(body: Any, where: str) -> None:
         if not isinstance(body[name], str):
             raise WireError(f"{where}.{name}: expected a string")
     for name in _INT_FIELDS:
-        if not _is_int(body[name]) or body[name] < 0:
+        if type(body[name]) is not int or body[name] < 0:  # msgpack gives ints as int
             raise WireError(f"{where}.{name}: expected a non-negative integer")
+
+
+def _finite_floats(value: Any) -> bool:
+    """Whether `value` is a map of strings to finite floats, exactly those types."""
+    if type(value) is not dict:
+        return False
+    for key, number in value.items():
+        if type(key) is not str or type(number) is not float or not math.isfinite(number):
+            return False
+    return True
 
 
 def _trace_context(trace: Any, where: str) -> dict[str, str]:
@@ -244,24 +254,30 @@ def _trace_context(trace: Any, where: str) -> dict[str, str]:
 _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 
 
-def _view(value: Any, name: str, dtype: str) -> np.ndarray:
-    """A read-only view of a 1-d array map of `dtype`, checked as `decode_array` checks it
-    (without copying: the caller copies what it keeps)."""
-    if type(value) is dict and value.keys() == _ARRAY_KEYS and value["dtype"] == dtype:
-        shape, data = value["shape"], value["data"]
-        if (
-            type(shape) is list
-            and len(shape) == 1
-            and _is_int(shape[0])
-            and type(data) is bytes
-            and len(data) == shape[0] * _ITEMSIZE[dtype]
-            and shape[0] >= 0
-        ):
-            return np.frombuffer(data, dtype=dtype)
-    return decode_array(value, name, dtype, ndim=1)  # raises, saying what is wrong
+def _view(value: Any, where: str, name: str, dtype: str) -> np.ndarray:
+    """A read-only view of the 1-d array map `where.name` of `dtype`, checked as
+    `decode_array` checks it (without copying: the caller copies what it keeps)."""
+    if value == _EMPTY[dtype]:  # the usual step_rewards and turn_ids of a one-turn episode
+        return _EMPTY_ARRAY[dtype]
+    # Three entries, and these three keys present: exactly the array map's keys.
+    if type(value) is dict and len(value) == 3 and value.get("dtype") == dtype:
+        shape, data = value.get("shape"), value.get("data")
+        if type(shape) is list and len(shape) == 1 and type(data) is bytes:
+            count = shape[0]
+            if type(count) is int and count >= 0 and len(data) == count * _ITEMSIZE[dtype]:
+                return np.frombuffer(data, dtype=_DTYPES[dtype])
+    return decode_array(value, f"{where}.{name}", dtype, ndim=1)  # raises, saying what is wrong
 
 
+_DTYPES = {dtype: np.dtype(dtype) for dtype in _ALLOWED_DTYPES}
+_EMPTY = {dtype: {"dtype": dtype, "shape": [0], "data": b""} for dtype in _ALLOWED_DTYPES}
+"""The wire form of an empty array of each dtype."""
+_EMPTY_ARRAY = {dtype: np.frombuffer(b"", dtype=_DTYPES[dtype]) for dtype in _ALLOWED_DTYPES}
 _ITEMSIZE = {dtype: np.dtype(dtype).itemsize for dtype in _ALLOWED_DTYPES}
+
+
+_NO_VERSION = np.iinfo(np.int64).max
+"""Where the minimum over the generated tokens' versions starts."""
 
 
 @dataclass(slots=True)
@@ -269,8 +285,8 @@ class _Checked:
     """A trajectory body that passed every check, its arrays as views of the frame."""
 
     arrays: dict[str, np.ndarray]
-    generated_versions: np.ndarray
-    """The policy versions of the generated tokens."""
+    oldest_version: int | None
+    """The oldest policy version among the generated tokens; None if none was generated."""
     step_rewards: np.ndarray
     turn_ids: np.ndarray
     teacher: np.ndarray | None
@@ -280,24 +296,36 @@ class _Checked:
 
 def _check_body(body: Any, where: str) -> _Checked:
     """Every check a trajectory body must pass, without copying its arrays: what the
-    buffer runs on each put (`admit`) and decoding runs before it copies (`decode`)."""
+    buffer runs on each put (`admit`) and decoding runs before it copies (`decode`).
+
+    On the buffer's hot path: each check is the cheapest one that is still exact (a
+    byte translation for the 0/1 mask, one dot product for "all finite" with the exact
+    check only when it says no, one masked reduction for the oldest version)."""
     _check_fields(body, where)
-    arrays = {
-        name: _view(body[name], f"{where}.{name}", dtype) for name, dtype in _TOKEN_ARRAYS.items()
-    }
-    lengths = {name: array.shape[0] for name, array in arrays.items()}
-    if len(set(lengths.values())) != 1:
+    arrays = {name: _view(body[name], where, name, dtype) for name, dtype in _TOKEN_ARRAYS.items()}
+    mask, logprobs = arrays["loss_mask"], arrays["behaviour_logprobs"]
+    tokens = mask.shape[0]
+    if not (
+        arrays["token_ids"].shape[0]
+        == logprobs.shape[0]
+        == arrays["policy_versions"].shape[0]
+        == tokens
+    ):
+        lengths = {name: array.shape[0] for name, array in arrays.items()}
         raise WireError(f"{where}: per-token arrays differ in length {lengths}")
-    mask = arrays["loss_mask"]
-    if mask.size and mask.max() > 1:
+    mask_bytes = mask.tobytes()
+    if mask_bytes.translate(None, b"\x00\x01"):
         raise WireError(f"{where}.loss_mask: values must be 0 or 1")
     generated = mask.view(np.bool_)  # 0 or 1 only, as just checked
-    logprobs = arrays["behaviour_logprobs"]
-    # One reduction when every value is finite (the usual case); the exact check if not.
-    if not math.isfinite(float(logprobs.sum())) and not np.isfinite(logprobs[generated]).all():
+    # The dot product is finite when every value is (or it overflowed: then the exact check).
+    if not math.isfinite(logprobs.dot(logprobs)) and not np.isfinite(logprobs[generated]).all():
         raise WireError(f"{where}.behaviour_logprobs: not finite on a generated token")
-    versions = arrays["policy_versions"][generated]
-    if versions.size and versions.min() < 0:
+    oldest = None
+    if b"\x01" in mask_bytes:
+        oldest = int(
+            np.minimum.reduce(arrays["policy_versions"], where=generated, initial=_NO_VERSION)
+        )
+    if oldest is not None and oldest < 0:
         raise WireError(f"{where}.policy_versions: a generated token has no version")
     reward = body["reward"]
     if (
@@ -306,27 +334,25 @@ def _check_body(body: Any, where: str) -> _Checked:
         or not math.isfinite(reward)
     ):
         raise WireError(f"{where}.reward: expected a finite number")
-    step_rewards = _view(body["step_rewards"], f"{where}.step_rewards", "<f4")
+    step_rewards = _view(body["step_rewards"], where, "step_rewards", "<f4")
     if step_rewards.size and not np.isfinite(step_rewards).all():
         raise WireError(f"{where}.step_rewards: not finite")
-    turn_ids = _view(body["turn_ids"], f"{where}.turn_ids", "<i4")
+    turn_ids = _view(body["turn_ids"], where, "turn_ids", "<i4")
     turn_keys = body["turn_keys"]
     if not isinstance(turn_keys, list) or not all(isinstance(k, str) for k in turn_keys):
         raise WireError(f"{where}.turn_keys: expected a list of strings")
     if turn_ids.size:
-        if turn_ids.shape[0] != mask.shape[0]:
-            raise WireError(
-                f"{where}.turn_ids: {turn_ids.shape[0]} entries for {mask.shape[0]} tokens"
-            )
+        if turn_ids.shape[0] != tokens:
+            raise WireError(f"{where}.turn_ids: {turn_ids.shape[0]} entries for {tokens} tokens")
         if turn_ids.min() < -1 or turn_ids.max() >= max(len(turn_keys), 1):
             raise WireError(f"{where}.turn_ids: a turn id outside [-1, {len(turn_keys)})")
     trace = _trace_context(body["trace_context"], where)
     teacher = None
     if "teacher_logprobs" in body:
-        teacher = _view(body["teacher_logprobs"], f"{where}.teacher_logprobs", "<f4")
-        if teacher.shape[0] != mask.shape[0]:
+        teacher = _view(body["teacher_logprobs"], where, "teacher_logprobs", "<f4")
+        if teacher.shape[0] != tokens:
             raise WireError(
-                f"{where}.teacher_logprobs: {teacher.shape[0]} entries for {mask.shape[0]} tokens"
+                f"{where}.teacher_logprobs: {teacher.shape[0]} entries for {tokens} tokens"
             )
         if not np.isfinite(teacher[generated]).all():
             raise WireError(f"{where}.teacher_logprobs: not finite on a generated token")
@@ -334,13 +360,9 @@ def _check_body(body: Any, where: str) -> _Checked:
     if not isinstance(kind, str) or not kind:
         raise WireError(f"{where}.kind: expected a non-empty string")
     for name in ("reward_components", "timings"):
-        value = body[name]
-        # The usual case in one pass (finite floats under string keys); else the full check.
-        if type(value) is not dict or not all(
-            type(k) is str and type(v) is float and math.isfinite(v) for k, v in value.items()
-        ):
-            _float_map(value, f"{where}.{name}")
-    return _Checked(arrays, versions, step_rewards, turn_ids, teacher, trace, kind)
+        if not _finite_floats(body[name]):  # the usual case in one pass; else the full check
+            _float_map(body[name], f"{where}.{name}")
+    return _Checked(arrays, oldest, step_rewards, turn_ids, teacher, trace, kind)
 
 
 def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
@@ -395,6 +417,9 @@ class TrajectoryFrame:
         return decode_trajectory(self.frame, max_frame_bytes)
 
 
+_ENVELOPE_KEYS = frozenset({"schema", "kind", "body"})
+
+
 def _unpack_envelope(frame: Any, max_frame_bytes: int) -> tuple[Any, Any]:
     """(kind, body) of a frame whose envelope is valid; WireError otherwise."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
@@ -405,7 +430,7 @@ def _unpack_envelope(frame: Any, max_frame_bytes: int) -> tuple[Any, Any]:
         envelope = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as error:  # msgpack raises several unrelated types on bad input
         raise WireError(f"not a valid msgpack frame: {type(error).__name__}: {error}") from None
-    if not isinstance(envelope, dict) or set(envelope) != {"schema", "kind", "body"}:
+    if type(envelope) is not dict or envelope.keys() != _ENVELOPE_KEYS:
         raise WireError("not a rollwire frame: expected a map with schema, kind and body")
     if envelope["schema"] != SCHEMA_VERSION or not _is_int(envelope["schema"]):
         raise WireError(
@@ -442,14 +467,15 @@ def peek(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajec
     if mask.shape != versions.shape:
         raise WireError("trajectory: loss_mask and policy_versions differ in length")
     trace = _trace_context(body["trace_context"], "trajectory")
-    return _header(body, versions[mask == 1], trace, frame)
+    generated = versions[mask == 1]
+    return _header(body, int(generated.min()) if generated.size else None, trace, frame)
 
 
 def _header(
-    body: dict[str, Any], generated: np.ndarray, trace: dict[str, str], frame: bytes
+    body: dict[str, Any], oldest_version: int | None, trace: dict[str, str], frame: bytes
 ) -> TrajectoryFrame:
-    """The TrajectoryFrame of a body whose header fields passed their checks; `generated`:
-    the policy versions of its generated tokens."""
+    """The TrajectoryFrame of a body whose header fields passed their checks; `oldest_version`:
+    the oldest policy version among its generated tokens, None if none was generated."""
     return TrajectoryFrame(
         trajectory_id=body["trajectory_id"],
         group_id=body["group_id"],
@@ -457,7 +483,7 @@ def _header(
         prompt_ordinal=body["prompt_ordinal"],
         source=body["source"],
         domain=body["domain"],
-        oldest_version=int(generated.min()) if generated.size else None,
+        oldest_version=oldest_version,
         trace_context=trace,
         frame=bytes(frame),
     )
@@ -471,7 +497,7 @@ def admit(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Traje
     if kind != "trajectory":
         raise WireError(f"expected a trajectory frame, got kind {kind!r}")
     checked = _check_body(body, "trajectory")
-    return _header(body, checked.generated_versions, checked.trace, frame)
+    return _header(body, checked.oldest_version, checked.trace, frame)
 
 
 # ---------------------------------------------------------------- frames
