@@ -8,9 +8,10 @@ parameters) conditioned on a class label, 0-9 for a digit and 10 for "any digit"
 conditional and an unconditional branch. Trained by flow matching (`flow.py`'s
 convention: the velocity `noise - x0` at a uniform time), AdamW, one thread by default.
 
-The folder is what diffusers loads: `unet/` (`UNet2DModel.from_pretrained`),
-`scheduler/` (a `FlowMatchEulerDiscreteScheduler`), and `rollwire_diffusion.json` (the
-image shape, value range, labels and the build's settings, which key the cache).
+The folder is what diffusers loads: the UNet's `config.json` and weights at its root
+(`UNet2DModel.from_pretrained(folder)`, as the trainer saves it), `scheduler/` (a
+`FlowMatchEulerDiscreteScheduler`), and `rollwire_diffusion.json` (the image shape, value
+range, labels and the build's settings, which key the cache).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def build_digits_model(
     started = time.monotonic()
     losses = train_flow_matching(unet, spec, threads, progress)
     with staged_directory(folder, keep_if_present=MARKER) as staging:
-        unet.save_pretrained(staging / "unet")
+        unet.save_pretrained(staging)
         FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0).save_pretrained(
             staging / "scheduler"
         )
@@ -167,4 +168,4 @@ def load_unet(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
     """The UNet of a model folder, in eval mode."""
     from diffusers import UNet2DModel
 
-    return UNet2DModel.from_pretrained(Path(folder) / "unet", torch_dtype=dtype).eval()
+    return UNet2DModel.from_pretrained(Path(folder), torch_dtype=dtype).eval()

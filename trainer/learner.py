@@ -97,12 +97,13 @@ def in_precision(precision: str, device: torch.device) -> contextlib.AbstractCon
 
 
 def _with_adapters(model: torch.nn.Module, lora: LoraConfig, task: str) -> torch.nn.Module:
-    """`model` wrapped by peft with LoRA adapters (all other weights frozen)."""
+    """`model` wrapped by peft with LoRA adapters (all other weights frozen); `task` is the
+    family's peft task type, empty for a model that is not a transformers one."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
     peft_config = PeftLoraConfig(
-        task_type=getattr(TaskType, task),
+        task_type=getattr(TaskType, task) if task else None,
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,

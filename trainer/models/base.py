@@ -24,7 +24,8 @@ class ModelFamily(ABC):
     """The family's name in the table (`rollwire.trainer.models.FAMILIES`)."""
 
     lora_task: str
-    """peft's `TaskType` name for LoRA on this family (e.g. `CAUSAL_LM`)."""
+    """peft's `TaskType` name for LoRA on this family (e.g. `CAUSAL_LM`); empty for a model
+    peft wraps without a task (a diffusers UNet)."""
 
     @abstractmethod
     def load(self, path: Path, *, value_head: bool = False) -> torch.nn.Module:

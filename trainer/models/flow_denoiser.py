@@ -1,0 +1,83 @@
+"""The flow-matching denoiser family: a diffusers `UNet2DModel` conditioned on a class
+label, predicting the velocity of rectified flow (`rollwire.diffusion.flow`).
+
+A model folder is the UNet's `config.json` and weights at its root (what
+`UNet2DModel.from_pretrained` loads, and what the learner's checkpoints write), with its
+noise scheduler in `scheduler/` and rollwire's description of the task
+(`rollwire_diffusion.json`: image shape, value range, labels) beside it: `save_extras`
+copies both from the folder the run started from. The built-in model
+(`rollwire.diffusion.digits`) is one. LoRA targets the UNet's convolutions and linear
+layers by name (`trainer.lora.target_modules`, e.g. `["conv1", "conv2", "time_emb_proj"]`).
+
+The family's forward (`logits`) takes a `Noised` batch and returns the predicted velocity.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollwire.trainer.models.base import ModelFamily
+
+MARKER = "rollwire_diffusion.json"
+WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+
+
+@dataclass
+class Noised:
+    """Noisy samples at their times, with the labels they are conditioned on."""
+
+    x: torch.Tensor
+    """[B, C, H, W] noisy samples."""
+    t: torch.Tensor
+    """[B] times in [0, 1] (1 is pure noise)."""
+    labels: torch.Tensor
+    """[B] class labels (the folder's `any_label` for the unconditional branch)."""
+
+
+class FlowDenoiser(ModelFamily):
+    """A class-conditional flow-matching UNet (see the module docstring)."""
+
+    name = "flow_denoiser"
+    lora_task = ""
+    """peft without a task type: the UNet is no transformers model."""
+
+    def load(self, path: Path, *, value_head: bool = False) -> torch.nn.Module:
+        if value_head:
+            raise ValueError("a flow denoiser has no value head (Flow-GRPO needs no critic)")
+        from diffusers import UNet2DModel
+
+        return UNet2DModel.from_pretrained(Path(path), torch_dtype=torch.float32).train()
+
+    def load_frozen(self, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+        from diffusers import UNet2DModel
+
+        model = UNet2DModel.from_pretrained(Path(path), torch_dtype=dtype).eval()
+        return model.requires_grad_(False)
+
+    def load_weights(self, folder: Path) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        for name in WEIGHTS:
+            if (Path(folder) / name).exists():
+                weights = load_file(str(Path(folder) / name))
+                return {key: value.to(torch.float32) for key, value in weights.items()}
+        raise FileNotFoundError(f"no UNet weights in {folder} (looked for {', '.join(WEIGHTS)})")
+
+    def logits(self, model: Any, batch: Noised, device: torch.device) -> torch.Tensor:
+        x, t, labels = batch.x.to(device), batch.t.to(device), batch.labels.to(device)
+        return model(x, t * 1000.0, class_labels=labels).sample
+
+    def save_extras(self, source: Path, folder: Path) -> None:
+        source, folder = Path(source), Path(folder)
+        if (source / "scheduler").is_dir():
+            shutil.copytree(source / "scheduler", folder / "scheduler", dirs_exist_ok=True)
+        if (source / MARKER).exists():
+            shutil.copy2(source / MARKER, folder / MARKER)
+
+    def pad_token_id(self, config: Any) -> int:
+        return 0  # images have no padding
