@@ -44,9 +44,10 @@ def encode_array(array: np.ndarray, dtype: str) -> dict[str, Any]:
 
 
 def decode_array(
-    value: Any, name: str, dtype: str | None = None, ndim: int | None = None
+    value: Any, name: str, dtype: str | None = None, ndim: int | None = None, copy: bool = True
 ) -> np.ndarray:
-    """Unpacks an array written by `encode_array`, checking dtype, shape and size."""
+    """Unpacks an array written by `encode_array`, checking dtype, shape and size (without
+    `copy`: a read-only view of the frame's bytes)."""
     if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
         raise WireError(f"{name}: expected an array map with dtype, shape and data")
     wire_dtype, shape, data = value["dtype"], value["shape"], value["data"]
@@ -66,7 +67,8 @@ def decode_array(
         raise WireError(
             f"{name}: {len(data)} bytes of data for shape {shape} ({expected} expected)"
         )
-    return np.frombuffer(data, dtype=np.dtype(wire_dtype)).reshape(shape).copy()
+    array = np.frombuffer(data, dtype=np.dtype(wire_dtype)).reshape(shape)
+    return array.copy() if copy else array
 
 
 # ---------------------------------------------------------------- messages
@@ -126,8 +128,15 @@ class Trajectory:
     """float32 [T] or empty: on-policy distillation's teacher logprob of each generated
     token (0 elsewhere), from a teacher rollout-server's ScoreTokens; empty otherwise."""
     kind: str = "tokens"
-    """The modality the episode was generated in ("tokens"; later "images", "latents"),
-    carried unchanged so a relay such as the buffer moves any kind without decoding it."""
+    """The modality the episode was generated in: "tokens", or "latents" (a diffusion
+    model's denoising steps), carried unchanged so a relay such as the buffer moves any
+    kind without decoding it."""
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    """Named arrays of any shape that a kind needs beside the per-step arrays; empty for
+    tokens. A "latents" trajectory: each recorded denoising step is one "token" (its step
+    index in `token_ids`, 1 in `loss_mask`, its log-probability and the policy version
+    that took it), and `tensors` holds `latents` (float32 [R + 1, C, H, W], before each
+    step and after the last) and `label` (int64 [1], what the sample was conditioned on)."""
 
     @property
     def num_tokens(self) -> int:
@@ -138,12 +147,21 @@ class Trajectory:
             return NotImplemented
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(mine, np.ndarray):
-                if not np.array_equal(mine, theirs, equal_nan=True) or mine.dtype != theirs.dtype:
+            if isinstance(mine, dict) and f.name == "tensors":
+                if mine.keys() != theirs.keys() or not all(
+                    _same_array(mine[name], theirs[name]) for name in mine
+                ):
+                    return False
+            elif isinstance(mine, np.ndarray):
+                if not _same_array(mine, theirs):
                     return False
             elif mine != theirs:
                 return False
         return True
+
+
+def _same_array(a: np.ndarray, b: Any) -> bool:
+    return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
 
 
 @dataclass(eq=True)
@@ -168,7 +186,7 @@ _TOKEN_ARRAYS = {
 _STRING_FIELDS = ("trajectory_id", "group_id", "task_id", "source", "domain", "finish_reason")
 _INT_FIELDS = ("sample_index", "prompt_ordinal")
 _TRAJECTORY_KEYS = frozenset(f.name for f in fields(Trajectory))
-_OPTIONAL_KEYS = frozenset({"teacher_logprobs", "kind"})
+_OPTIONAL_KEYS = frozenset({"teacher_logprobs", "kind", "tensors"})
 """Fields a frame may leave out (frames written before they existed): their defaults."""
 _DEFAULT_KIND = "tokens"
 """The kind of a frame that names none. Encoding leaves it out, so a token trajectory's
@@ -177,6 +195,15 @@ frame is the same bytes as before the field existed, which older readers still a
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _wire_dtype(array: np.ndarray, name: str) -> str:
+    """The little-endian wire dtype of a `tensors` array; TypeError for one the wire lacks."""
+    dtype = np.asarray(array).dtype
+    wire = dtype.newbyteorder("<").str
+    if wire not in _ALLOWED_DTYPES:
+        raise TypeError(f"tensors[{name!r}]: dtype {dtype} cannot go on the wire")
+    return wire
 
 
 def _trajectory_body(trajectory: Trajectory) -> dict[str, Any]:
@@ -194,6 +221,11 @@ def _trajectory_body(trajectory: Trajectory) -> dict[str, Any]:
     body["trace_context"] = {str(k): str(v) for k, v in trajectory.trace_context.items()}
     if trajectory.teacher_logprobs.size:
         body["teacher_logprobs"] = encode_array(trajectory.teacher_logprobs, "<f4")
+    if trajectory.tensors:
+        body["tensors"] = {
+            str(name): encode_array(array, _wire_dtype(array, name))
+            for name, array in trajectory.tensors.items()
+        }
     if trajectory.kind != _DEFAULT_KIND:
         body["kind"] = str(trajectory.kind)
     return body
@@ -292,6 +324,25 @@ class _Checked:
     teacher: np.ndarray | None
     trace: dict[str, str]
     kind: str
+    tensors: dict[str, np.ndarray]
+
+
+MAX_TENSORS = 16
+"""Named arrays one trajectory may carry in `tensors`."""
+
+
+def _tensors(value: Any, where: str) -> dict[str, np.ndarray]:
+    """A body's `tensors` map, each array checked (views of the frame); {} when absent."""
+    if value is None:
+        return {}
+    if type(value) is not dict or len(value) > MAX_TENSORS:
+        raise WireError(f"{where}.tensors: expected a map of at most {MAX_TENSORS} named arrays")
+    out = {}
+    for name, array in value.items():
+        if type(name) is not str or not name:
+            raise WireError(f"{where}.tensors: names must be non-empty strings")
+        out[name] = decode_array(array, f"{where}.tensors[{name!r}]", copy=False)
+    return out
 
 
 def _check_body(body: Any, where: str) -> _Checked:
@@ -356,13 +407,14 @@ def _check_body(body: Any, where: str) -> _Checked:
             )
         if not np.isfinite(teacher[generated]).all():
             raise WireError(f"{where}.teacher_logprobs: not finite on a generated token")
+    tensors = _tensors(body.get("tensors"), where)
     kind = body.get("kind", _DEFAULT_KIND)
     if not isinstance(kind, str) or not kind:
         raise WireError(f"{where}.kind: expected a non-empty string")
     for name in ("reward_components", "timings"):
         if not _finite_floats(body[name]):  # the usual case in one pass; else the full check
             _float_map(body[name], f"{where}.{name}")
-    return _Checked(arrays, oldest, step_rewards, turn_ids, teacher, trace, kind)
+    return _Checked(arrays, oldest, step_rewards, turn_ids, teacher, trace, kind, tensors)
 
 
 def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
@@ -379,6 +431,7 @@ def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
         timings={k: float(v) for k, v in body["timings"].items()},
         trace_context=dict(checked.trace),
         teacher_logprobs=np.zeros(0, np.float32) if teacher is None else teacher.copy(),
+        tensors={name: array.copy() for name, array in checked.tensors.items()},
         kind=checked.kind,
     )
 

@@ -14,6 +14,7 @@ from rollwire.services.core.wire import (
     SCHEMA_VERSION,
     Trajectory,
     WireError,
+    admit,
     decode_trajectory,
     encode,
     peek,
@@ -63,6 +64,17 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
         if draw(st.booleans())
         else np.zeros(0, np.float32),
         kind=draw(st.sampled_from(["tokens", "latents"])),
+        tensors=draw(
+            st.sampled_from(
+                [
+                    {},
+                    {
+                        "latents": np.arange(8, dtype=np.float32).reshape(2, 1, 2, 2),
+                        "label": np.array([3], np.int64),
+                    },
+                ]
+            )
+        ),
     )
 
 
@@ -272,6 +284,36 @@ def test_kind_travels_through_the_buffer_unchanged_and_defaults_to_tokens() -> N
     assert "kind" not in msgpack.unpackb(encode(sample()), raw=False)["body"]
     with pytest.raises(WireError, match="kind: expected a non-empty string"):
         decode_trajectory(_frame(lambda e: e["body"].update(kind=3)))
+
+
+def test_named_tensors_travel_with_their_shapes_and_are_checked() -> None:
+    """A latent trajectory's `tensors` (any shape, any wire dtype) come back as sent and
+    are checked before a buffer acknowledges them; a tokens frame carries no such key."""
+    latents = sample()
+    latents.kind = "latents"
+    latents.tensors = {
+        "latents": np.random.default_rng(0).standard_normal((3, 1, 8, 8)).astype(np.float32),
+        "label": np.array([7], np.int64),
+        "mask": np.array([[True, False]]),
+    }
+    back = admit(encode(latents)).decode()
+    assert back == latents and back.tensors["latents"].shape == (3, 1, 8, 8)
+    assert back.tensors["label"].dtype == np.int64 and back.tensors["mask"].dtype == np.bool_
+    assert back.tensors["latents"].flags.writeable  # decoded arrays are the trainer's own
+    assert "tensors" not in msgpack.unpackb(encode(sample()), raw=False)["body"]
+    for value, message in (
+        ([1, 2], "tensors: expected a map"),
+        ({"": {"dtype": "<f4", "shape": [0], "data": b""}}, "names must be non-empty"),
+        ({"x": {"dtype": "<f4", "shape": [2, 2], "data": b"\0" * 12}}, "12 bytes of data"),
+        ({"x": {"dtype": "object", "shape": [1], "data": b"\0"}}, "unsupported dtype"),
+        ({str(n): {"dtype": "|u1", "shape": [0], "data": b""} for n in range(17)}, "at most 16"),
+    ):
+        frame = _frame(lambda e, v=value: e["body"].update(tensors=v))
+        for read in (admit, decode_trajectory):
+            with pytest.raises(WireError, match=message):
+                read(frame)
+    with pytest.raises(TypeError, match="cannot go on the wire"):
+        encode(Trajectory(**{**vars(sample()), "tensors": {"x": np.array(["a"])}}))
 
 
 @given(trajectories())
