@@ -69,6 +69,9 @@ class Sampled:
     """[B, R + 1, C, H, W]: the latent before each recorded step, then after the last."""
     logprobs: torch.Tensor
     """[B, R] each recorded step's log-probability under the sampling weights."""
+    versions: list[int]
+    """[R] the policy version whose weights took each recorded step (`version`'s answer
+    right after that step's forward; all 0 without one)."""
 
 
 def guided(velocity: Velocity, guidance: float, any_label: int) -> Velocity:
@@ -106,8 +109,11 @@ def sample(
     shape: tuple[int, ...] = (1, 8, 8),
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    version: Callable[[], int] | None = None,
 ) -> Sampled:
-    """Samples `len(seeds)` images (see the module docstring)."""
+    """Samples `len(seeds)` images (see the module docstring). `version()`, asked right
+    after each recorded step's forward, says which weights took it (an engine whose
+    weights change between steps)."""
     if len(seeds) != len(labels):
         raise ValueError(f"{len(seeds)} seeds for {len(labels)} labels")
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
@@ -116,10 +122,11 @@ def sample(
     labels = labels.to(device)
     x = noise_like(shape, generators, dtype).to(device)
     recorded = settings.sde_steps()
-    latents, logprobs = [], []
+    latents, logprobs, versions = [], [], []
     for index, (t, t_next) in enumerate(itertools.pairwise(grid)):
         v = field(x, torch.full((len(seeds),), t, device=device, dtype=dtype), labels)
         if index in recorded:
+            versions.append(0 if version is None else version())
             latents.append(x)
             noise = noise_like(shape, generators, dtype).to(device)
             x, logprob = sde_step(x, v, t, t_next, settings.eta, noise)
@@ -135,6 +142,7 @@ def sample(
         recorded_steps=list(recorded),
         latents=torch.stack(latents, dim=1) if latents else x.new_zeros((batch, 0, *shape)),
         logprobs=torch.stack(logprobs, dim=1) if logprobs else x.new_zeros((batch, 0)),
+        versions=versions,
     )
 
 

@@ -1,0 +1,120 @@
+"""The diffusion engine (rollout/server/diffusion_engine.py): seeded samples batched
+across calls, log-probabilities the trainer recomputes, weights taken between denoising
+steps, aborts, and bad requests refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollwire.diffusion.digits import DigitsSpec, build_digits_model
+from rollwire.diffusion.sampling import SamplingSettings, step_logprobs
+from rollwire.rollout.server.diffusion_engine import DiffusionEngine, ImageRequest
+from rollwire.rollout.server.engine import RequestError
+from rollwire.trainer.models.flow_denoiser import FlowDenoiser, Noised
+
+SDE = SamplingSettings(steps=6, eta=0.8, sde_window=(1, 5))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("digits") / "model"
+    return build_digits_model(folder, DigitsSpec(steps=2, batch_size=8), progress=False)
+
+
+def requests(prefix: str, prompts: list[str], seeds: list[int]) -> list[ImageRequest]:
+    return [
+        ImageRequest(f"{prefix}-{i}", p, s)
+        for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))
+    ]
+
+
+async def test_samples_are_seeded_and_their_logprobs_are_the_trainers(model_path) -> None:
+    engine = DiffusionEngine(model_path)
+    await engine.start()
+    try:
+        alone = (await engine.generate_images(requests("a", ["3"], [7]), SDE))[0]
+        # Two calls at once share one batch; each sample is still its seed's (up to the
+        # float rounding a batch of another size gives the convolutions).
+        both = await asyncio.gather(
+            engine.generate_images(requests("b", ["any", "3"], [1, 7]), SDE),
+            engine.generate_images(requests("c", ["9"], [2]), SDE),
+        )
+        again = both[0][1]
+        torch.testing.assert_close(
+            torch.from_numpy(again.image), torch.from_numpy(alone.image), atol=1e-5, rtol=0
+        )
+        assert again.recorded_steps == [1, 2, 3, 4] and again.latents.shape == (5, 1, 8, 8)
+        assert again.label == 3 and both[0][0].label == 10 and again.finish_reason == "stop"
+        assert again.policy_versions == [0, 0, 0, 0]
+        # The trainer's recomputation from the recorded latents, with its own copy.
+        trainer = FlowDenoiser().load(model_path).eval()
+
+        def velocity(x, t, labels):
+            return FlowDenoiser().logits(trainer, Noised(x, t, labels), torch.device("cpu"))
+
+        rows = [again, both[0][0], both[1][0]]
+        with torch.no_grad():
+            recomputed = step_logprobs(
+                velocity,
+                torch.stack([torch.from_numpy(r.latents) for r in rows]),
+                torch.tensor([r.label for r in rows]),
+                again.recorded_steps,
+                SamplingSettings(**{**vars(SDE), "any_label": 10}),
+            )
+        recorded = torch.tensor([r.logprobs for r in rows])
+        assert (recomputed - recorded).abs().max().item() <= 1e-5
+    finally:
+        await engine.close()
+
+
+async def test_weights_arrive_between_steps_and_aborts_answer_abort(model_path) -> None:
+    engine = DiffusionEngine(model_path)
+    await engine.start()
+    try:
+        long = SamplingSettings(steps=400, eta=0.5, sde_window=(0, 399))
+        running = asyncio.ensure_future(
+            engine.generate_images(requests("long", ["5", "6"], [0, 1]), long)
+        )
+        while engine.running == 0:
+            await asyncio.sleep(0.01)
+        new = {n: p + 0.01 for n, p in engine.model.named_parameters()}
+        seconds = await asyncio.wait_for(engine.update_weights(new, 1), 60)
+        assert seconds >= 0 and engine.version == 1
+        assert engine.abort(["long-1"]) == 1
+        first, second = await asyncio.wait_for(running, 120)
+        versions = first.policy_versions
+        assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+        assert first.finish_reason == "stop" and second.finish_reason == "abort"
+        with pytest.raises(ValueError, match="not newer"):
+            await engine.update_weights(new, 1)
+    finally:
+        await engine.close()
+
+
+async def test_bad_requests_are_refused_with_the_reason(model_path) -> None:
+    engine = DiffusionEngine(model_path)
+    await engine.start()
+    try:
+        for bad, settings, message in (
+            (requests("x", ["a cat"], [0]), SDE, "not a digits prompt"),
+            (requests("x", ["3", "3"], [0, 1])[:1] * 2, SDE, "already in flight"),
+            ([], SDE, "no images"),
+            (requests("x", ["3"], [0]), SamplingSettings(steps=5000), "steps must lie"),
+            (requests("x", ["3"], [0]), SamplingSettings(guidance=float("nan")), "finite"),
+        ):
+            with pytest.raises(RequestError, match=message):
+                await engine.generate_images(bad, settings)
+        with pytest.raises(RequestError, match="GenerateImages"):
+            await engine.generate("t", [1, 2], None)
+        # Still serving.
+        assert len(await engine.generate_images(requests("ok", ["1"], [0]), SDE)) == 1
+    finally:
+        await engine.close()
+
+
+def test_a_folder_that_is_not_a_diffusion_model_is_refused(tiny_model_path) -> None:
+    with pytest.raises(ValueError, match="no diffusion model folder"):
+        DiffusionEngine(tiny_model_path)
