@@ -18,6 +18,66 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class ImageSampling(_message.Message):
+    __slots__ = ("steps", "eta", "sde_first", "sde_last", "shift", "guidance")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ETA_FIELD_NUMBER: _ClassVar[int]
+    SDE_FIRST_FIELD_NUMBER: _ClassVar[int]
+    SDE_LAST_FIELD_NUMBER: _ClassVar[int]
+    SHIFT_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    eta: float
+    sde_first: int
+    sde_last: int
+    shift: float
+    guidance: float
+    def __init__(self, steps: _Optional[int] = ..., eta: _Optional[float] = ..., sde_first: _Optional[int] = ..., sde_last: _Optional[int] = ..., shift: _Optional[float] = ..., guidance: _Optional[float] = ...) -> None: ...
+
+class GenerateImagesRequest(_message.Message):
+    __slots__ = ("request_id", "prompts", "seeds", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompts: _containers.RepeatedScalarFieldContainer[str]
+    seeds: _containers.RepeatedScalarFieldContainer[int]
+    sampling: ImageSampling
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[str]] = ..., seeds: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ImageSampling, _Mapping]] = ...) -> None: ...
+
+class ImageSample(_message.Message):
+    __slots__ = ("request_id", "image", "latents", "recorded_steps", "logprobs", "policy_versions", "label", "finish_reason", "policy_version", "queue_seconds", "generate_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    image: bytes
+    latents: bytes
+    recorded_steps: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    label: int
+    finish_reason: FinishReason
+    policy_version: int
+    queue_seconds: float
+    generate_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., image: _Optional[bytes] = ..., latents: _Optional[bytes] = ..., recorded_steps: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., label: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., generate_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerateImagesResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[ImageSample]
+    def __init__(self, samples: _Optional[_Iterable[_Union[ImageSample, _Mapping]]] = ...) -> None: ...
+
 class SetThreadsRequest(_message.Message):
     __slots__ = ("threads",)
     THREADS_FIELD_NUMBER: _ClassVar[int]

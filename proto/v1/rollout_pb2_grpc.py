@@ -79,6 +79,11 @@ class RolloutServiceStub:
                 request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsRequest.SerializeToString,
                 response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsResponse.FromString,
                 _registered_method=True)
+        self.GenerateImages = channel.unary_unary(
+                '/rollwire.v1.RolloutService/GenerateImages',
+                request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesRequest.SerializeToString,
+                response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -175,6 +180,19 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateImages(self, request, context):
+        """Samples images from a diffusion engine (`rollout_server.engine: diffusion`),
+        one per prompt and seed, batched together; with an SDE window, each
+        recorded denoising step comes back with its latents, log-probability and
+        the policy version that took it (weights may change between two steps).
+        Sample i can be aborted as "<request_id>/<i>". INVALID_ARGUMENT for a
+        prompt the model has no label for, bad settings or no samples;
+        FAILED_PRECONDITION on an engine that generates tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +240,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.SetThreads,
                     request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsRequest.FromString,
                     response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsResponse.SerializeToString,
+            ),
+            'GenerateImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateImages,
+                    request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesRequest.FromString,
+                    response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -467,6 +490,33 @@ class RolloutService:
             '/rollwire.v1.RolloutService/SetThreads',
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsRequest.SerializeToString,
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.SetThreadsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.RolloutService/GenerateImages',
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesRequest.SerializeToString,
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

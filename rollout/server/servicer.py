@@ -173,6 +173,70 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
         return rollout_pb2.GenerateGroupResponse(samples=samples)
 
+    async def GenerateImages(
+        self, request: rollout_pb2.GenerateImagesRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GenerateImagesResponse:
+        generate_images = getattr(self.engine, "generate_images", None)
+        if generate_images is None:
+            await self._reject(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "wrong_engine",
+                f"the {self.engine.name} engine generates tokens, not images "
+                "(rollout_server.engine: diffusion serves GenerateImages)",
+            )
+        from rollwire.diffusion.sampling import SamplingSettings
+        from rollwire.rollout.server.diffusion_engine import ImageRequest
+        from rollwire.services.core.wire import encode_array
+
+        if len(request.prompts) != len(request.seeds) or not 1 <= len(request.prompts) <= 1024:
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "bad_request",
+                f"{len(request.prompts)} prompts and {len(request.seeds)} seeds: expected "
+                "equal lengths in [1, 1024]",
+            )
+        sampling = request.sampling
+        try:
+            settings = SamplingSettings(
+                steps=sampling.steps,
+                eta=sampling.eta,
+                sde_window=(sampling.sde_first, sampling.sde_last),
+                shift=sampling.shift or 1.0,
+                guidance=sampling.guidance or 1.0,
+            )
+        except ValueError as error:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", str(error))
+        requests = [
+            ImageRequest(f"{request.request_id}/{i}", prompt, seed)
+            for i, (prompt, seed) in enumerate(zip(request.prompts, request.seeds, strict=True))
+        ]
+        await self._wait_for_weights(context)
+        await self._start()
+        try:
+            with self.watchdog.watch("request", request.request_id, self.watch_seconds):
+                results = await generate_images(requests, settings)
+        except RequestError as error:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", str(error))
+        samples = [
+            rollout_pb2.ImageSample(
+                request_id=item.request_id,
+                image=msgpack_array(encode_array(result.image, "<f4")),
+                latents=msgpack_array(encode_array(result.latents, "<f4")),
+                recorded_steps=result.recorded_steps,
+                logprobs=result.logprobs,
+                policy_versions=result.policy_versions,
+                label=result.label,
+                finish_reason=FINISH_REASONS[result.finish_reason],
+                policy_version=result.policy_version,
+                queue_seconds=result.queue_seconds,
+                generate_seconds=result.generate_seconds,
+            )
+            for item, result in zip(requests, results, strict=True)
+        ]
+        return rollout_pb2.GenerateImagesResponse(samples=samples)
+
     async def Abort(
         self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.AbortResponse:
@@ -308,6 +372,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await self.engine.close()
 
 
+def msgpack_array(array_map: dict) -> bytes:
+    """An array map (`wire.encode_array`) as msgpack bytes: how images travel in protos."""
+    import msgpack
+
+    return msgpack.packb(array_map, use_bin_type=True)
+
+
 # Engines in this process that take the same arguments; imported only when chosen.
 IN_PROCESS_ENGINES = {
     "vllm": ("rollwire.rollout.server.vllm_engine", "VLLMEngine"),
@@ -331,6 +402,19 @@ def build_engine(config: RolloutServerConfig) -> Engine:
             **{"seed": config.seed, **config.engine_args},
         )
     model_path = config.model_path
+    if config.engine == "diffusion":
+        from rollwire.rollout.server.diffusion_engine import DiffusionEngine
+
+        if model_path is None:
+            from rollwire.diffusion.digits import digits_model
+
+            model_path = digits_model(threads=config.threads)
+        return DiffusionEngine(
+            model_path,
+            max_batch_size=config.max_batch_size,
+            dtype=config.dtype,
+            device=config.device,
+        )
     if model_path is None:
         from rollwire.services.core.tiny import default_model_path, ensure_tiny_model
 

@@ -118,3 +118,53 @@ async def test_bad_requests_are_refused_with_the_reason(model_path) -> None:
 def test_a_folder_that_is_not_a_diffusion_model_is_refused(tiny_model_path) -> None:
     with pytest.raises(ValueError, match="no diffusion model folder"):
         DiffusionEngine(tiny_model_path)
+
+
+async def test_generate_images_over_grpc_and_a_token_engine_refuses_it(
+    model_path, tiny_model_path, start_service
+) -> None:
+    import grpc
+    import msgpack
+
+    from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
+    from rollwire.rollout.server.hf_engine import HFEngine
+    from rollwire.services.core.wire import decode_array
+    from tests.helpers.servers import serve_engine
+
+    address, _ = await serve_engine(start_service, DiffusionEngine(model_path))
+    sampling = rollout_pb2.ImageSampling(steps=6, eta=0.8, sde_first=1, sde_last=5)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        reply = await stub.GenerateImages(
+            rollout_pb2.GenerateImagesRequest(
+                request_id="g", prompts=["3", "any"], seeds=[7, 8], sampling=sampling
+            )
+        )
+        first = reply.samples[0]
+        image = decode_array(msgpack.unpackb(first.image, raw=False), "image")
+        latents = decode_array(msgpack.unpackb(first.latents, raw=False), "latents")
+        assert first.request_id == "g/0" and image.shape == (1, 8, 8)
+        assert latents.shape == (5, 1, 8, 8) and list(first.recorded_steps) == [1, 2, 3, 4]
+        assert len(first.logprobs) == 4 and [s.label for s in reply.samples] == [3, 10]
+        status = await stub.GetStatus(rollout_pb2.RolloutStatusRequest())
+        assert status.engine == "diffusion"
+        for prompts, seeds, message in (
+            (["cat"], [0], "not a digits prompt"),
+            (["3"], [], "seeds"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.GenerateImages(
+                    rollout_pb2.GenerateImagesRequest(
+                        request_id="bad", prompts=prompts, seeds=seeds, sampling=sampling
+                    )
+                )
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in refused.value.details()
+    address, _ = await serve_engine(start_service, HFEngine(tiny_model_path, max_batch_size=2))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.GenerateImages(
+                rollout_pb2.GenerateImagesRequest(request_id="x", prompts=["3"], seeds=[0])
+            )
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION

