@@ -38,6 +38,9 @@ class ScoreInput:
     reference: str = ""
     prompt: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    image: bytes = b""
+    """An image as the wire's msgpack array map (`rollwire.reward.images.image_of` reads
+    and checks it; the image domains are in `rollwire.reward.table`); empty for text."""
 
 
 ANSWER_FORMATS = ("tag", "boxed", "last_number", "whole")

@@ -197,6 +197,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             reference=item.reference,
             prompt=item.prompt,
             metadata=from_struct(item.metadata) if item.HasField("metadata") else {},
+            image=item.image,
         )
 
     def _result(

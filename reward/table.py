@@ -1,5 +1,6 @@
 """Which scorer serves each domain: the built-ins of `rollwire.reward.scorers.SCORERS`,
-the `code` domain on its sandbox (`rollwire.reward.code`), and a run's custom scorers."""
+the image domains (`rollwire.reward.images.IMAGE_SCORERS`), the `code` domain on its
+sandbox (`rollwire.reward.code`), and a run's custom scorers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rollwire.reward.code import CodeScorer
+from rollwire.reward.images import IMAGE_SCORERS
 from rollwire.reward.scorers import SCORERS, Score, ScoreInput, load_scorer
 from rollwire.services.core.sandbox import Limits, Sandbox
 
@@ -32,7 +34,7 @@ def scorer_table(
 ) -> dict[str, tuple[str, Callable[[ScoreInput], Score]]]:
     """Built-in scorers, the `code` domain on `sandbox` (when given), and the configured
     custom ones (which may override a built-in domain)."""
-    table = dict(SCORERS)
+    table = {**SCORERS, **IMAGE_SCORERS}
     if sandbox is not None:
         table["code"] = (f"code_score ({sandbox.kind} sandbox)", code_scorer(sandbox))
     for domain, spec in custom.items():

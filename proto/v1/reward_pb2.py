@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erollwire/proto/v1/reward.proto\x12\x0brollwire.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x8c\x01\n\tScoreItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64omain\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x10\n\x08response\x18\x04 \x01(\t\x12\x11\n\treference\x18\x05 \x01(\t\x12)\n\x08metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\"S\n\x0cScoreRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.rollwire.v1.ScoreItem\x12\x1c\n\x14item_timeout_seconds\x18\x02 \x01(\x01\"\xc5\x01\n\x0bScoreResult\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12<\n\ncomponents\x18\x03 \x03(\x0b\x32(.rollwire.v1.ScoreResult.ComponentsEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\x08\x12\x15\n\rerror_message\x18\x05 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\rScoreResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.rollwire.v1.ScoreResult\"\x14\n\x12ListScorersRequest\"A\n\nScorerInfo\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12\x0e\n\x06scorer\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"u\n\x13ListScorersResponse\x12(\n\x07scorers\x18\x01 \x03(\x0b\x32\x17.rollwire.v1.ScorerInfo\x12\x16\n\x0eparallel_items\x18\x02 \x01(\x05\x12\x1c\n\x14item_timeout_seconds\x18\x03 \x01(\x01\x32\xa1\x01\n\rRewardService\x12>\n\x05Score\x12\x19.rollwire.v1.ScoreRequest\x1a\x1a.rollwire.v1.ScoreResponse\x12P\n\x0bListScorers\x12\x1f.rollwire.v1.ListScorersRequest\x1a .rollwire.v1.ListScorersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1erollwire/proto/v1/reward.proto\x12\x0brollwire.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x9b\x01\n\tScoreItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64omain\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x10\n\x08response\x18\x04 \x01(\t\x12\x11\n\treference\x18\x05 \x01(\t\x12)\n\x08metadata\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05image\x18\x07 \x01(\x0c\"S\n\x0cScoreRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.rollwire.v1.ScoreItem\x12\x1c\n\x14item_timeout_seconds\x18\x02 \x01(\x01\"\xc5\x01\n\x0bScoreResult\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12<\n\ncomponents\x18\x03 \x03(\x0b\x32(.rollwire.v1.ScoreResult.ComponentsEntry\x12\r\n\x05\x65rror\x18\x04 \x01(\x08\x12\x15\n\rerror_message\x18\x05 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\rScoreResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.rollwire.v1.ScoreResult\"\x14\n\x12ListScorersRequest\"A\n\nScorerInfo\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12\x0e\n\x06scorer\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"u\n\x13ListScorersResponse\x12(\n\x07scorers\x18\x01 \x03(\x0b\x32\x17.rollwire.v1.ScorerInfo\x12\x16\n\x0eparallel_items\x18\x02 \x01(\x05\x12\x1c\n\x14item_timeout_seconds\x18\x03 \x01(\x01\x32\xa1\x01\n\rRewardService\x12>\n\x05Score\x12\x19.rollwire.v1.ScoreRequest\x1a\x1a.rollwire.v1.ScoreResponse\x12P\n\x0bListScorers\x12\x1f.rollwire.v1.ListScorersRequest\x1a .rollwire.v1.ListScorersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCORERESULT_COMPONENTSENTRY']._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_SCOREITEM']._serialized_start=78
-  _globals['_SCOREITEM']._serialized_end=218
-  _globals['_SCOREREQUEST']._serialized_start=220
-  _globals['_SCOREREQUEST']._serialized_end=303
-  _globals['_SCORERESULT']._serialized_start=306
-  _globals['_SCORERESULT']._serialized_end=503
-  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_start=454
-  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_end=503
-  _globals['_SCORERESPONSE']._serialized_start=505
-  _globals['_SCORERESPONSE']._serialized_end=563
-  _globals['_LISTSCORERSREQUEST']._serialized_start=565
-  _globals['_LISTSCORERSREQUEST']._serialized_end=585
-  _globals['_SCORERINFO']._serialized_start=587
-  _globals['_SCORERINFO']._serialized_end=652
-  _globals['_LISTSCORERSRESPONSE']._serialized_start=654
-  _globals['_LISTSCORERSRESPONSE']._serialized_end=771
-  _globals['_REWARDSERVICE']._serialized_start=774
-  _globals['_REWARDSERVICE']._serialized_end=935
+  _globals['_SCOREITEM']._serialized_end=233
+  _globals['_SCOREREQUEST']._serialized_start=235
+  _globals['_SCOREREQUEST']._serialized_end=318
+  _globals['_SCORERESULT']._serialized_start=321
+  _globals['_SCORERESULT']._serialized_end=518
+  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_start=469
+  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_end=518
+  _globals['_SCORERESPONSE']._serialized_start=520
+  _globals['_SCORERESPONSE']._serialized_end=578
+  _globals['_LISTSCORERSREQUEST']._serialized_start=580
+  _globals['_LISTSCORERSREQUEST']._serialized_end=600
+  _globals['_SCORERINFO']._serialized_start=602
+  _globals['_SCORERINFO']._serialized_end=667
+  _globals['_LISTSCORERSRESPONSE']._serialized_start=669
+  _globals['_LISTSCORERSRESPONSE']._serialized_end=786
+  _globals['_REWARDSERVICE']._serialized_start=789
+  _globals['_REWARDSERVICE']._serialized_end=950
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreItem(_message.Message):
-    __slots__ = ("item_id", "domain", "prompt", "response", "reference", "metadata")
+    __slots__ = ("item_id", "domain", "prompt", "response", "reference", "metadata", "image")
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     item_id: str
     domain: str
     prompt: str
     response: str
     reference: str
     metadata: _struct_pb2.Struct
-    def __init__(self, item_id: _Optional[str] = ..., domain: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    image: bytes
+    def __init__(self, item_id: _Optional[str] = ..., domain: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("items", "item_timeout_seconds")
