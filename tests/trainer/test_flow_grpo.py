@@ -1,0 +1,123 @@
+"""Flow-GRPO (trainer/rl/flow_grpo.py): the loss by hand on known ratios, and the
+engine's recorded steps recomputed by the trainer to within 1e-5, through the wire."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rollwire.diffusion.digits import DigitsSpec, build_digits_model
+from rollwire.diffusion.sampling import SamplingSettings
+from rollwire.rollout.server.diffusion_engine import DiffusionEngine, ImageRequest
+from rollwire.services.core.config import TrainerConfig
+from rollwire.services.core.wire import Trajectory, decode_trajectory, encode
+from rollwire.trainer.learner import Learner
+from rollwire.trainer.models.flow_denoiser import FlowDenoiser
+from rollwire.trainer.rl.flow_grpo import FlowGRPOStep, latent_batch, sampling_tensor
+
+SDE = SamplingSettings(steps=6, eta=0.8, sde_window=(1, 5))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("digits") / "model"
+    return build_digits_model(folder, DigitsSpec(steps=2, batch_size=8), progress=False)
+
+
+def trajectory(index: int, generation, reward: float) -> Trajectory:
+    steps = len(generation.recorded_steps)
+    return Trajectory(
+        trajectory_id=f"t{index}",
+        group_id=f"g{index // 2}",
+        task_id="3",
+        sample_index=index % 2,
+        prompt_ordinal=index // 2,
+        source="digits",
+        domain="digit",
+        token_ids=np.array(generation.recorded_steps, np.int32),
+        loss_mask=np.ones(steps, np.uint8),
+        behaviour_logprobs=np.array(generation.logprobs, np.float32),
+        policy_versions=np.array(generation.policy_versions, np.int64),
+        reward=reward,
+        kind="latents",
+        tensors={
+            "latents": generation.latents,
+            "label": np.array([generation.label], np.int64),
+            "sampling": sampling_tensor(SDE),
+        },
+    )
+
+
+async def sampled(model_path, rewards: list[float]) -> list[Trajectory]:
+    engine = DiffusionEngine(model_path)
+    await engine.start()
+    try:
+        requests = [ImageRequest(f"r{i}", "any", seed=i) for i in range(len(rewards))]
+        generations = await engine.generate_images(requests, SDE)
+    finally:
+        await engine.close()
+    # Through the wire, as the buffer serves them.
+    return [
+        decode_trajectory(encode(trajectory(i, g, r)))
+        for i, (g, r) in enumerate(zip(generations, rewards, strict=True))
+    ]
+
+
+async def test_the_trainer_recomputes_the_engines_steps_and_the_update_moves_the_policy(
+    model_path,
+) -> None:
+    trajectories = await sampled(model_path, [1.0, 0.0, 0.3, 0.6])
+    config = TrainerConfig(optimizer={"learning_rate": 1e-3}, kl={"coef": 0.1})
+    step = FlowGRPOStep(Learner(model_path, config, family=FlowDenoiser(), total_updates=2), 2)
+    first = step.step(trajectories)
+    # float32 on both sides: the largest difference of a recorded step's log-probability.
+    assert first["mismatch_abs_max"] <= 1e-5, first
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["kl"] == 0.0
+    second = step.step(trajectories)
+    assert second["mismatch_abs_max"] > 1e-4 and second["kl"] > 0  # the weights moved
+
+
+async def test_the_clipped_surrogate_by_hand(model_path) -> None:
+    """A group of two, rewards 1 and 0: GRPO's advantages are +1 and -1. With recorded
+    log-probabilities set below and above the trainer's by ln 1.5 and ln 0.5, every
+    step's ratio is 1.5 (A = +1) or 0.5 (A = -1); PPO's clip [0.8, 1.28] makes the
+    surrogate 1.28 and -0.8, the loss per step -1.28 and +0.8, their mean -0.24, and
+    half the steps are clipped high and half low."""
+    trajectories = await sampled(model_path, [1.0, 0.0])
+    learner = Learner(model_path, TrainerConfig(), family=FlowDenoiser(), total_updates=1)
+    step = FlowGRPOStep(learner, group_size=2)
+    batch = latent_batch(trajectories, 10)
+    with torch.no_grad():
+        now = step.logprobs(batch, step.step_distributions(batch))
+    for trajectory, shift in zip(trajectories, (math.log(1.5), math.log(0.5)), strict=True):
+        row = int(trajectory.sample_index)
+        trajectory.behaviour_logprobs = (now[row] - shift).numpy().astype(np.float32)
+    metrics = step.step(trajectories)
+    assert metrics["loss"] == pytest.approx(-0.24, abs=1e-4)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # (1.5 + 0.5) / 2
+    assert (metrics["clip_high_fraction"], metrics["clip_low_fraction"]) == (0.5, 0.5)
+
+
+def test_only_latent_batches_of_one_setting_are_taken() -> None:
+    tokens = Trajectory(
+        trajectory_id="t",
+        group_id="g",
+        task_id="x",
+        sample_index=0,
+        prompt_ordinal=0,
+        source="s",
+        domain="d",
+        token_ids=np.zeros(1, np.int32),
+        loss_mask=np.ones(1, np.uint8),
+        behaviour_logprobs=np.zeros(1, np.float32),
+        policy_versions=np.zeros(1, np.int64),
+        reward=0.0,
+    )
+    with pytest.raises(ValueError, match="not 'tokens'"):
+        latent_batch([tokens], 10)
+    tokens.kind = "latents"
+    with pytest.raises(ValueError, match="tensors"):
+        latent_batch([tokens], 10)
