@@ -12,11 +12,26 @@ images of each digit (fixed seeds) and prints, against the 297 held-out digits:
   averaged over digits (held-out digits: the "real" row);
 and the same for the SDE sampler (eta 0.7 on every step but the last) at the largest step
 count. `--png` writes a grid: a row per digit, the samples of each step count side by side.
+
+Measured (2026-12-05, one thread, 3,000 training steps in 233 s; 60 samples a digit):
+
+| sampler | accuracy | Frechet distance | within-class diversity |
+|---|---:|---:|---:|
+| real (held-out digits) | 0.987 | 0.00 | 8.23 |
+| ODE, 1 step | 1.000 | 15.03 | 1.50 |
+| ODE, 4 steps | 0.993 | 3.83 | 6.05 |
+| ODE, 10 steps | 0.993 | 3.01 | 7.08 |
+| ODE, 50 steps | 0.990 | 2.83 | 7.62 |
+| SDE eta 0.7, 50 steps | 0.992 | 2.62 | 7.78 |
+
+One step draws each digit's average (judged right, no diversity); the SDE keeps the ODE's
+quality, as its marginals are the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from pathlib import Path
@@ -47,6 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", default="1,4,10,50", help="ODE step counts, comma-separated")
     parser.add_argument("--png", type=Path, default=None, help="write a grid of samples here")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the build's progress
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     started = time.monotonic()
     folder = digits_model(DigitsSpec(steps=args.train_steps), threads=torch.get_num_threads())

@@ -18,7 +18,7 @@ from rollwire.services.buffer.state import BufferState
 from rollwire.services.buffer.trajectory_log import TrajectoryLog
 from rollwire.services.core.metrics import COUNTERS
 from tests.helpers.servers import Running
-from tests.helpers.trajectories import trajectory
+from tests.helpers.trajectories import latent_trajectory, trajectory
 
 
 @pytest.mark.integration
@@ -45,6 +45,40 @@ async def test_a_restarted_buffer_serves_what_it_had_and_nothing_consumed(tmp_pa
         # A producer retrying a consumed trajectory after the restart is not trained twice.
         assert (await second.producer.put(trajectory("a", 0))).reason == "duplicate"
         assert await asyncio.to_thread(second.trainer.get_batch, 1, 1, 0.2) is None
+    finally:
+        second.stop()
+
+
+@pytest.mark.integration
+async def test_latent_trajectories_survive_a_restart_whole_once_and_age_by_their_steps(
+    tmp_path,
+) -> None:
+    """A diffusion sample's frame (its steps as tokens, its latents in `tensors`) is held,
+    logged, served and restored as any other: nothing consumed comes back, nothing
+    acknowledged is lost, and its oldest recorded step decides its staleness."""
+    sent = {(g, i): latent_trajectory(g, i) for g in ("la", "lb") for i in range(2)}
+    first = Running(tmp_path)
+    try:
+        for item in sent.values():
+            assert (await first.producer.put(item)).accepted
+        trained = await asyncio.to_thread(first.trainer.get_batch, 1, 1, 1.0)
+        await asyncio.to_thread(first.trainer.ack, trained.batch_id, 1)
+        assert trained.trajectories == [sent["la", 0], sent["la", 1]]
+    finally:
+        first.stop()
+    second = Running(tmp_path)
+    try:
+        assert second.restored == 2
+        batch = await asyncio.to_thread(second.trainer.get_batch, 1, 1, 1.0)
+        assert batch.trajectories == [sent["lb", 0], sent["lb", 1]]
+        assert batch.trajectories[0].tensors["latents"].shape == (4, 1, 8, 8)
+        assert (await second.producer.put(sent["la", 0])).reason == "duplicate"
+        # Steps taken by versions 0, 0 and 1: at trainer version 6 (bound 5) the oldest,
+        # 0, is too old, whatever the newest step was.
+        for i in range(2):
+            assert (await second.producer.put(latent_trajectory("lc", i))).accepted
+        assert await asyncio.to_thread(second.trainer.get_batch, 6, 1, 0.2) is None
+        assert (await second.producer.status()).dropped == {"stale": 2}
     finally:
         second.stop()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from rollwire.services.core.wire import Trajectory
@@ -60,3 +62,24 @@ def trajectory(
         policy_versions=np.where(mask == 1, version, -1).astype(np.int64),
         reward=reward,
     )
+
+
+def latent_trajectory(group: str, index: int, versions: tuple[int, ...] = (0, 0, 1)) -> Trajectory:
+    """A diffusion sample of `group` as the buffer carries it: one "token" per recorded
+    denoising step (its index, log-probability and the version that took it) and the
+    latents before each step and after the last in `tensors`."""
+    rng = np.random.default_rng(zlib.crc32(f"{group}/{index}".encode()))
+    steps = len(versions)
+    base = trajectory(group, index)
+    base.token_ids = np.arange(2, 2 + steps, dtype=np.int32)
+    base.loss_mask = np.ones(steps, np.uint8)
+    base.behaviour_logprobs = rng.normal(-60, 5, steps).astype(np.float32)
+    base.policy_versions = np.array(versions, np.int64)
+    base.kind = "latents"
+    base.domain = "digit"
+    base.tensors = {
+        "latents": rng.standard_normal((steps + 1, 1, 8, 8)).astype(np.float32),
+        "label": np.array([10], np.int64),
+        "sampling": np.array([10.0, 0.7, 1.0, 1.0]),
+    }
+    return base

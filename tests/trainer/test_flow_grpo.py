@@ -70,7 +70,7 @@ async def test_the_trainer_recomputes_the_engines_steps_and_the_update_moves_the
     model_path,
 ) -> None:
     trajectories = await sampled(model_path, [1.0, 0.0, 0.3, 0.6])
-    config = TrainerConfig(optimizer={"learning_rate": 1e-3}, kl={"coef": 0.1})
+    config = TrainerConfig(optimizer={"learning_rate": 1e-3}, algorithm={"kl": {"coef": 0.1}})
     step = FlowGRPOStep(Learner(model_path, config, family=FlowDenoiser(), total_updates=2), 2)
     first = step.step(trajectories)
     # float32 on both sides: the largest difference of a recorded step's log-probability.
