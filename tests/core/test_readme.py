@@ -52,3 +52,14 @@ def test_the_readmes_own_scorer_example_scores(tmp_path: Path, monkeypatch) -> N
     _, scorer = scorer_table({"last_number": "mypackage.scorers:last_number"})["last_number"]
     assert scorer(ScoreInput("so it is 12, then 41", reference="41")).reward == 1.0
     assert scorer(ScoreInput("41 or 40", reference="41")).reward == 0.0
+
+
+def test_every_test_area_is_on_the_map_and_no_two_test_files_share_a_name() -> None:
+    """tests/README.md names each folder of tests; two test files of one name in two
+    folders cannot both be collected (the folders are not packages)."""
+    tests = REPO / "tests"
+    mapped = (tests / "README.md").read_text()
+    areas = [p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))]
+    assert areas and all(f"`{area}/`" in mapped for area in areas), areas
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
