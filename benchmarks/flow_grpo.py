@@ -44,14 +44,15 @@ from rollwire.diffusion.data import digits
 from rollwire.diffusion.digits import digits_model
 from rollwire.diffusion.judge import digits_judge, diversity, frechet_distance
 from rollwire.diffusion.sampling import SamplingSettings
+from rollwire.diffusion.trajectories import latent_trajectory
 from rollwire.reward.images import digit_score
 from rollwire.reward.scorers import ScoreInput
 from rollwire.rollout.server.diffusion_engine import DiffusionEngine, ImageRequest
 from rollwire.services.core.config import TrainerConfig
-from rollwire.services.core.wire import Trajectory, encode_array
+from rollwire.services.core.wire import encode_array
 from rollwire.trainer.learner import Learner
 from rollwire.trainer.models.flow_denoiser import FlowDenoiser
-from rollwire.trainer.rl.flow_grpo import FlowGRPOStep, sampling_tensor
+from rollwire.trainer.rl.flow_grpo import FlowGRPOStep
 
 EVAL_SEEDS = list(range(10**6, 10**6 + 200))
 """Held-out seeds: training draws its seeds below 10**6."""
@@ -59,30 +60,6 @@ EVAL_SEEDS = list(range(10**6, 10**6 + 200))
 
 def packed(image: np.ndarray) -> bytes:
     return msgpack.packb(encode_array(np.clip(image, -1, 1), "<f4"), use_bin_type=True)
-
-
-def latent_trajectory(index: int, group: int, generation, reward: float, settings) -> Trajectory:
-    steps = len(generation.recorded_steps)
-    return Trajectory(
-        trajectory_id=f"t{index}",
-        group_id=f"g{group}",
-        task_id="digits",
-        sample_index=index,
-        prompt_ordinal=group,
-        source="digits",
-        domain="digit",
-        token_ids=np.array(generation.recorded_steps, np.int32),
-        loss_mask=np.ones(steps, np.uint8),
-        behaviour_logprobs=np.array(generation.logprobs, np.float32),
-        policy_versions=np.array(generation.policy_versions, np.int64),
-        reward=reward,
-        kind="latents",
-        tensors={
-            "latents": generation.latents,
-            "label": np.array([generation.label], np.int64),
-            "sampling": sampling_tensor(settings),
-        },
-    )
 
 
 async def evaluate(engine, args, judge, real_features) -> dict[str, float]:
@@ -145,8 +122,25 @@ async def run(args) -> list[dict]:
                     response="", reference=str(args.target), image=packed(generation.image)
                 )
                 reward = digit_score(item).reward
-                group = index // args.group_size
-                trajectories.append(latent_trajectory(index, group, generation, reward, settings))
+                group = iteration * args.groups + index // args.group_size
+                trajectories.append(
+                    latent_trajectory(
+                        trajectory_id=f"i{iteration}-{index}",
+                        group_id=f"g{group}",
+                        sample_index=index % args.group_size,
+                        prompt_ordinal=group,
+                        task_id=args.prompt,
+                        source="digits",
+                        domain="digit",
+                        recorded_steps=generation.recorded_steps,
+                        logprobs=generation.logprobs,
+                        policy_versions=generation.policy_versions,
+                        latents=generation.latents,
+                        label=generation.label,
+                        settings=settings,
+                        reward=reward,
+                    )
+                )
             step.step(trajectories)
             weights = {name: tensor.detach().clone() for name, tensor in learner.named_weights()}
             await engine.update_weights(weights, iteration + 1)

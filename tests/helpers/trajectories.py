@@ -65,21 +65,27 @@ def trajectory(
 
 
 def latent_trajectory(group: str, index: int, versions: tuple[int, ...] = (0, 0, 1)) -> Trajectory:
-    """A diffusion sample of `group` as the buffer carries it: one "token" per recorded
-    denoising step (its index, log-probability and the version that took it) and the
+    """A diffusion sample of `group` as the buffer carries it
+    (`rollwire.diffusion.trajectories`): one "token" per recorded denoising step, the
     latents before each step and after the last in `tensors`."""
+    from rollwire.diffusion.sampling import SamplingSettings
+    from rollwire.diffusion.trajectories import latent_trajectory as made
+
     rng = np.random.default_rng(zlib.crc32(f"{group}/{index}".encode()))
     steps = len(versions)
-    base = trajectory(group, index)
-    base.token_ids = np.arange(2, 2 + steps, dtype=np.int32)
-    base.loss_mask = np.ones(steps, np.uint8)
-    base.behaviour_logprobs = rng.normal(-60, 5, steps).astype(np.float32)
-    base.policy_versions = np.array(versions, np.int64)
-    base.kind = "latents"
-    base.domain = "digit"
-    base.tensors = {
-        "latents": rng.standard_normal((steps + 1, 1, 8, 8)).astype(np.float32),
-        "label": np.array([10], np.int64),
-        "sampling": np.array([10.0, 0.7, 1.0, 1.0]),
-    }
-    return base
+    return made(
+        trajectory_id=f"{group}/{index}",
+        group_id=group,
+        sample_index=index,
+        prompt_ordinal=_ORDINALS.setdefault(group, len(_ORDINALS)),
+        task_id=group,
+        source="test",
+        domain="digit",
+        recorded_steps=range(2, 2 + steps),
+        logprobs=rng.normal(-60, 5, steps),
+        policy_versions=versions,
+        latents=rng.standard_normal((steps + 1, 1, 8, 8)),
+        label=10,
+        settings=SamplingSettings(steps=10, eta=0.7, sde_window=(2, 2 + steps)),
+        reward=0.0,
+    )

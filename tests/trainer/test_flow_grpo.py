@@ -11,12 +11,13 @@ import torch
 
 from rollwire.diffusion.digits import DigitsSpec, build_digits_model
 from rollwire.diffusion.sampling import SamplingSettings
+from rollwire.diffusion.trajectories import latent_trajectory
 from rollwire.rollout.server.diffusion_engine import DiffusionEngine, ImageRequest
 from rollwire.services.core.config import TrainerConfig
 from rollwire.services.core.wire import Trajectory, decode_trajectory, encode
 from rollwire.trainer.learner import Learner
 from rollwire.trainer.models.flow_denoiser import FlowDenoiser
-from rollwire.trainer.rl.flow_grpo import FlowGRPOStep, latent_batch, sampling_tensor
+from rollwire.trainer.rl.flow_grpo import FlowGRPOStep, latent_batch
 
 SDE = SamplingSettings(steps=6, eta=0.8, sde_window=(1, 5))
 
@@ -28,26 +29,21 @@ def model_path(tmp_path_factory):
 
 
 def trajectory(index: int, generation, reward: float) -> Trajectory:
-    steps = len(generation.recorded_steps)
-    return Trajectory(
+    return latent_trajectory(
         trajectory_id=f"t{index}",
         group_id=f"g{index // 2}",
-        task_id="3",
         sample_index=index % 2,
         prompt_ordinal=index // 2,
+        task_id="any",
         source="digits",
         domain="digit",
-        token_ids=np.array(generation.recorded_steps, np.int32),
-        loss_mask=np.ones(steps, np.uint8),
-        behaviour_logprobs=np.array(generation.logprobs, np.float32),
-        policy_versions=np.array(generation.policy_versions, np.int64),
+        recorded_steps=generation.recorded_steps,
+        logprobs=generation.logprobs,
+        policy_versions=generation.policy_versions,
+        latents=generation.latents,
+        label=generation.label,
+        settings=SDE,
         reward=reward,
-        kind="latents",
-        tensors={
-            "latents": generation.latents,
-            "label": np.array([generation.label], np.int64),
-            "sampling": sampling_tensor(SDE),
-        },
     )
 
 
@@ -121,3 +117,22 @@ def test_only_latent_batches_of_one_setting_are_taken() -> None:
     tokens.kind = "latents"
     with pytest.raises(ValueError, match="tensors"):
         latent_batch([tokens], 10)
+    with pytest.raises(ValueError, match=r"3 latents \(steps \+ 1 expected\)"):
+        latent_trajectory(
+            **{
+                "trajectory_id": "t",
+                "group_id": "g",
+                "sample_index": 0,
+                "prompt_ordinal": 0,
+                "task_id": "3",
+                "source": "s",
+                "domain": "digit",
+                "label": 3,
+                "reward": 0.0,
+            },
+            recorded_steps=[1, 2, 3],
+            logprobs=[0.0] * 3,
+            policy_versions=[0] * 3,
+            latents=np.zeros((3, 1, 8, 8)),
+            settings=SDE,
+        )

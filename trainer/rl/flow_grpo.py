@@ -1,11 +1,10 @@
 """Flow-GRPO's step: policy-gradient RL for a flow-matching denoiser on latent trajectories.
 
 Each recorded SDE step of a sample is one action of a Gaussian policy
-(`rollwire.diffusion.flow`), so a latent trajectory is read as a token one: one
-"token" per recorded step, its log-probability under the weights that sampled it in
-`behaviour_logprobs`, the version that took it in `policy_versions`, and `tensors`
-holding the latents (before each step, then after the last), the label and the sampling
-settings (`sampling`: steps, eta, shift, guidance). The step then is the RL table's:
+(`rollwire.diffusion.flow`), so a latent trajectory (`rollwire.diffusion.trajectories`)
+is read as a token one: one "token" per recorded step with its log-probability under
+the weights that sampled it and the version that took it, and in `tensors` the latents,
+the label and the sampling settings. The step then is the RL table's:
 - advantages: `trainer.algorithm.advantage` (a group estimator; `grpo` is Flow-GRPO's),
   one per sample, broadcast over its recorded steps;
 - loss: `trainer.algorithm.loss` (`ppo_clip` is Flow-GRPO's) per step, on the ratio of the
@@ -26,15 +25,13 @@ import torch
 
 from rollwire.diffusion.flow import logprob_of, step_distribution, time_grid
 from rollwire.diffusion.sampling import SamplingSettings, guided
+from rollwire.diffusion.trajectories import SAMPLING_KEYS
 from rollwire.services.core.config.algorithms import settings_of
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.learner import Learner
 from rollwire.trainer.math.algorithms import ADVANTAGE_ESTIMATORS
 from rollwire.trainer.math.losses import POLICY_LOSSES, aggregate
 from rollwire.trainer.models.flow_denoiser import Noised
-
-SAMPLING_KEYS = ("steps", "eta", "shift", "guidance")
-"""What `tensors["sampling"]` holds, in order."""
 
 
 @dataclass
@@ -54,11 +51,6 @@ class LatentBatch:
     settings: SamplingSettings
 
 
-def sampling_tensor(settings: SamplingSettings) -> np.ndarray:
-    """`tensors["sampling"]` of a latent trajectory sampled with `settings`."""
-    return np.array([getattr(settings, key) for key in SAMPLING_KEYS], dtype=np.float64)
-
-
 def latent_batch(trajectories: list[Trajectory], any_label: int) -> LatentBatch:
     """Stacks latent trajectories; ValueError for another kind, or mixed settings or steps."""
     if not trajectories:
@@ -74,7 +66,9 @@ def latent_batch(trajectories: list[Trajectory], any_label: int) -> LatentBatch:
             not np.array_equal(trajectory.token_ids, first.token_ids)
         ):
             raise ValueError("a batch's latent trajectories must share sampling settings and steps")
-    steps, eta, shift, guidance = (float(v) for v in first.tensors["sampling"])
+    steps, eta, shift, guidance = (
+        float(v) for v in first.tensors["sampling"][: len(SAMPLING_KEYS)]
+    )
     recorded = [int(step) for step in first.token_ids]
     settings = SamplingSettings(
         steps=int(steps),

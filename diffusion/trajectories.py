@@ -1,0 +1,74 @@
+"""A diffusion sample as the buffer carries it: a latent trajectory (`kind: latents`).
+
+Each recorded SDE step is one generated "token": its step index in `token_ids`, 1 in
+`loss_mask`, its log-probability under the sampling weights in `behaviour_logprobs` and
+the version that took it in `policy_versions`; `tensors` holds `latents` (float32
+[R + 1, C, H, W]: before each step, then after the last), `label` (int64 [1]) and
+`sampling` (float64 [4]: steps, eta, shift, guidance), everything the trainer needs to
+recompute the steps' log-probabilities (`rollwire.trainer.rl.flow_grpo`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from rollwire.diffusion.sampling import SamplingSettings
+from rollwire.services.core.wire import Trajectory
+
+SAMPLING_KEYS = ("steps", "eta", "shift", "guidance")
+"""What `tensors["sampling"]` holds, in order."""
+
+
+def sampling_tensor(settings: SamplingSettings) -> np.ndarray:
+    """`tensors["sampling"]` of a sample drawn with `settings`."""
+    return np.array([getattr(settings, key) for key in SAMPLING_KEYS], dtype=np.float64)
+
+
+def latent_trajectory(
+    *,
+    trajectory_id: str,
+    group_id: str,
+    sample_index: int,
+    prompt_ordinal: int,
+    task_id: str,
+    source: str,
+    domain: str,
+    recorded_steps: Sequence[int],
+    logprobs: Sequence[float],
+    policy_versions: Sequence[int],
+    latents: np.ndarray,
+    label: int,
+    settings: SamplingSettings,
+    reward: float,
+    reward_components: dict[str, float] | None = None,
+) -> Trajectory:
+    """The Trajectory of one sample (see the module docstring)."""
+    steps = len(recorded_steps)
+    if not (len(logprobs) == len(policy_versions) == steps == len(latents) - 1):
+        raise ValueError(
+            f"{steps} recorded steps, {len(logprobs)} log-probabilities, "
+            f"{len(policy_versions)} versions and {len(latents)} latents (steps + 1 expected)"
+        )
+    return Trajectory(
+        trajectory_id=trajectory_id,
+        group_id=group_id,
+        task_id=task_id,
+        sample_index=sample_index,
+        prompt_ordinal=prompt_ordinal,
+        source=source,
+        domain=domain,
+        token_ids=np.asarray(recorded_steps, np.int32),
+        loss_mask=np.ones(steps, np.uint8),
+        behaviour_logprobs=np.asarray(logprobs, np.float32),
+        policy_versions=np.asarray(policy_versions, np.int64),
+        reward=float(reward),
+        reward_components=dict(reward_components or {}),
+        kind="latents",
+        tensors={
+            "latents": np.asarray(latents, np.float32),
+            "label": np.array([label], np.int64),
+            "sampling": sampling_tensor(settings),
+        },
+    )
