@@ -19,7 +19,7 @@ Measured (2026-12-05, seed 0, one thread, 0.38 s an iteration; "any" -> 3):
 |---|---|---|---|
 | lr 3e-4 | 0.10 / 1.00 / 1.00 | 124.4 / 15.1 (20) / 67.9 | 12.5 / 2.9 |
 | lr 5e-5 | 0.10 / 0.93 / 1.00 | 124.4 / 12.2 (120) / 24.5 | 12.5 / 3.8 |
-| lr 5e-5, KL 0.05 | 0.10 / 0.82 (120) / 0.98 | 124.4 / 8.4 (160) / 9.9 | 12.5 / 5.7 |
+| lr 5e-5, KL 0.05 | 0.10 / 0.69 / 0.98 | 124.4 / 8.4 (160) / 9.9 | 12.5 / 5.7 |
 
 The reward is reached in every row; what differs is what the samples become: at the
 higher rate one stroke pattern of a 3 (the Frechet distance climbs back as diversity
