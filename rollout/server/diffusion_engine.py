@@ -233,6 +233,9 @@ class DiffusionEngine:
                 continue
             finally:
                 self._running_rows = 0
+                # An update that came during the batch's last step is taken now, not at
+                # the next batch (there may be none).
+                await loop.run_in_executor(self._worker, self._take_update)
             for (_, _, future, _, _), result in zip(taken, results, strict=True):
                 if not future.done():
                     future.set_result(result)
@@ -310,6 +313,8 @@ class DiffusionEngine:
                         ValueError(f"version {superseded[1]} was superseded by {version}"),
                     )
                 self._pending = (tensors, version, future, loop)
+            if not self._running_rows:  # the batch ended meanwhile: take it here
+                await loop.run_in_executor(self._worker, self._take_update)
             return await future
         return await loop.run_in_executor(self._worker, self._apply, tensors, version)
 
