@@ -42,3 +42,23 @@ def test_prompts_name_a_digit_or_any() -> None:
             label_of(bad)
     with pytest.raises(ValueError, match="split"):
         digits("test")
+
+
+def test_the_torch_judge_is_the_numpy_judge_with_a_gradient() -> None:
+    import torch
+
+    from rollwire.diffusion.differentiable import TorchJudge
+
+    judge = digits_judge()
+    held, labels = digits("held_out")
+    module = TorchJudge(judge)
+    images = torch.from_numpy(held[:32]).requires_grad_(True)
+    wanted = torch.from_numpy(labels[:32])
+    log_probability = module.log_probability(images, wanted)
+    expected = np.log(judge.probabilities(held[:32])[np.arange(32), labels[:32]])
+    np.testing.assert_allclose(log_probability.detach().numpy(), expected, atol=1e-4)
+    log_probability.sum().backward()
+    assert images.grad is not None and images.grad.abs().sum() > 0
+    # One gradient step on the pixels raises the wanted digit's probability.
+    moved = (images + 0.05 * images.grad.sign()).clamp(-1, 1)
+    assert (module.log_probability(moved, wanted) >= log_probability - 1e-6).all()
