@@ -239,6 +239,24 @@ class Servers:
             self.clock.add("rollout_generate", max(s.generate_seconds for s in reply.samples))
         return list(reply.samples)
 
+    async def generate_images(
+        self, prompts: list[str], seeds: list[int], sampling: rollout_pb2.ImageSampling
+    ) -> list[rollout_pb2.ImageSample]:
+        """One image per (prompt, seed) from a diffusion rollout-server, in one call
+        (`GenerateImages`), with the recorded steps `sampling` asks for."""
+        request = rollout_pb2.GenerateImagesRequest(
+            request_id=uuid.uuid4().hex, prompts=prompts, seeds=seeds, sampling=sampling
+        )
+        stub = self.rollout[next(self._next_rollout)]
+        reply = await self._call(
+            lambda: stub.GenerateImages(request, timeout=self.settings.generate_timeout_seconds),
+            "generate",
+        )
+        if reply.samples:
+            self.clock.add("rollout_queue", max(s.queue_seconds for s in reply.samples))
+            self.clock.add("rollout_generate", max(s.generate_seconds for s in reply.samples))
+        return list(reply.samples)
+
     async def score_tokens(
         self, sequences: list[tuple[list[int], int]], top_k: int = 0
     ) -> list[rollout_pb2.SequenceScores]:
@@ -266,9 +284,13 @@ class Servers:
             stop_token_ids=[self.eos],
         )
 
-    async def score(self, task: Task, responses: list[str]) -> list[reward_pb2.ScoreResult]:
-        """The reward-server's scores of `responses` to `task`, in their order."""
+    async def score(
+        self, task: Task, responses: list[str], images: list[bytes] | None = None
+    ) -> list[reward_pb2.ScoreResult]:
+        """The reward-server's scores of `responses` to `task` (with `images`, one per
+        response, for an image domain), in their order."""
         metadata = to_struct(task.metadata)  # once per group, not once per response
+        images = images if images is not None else [b""] * len(responses)
         items = [
             reward_pb2.ScoreItem(
                 item_id=str(i),
@@ -277,8 +299,9 @@ class Servers:
                 response=text,
                 reference=task.reference,
                 metadata=metadata,
+                image=image,
             )
-            for i, text in enumerate(responses)
+            for i, (text, image) in enumerate(zip(responses, images, strict=True))
         ]
         request = reward_pb2.ScoreRequest(items=items)
 

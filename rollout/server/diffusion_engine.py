@@ -56,9 +56,10 @@ class ImageGeneration:
     """One request's image and what Flow-GRPO needs of its sampling."""
 
     image: np.ndarray
-    """float32 [C, H, W] at t = 0."""
+    """float32 [C, H, W] at t = 0, clipped to the model's value range."""
     latents: np.ndarray
-    """float32 [R + 1, C, H, W]: before each recorded step, then after the last."""
+    """float32 [R + 1, C, H, W]: before each recorded step, then after the last (as
+    sampled, not clipped: what the trainer recomputes the steps from)."""
     recorded_steps: list[int]
     logprobs: list[float]
     policy_versions: list[int]
@@ -105,6 +106,7 @@ class DiffusionEngine:
             )
         self.info = json.loads(info_path.read_text())
         self.image_shape = tuple(self.info["image_shape"])
+        self.value_range = tuple(self.info.get("value_range", (-1.0, 1.0)))
         self.any_label = int(self.info.get("any_label", len(self.info["labels"]) - 1))
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
@@ -267,7 +269,8 @@ class DiffusionEngine:
             )
         self.generated_tokens += len(requests) * settings.steps
         seconds = time.monotonic() - started
-        images = out.images.float().cpu().numpy()
+        low, high = self.value_range  # as diffusers' pipelines, the image is clipped to it
+        images = out.images.float().clamp(low, high).cpu().numpy()
         latents = out.latents.float().cpu().numpy()
         logprobs = out.logprobs.float().cpu().numpy()
         results, row = [], 0
