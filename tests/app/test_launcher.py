@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from rollwire.services.app.launcher import LaunchError, prepare_model
@@ -94,3 +96,22 @@ def test_the_warm_up_of_an_env_served_elsewhere_is_skipped_with_the_reason(
         "warm-up skipped: no scripted demonstrator for env 'an_env_in_ruby'"
         in capsys.readouterr().out
     )
+
+
+def test_a_diffusion_engine_is_refused_by_train_and_up_with_the_reason(tmp_path, capsys) -> None:
+    """The diffusion engine serves GenerateImages on its own; until a diffusion task runs
+    through the services, `rollwire train` and `up` say so before starting anything."""
+    from rollwire.services.app.run import run_train, run_up
+    from rollwire.services.core.config import RunConfig
+
+    config = RunConfig.model_validate(
+        {"rollout_server": {"engine": "diffusion"}, "run": {"output_dir": str(tmp_path / "run")}}
+    )
+    handler = signal.getsignal(signal.SIGTERM)  # both install their own; this process keeps its
+    try:
+        for run in (run_train, run_up):
+            assert run(config) == 1
+            assert "do not run a diffusion task" in capsys.readouterr().out
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert not (tmp_path / "run").exists()
