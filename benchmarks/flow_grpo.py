@@ -36,7 +36,6 @@ import os
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import torch
 
@@ -49,17 +48,13 @@ from rollwire.reward.images import digit_score
 from rollwire.reward.scorers import ScoreInput
 from rollwire.rollout.server.diffusion_engine import DiffusionEngine, ImageRequest
 from rollwire.services.core.config import TrainerConfig
-from rollwire.services.core.wire import encode_array
+from rollwire.services.core.wire import array_bytes
 from rollwire.trainer.learner import Learner
 from rollwire.trainer.models.flow_denoiser import FlowDenoiser
 from rollwire.trainer.rl.flow_grpo import FlowGRPOStep
 
 EVAL_SEEDS = list(range(10**6, 10**6 + 200))
 """Held-out seeds: training draws its seeds below 10**6."""
-
-
-def packed(image: np.ndarray) -> bytes:
-    return msgpack.packb(encode_array(np.clip(image, -1, 1), "<f4"), use_bin_type=True)
 
 
 async def evaluate(engine, args, judge, real_features) -> dict[str, float]:
@@ -119,12 +114,13 @@ async def run(args) -> list[dict]:
             trajectories = []
             for index, generation in enumerate(generations):
                 item = ScoreInput(
-                    response="", reference=str(args.target), image=packed(generation.image)
+                    response="", reference=str(args.target), image=array_bytes(generation.image)
                 )
                 reward = digit_score(item).reward
                 group = iteration * args.groups + index // args.group_size
                 trajectories.append(
                     latent_trajectory(
+                        generation,
                         trajectory_id=f"i{iteration}-{index}",
                         group_id=f"g{group}",
                         sample_index=index % args.group_size,
@@ -132,11 +128,6 @@ async def run(args) -> list[dict]:
                         task_id=args.prompt,
                         source="digits",
                         domain="digit",
-                        recorded_steps=generation.recorded_steps,
-                        logprobs=generation.logprobs,
-                        policy_versions=generation.policy_versions,
-                        latents=generation.latents,
-                        label=generation.label,
                         settings=settings,
                         reward=reward,
                     )

@@ -70,7 +70,9 @@ def unet_config(spec: DigitsSpec) -> dict[str, Any]:
 
 
 def velocity(unet: Any, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The UNet's velocity at times `t` ([B] in [0, 1]; the UNet reads them x 1000)."""
+    """The UNet's velocity at times `t` ([B] in [0, 1]; the UNet reads them x 1000, as
+    diffusers' schedulers number their timesteps): the one place that convention lives,
+    used by training here, the engine and the trainer's family."""
     return unet(x, t * 1000.0, class_labels=labels).sample
 
 

@@ -146,6 +146,40 @@ def sample(
     )
 
 
+def step_distributions(
+    velocity: Velocity,
+    latents: torch.Tensor,
+    labels: torch.Tensor,
+    recorded_steps: list[int],
+    settings: SamplingSettings,
+) -> list[tuple[torch.Tensor, float]]:
+    """For each recorded transition (`Sampled.latents`), the (mean [B, C, H, W], std) of its
+    Gaussian under `velocity`, with gradients when they are on: what the trainer
+    recomputes with the weights it trains."""
+    grid = time_grid(settings.steps, settings.shift)
+    field = guided(velocity, settings.guidance, settings.any_label)
+    out = []
+    for position, index in enumerate(recorded_steps):
+        t, t_next = grid[index], grid[index + 1]
+        x = latents[:, position]
+        v = field(x, torch.full((len(x),), t, device=x.device, dtype=x.dtype), labels)
+        out.append(step_distribution(x, v, t, t_next, settings.eta))
+    return out
+
+
+def logprobs_of(
+    latents: torch.Tensor, distributions: list[tuple[torch.Tensor, float]]
+) -> torch.Tensor:
+    """[B, R] log-probabilities of the recorded transitions under `distributions`."""
+    return torch.stack(
+        [
+            logprob_of(latents[:, position + 1].to(mean.device), mean, std)
+            for position, (mean, std) in enumerate(distributions)
+        ],
+        dim=1,
+    )
+
+
 def step_logprobs(
     velocity: Velocity,
     latents: torch.Tensor,
@@ -153,15 +187,7 @@ def step_logprobs(
     recorded_steps: list[int],
     settings: SamplingSettings,
 ) -> torch.Tensor:
-    """[B, R] log-probabilities of recorded transitions (`Sampled.latents`) under
-    `velocity`: what the trainer recomputes with the weights it trains (with gradients)."""
-    grid = time_grid(settings.steps, settings.shift)
-    field = guided(velocity, settings.guidance, settings.any_label)
-    out = []
-    for position, index in enumerate(recorded_steps):
-        t, t_next = grid[index], grid[index + 1]
-        x, x_next = latents[:, position], latents[:, position + 1]
-        v = field(x, torch.full((len(x),), t, device=x.device, dtype=x.dtype), labels)
-        mean, std = step_distribution(x, v, t, t_next, settings.eta)
-        out.append(logprob_of(x_next, mean, std))
-    return torch.stack(out, dim=1)
+    """[B, R] log-probabilities of recorded transitions under `velocity`."""
+    return logprobs_of(
+        latents, step_distributions(velocity, latents, labels, recorded_steps, settings)
+    )

@@ -10,7 +10,7 @@ recompute the steps' log-probabilities (`rollwire.trainer.rl.flow_grpo`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +27,7 @@ def sampling_tensor(settings: SamplingSettings) -> np.ndarray:
 
 
 def latent_trajectory(
+    sample: Any,
     *,
     trajectory_id: str,
     group_id: str,
@@ -35,21 +36,22 @@ def latent_trajectory(
     task_id: str,
     source: str,
     domain: str,
-    recorded_steps: Sequence[int],
-    logprobs: Sequence[float],
-    policy_versions: Sequence[int],
-    latents: np.ndarray,
-    label: int,
     settings: SamplingSettings,
     reward: float,
     reward_components: dict[str, float] | None = None,
+    latents: np.ndarray | None = None,
 ) -> Trajectory:
-    """The Trajectory of one sample (see the module docstring)."""
-    steps = len(recorded_steps)
-    if not (len(logprobs) == len(policy_versions) == steps == len(latents) - 1):
+    """The Trajectory of one sample (see the module docstring): `sample` is what an engine
+    answered (its `recorded_steps`, `logprobs`, `policy_versions`, `label` and, unless
+    `latents` is given, `latents`: an `ImageGeneration`, or an `ImageSample` with its
+    latents decoded)."""
+    latents = np.asarray(sample.latents if latents is None else latents, np.float32)
+    steps = len(sample.recorded_steps)
+    if not (len(sample.logprobs) == len(sample.policy_versions) == steps == len(latents) - 1):
         raise ValueError(
-            f"{steps} recorded steps, {len(logprobs)} log-probabilities, "
-            f"{len(policy_versions)} versions and {len(latents)} latents (steps + 1 expected)"
+            f"{steps} recorded steps, {len(sample.logprobs)} log-probabilities, "
+            f"{len(sample.policy_versions)} versions and {len(latents)} latents "
+            "(steps + 1 expected)"
         )
     return Trajectory(
         trajectory_id=trajectory_id,
@@ -59,16 +61,16 @@ def latent_trajectory(
         prompt_ordinal=prompt_ordinal,
         source=source,
         domain=domain,
-        token_ids=np.asarray(recorded_steps, np.int32),
+        token_ids=np.asarray(list(sample.recorded_steps), np.int32),
         loss_mask=np.ones(steps, np.uint8),
-        behaviour_logprobs=np.asarray(logprobs, np.float32),
-        policy_versions=np.asarray(policy_versions, np.int64),
+        behaviour_logprobs=np.asarray(list(sample.logprobs), np.float32),
+        policy_versions=np.asarray(list(sample.policy_versions), np.int64),
         reward=float(reward),
         reward_components=dict(reward_components or {}),
         kind="latents",
         tensors={
-            "latents": np.asarray(latents, np.float32),
-            "label": np.array([label], np.int64),
+            "latents": latents,
+            "label": np.array([sample.label], np.int64),
             "sampling": sampling_tensor(settings),
         },
     )

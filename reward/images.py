@@ -8,8 +8,9 @@ reason). The domains:
 - `digit`: the digits judge's probability that the image is the digit in `reference`
   (0-9); components `probability` and `correct` (the judge's first choice is that digit).
   The judge (`rollwire.diffusion.judge`) is fitted once per machine into the cache and
-  read once per scorer process. Reward feedback learning uses the same judge's weights in
-  torch: this domain is differentiable (`DIFFERENTIABLE`).
+  read once per scorer process (fitting it needs scikit-learn: `rollwire[diffusion]`).
+  Reward feedback learning uses the same judge's weights in torch
+  (`rollwire.diffusion.differentiable`).
 - `brightness`: the mean pixel mapped from [-1, 1] to [0, 1].
 - `contrast`: the pixels' standard deviation over its largest possible value, 1.
 - `colour`: 1 minus the distance of the image's mean colour (one value per channel) to
@@ -27,25 +28,17 @@ from rollwire.reward.scorers import Score, ScoreInput
 
 MAX_IMAGE_VALUES = 4096 * 4096 * 4
 """The most values an image may hold."""
-DIFFERENTIABLE = frozenset({"digit", "brightness", "contrast", "colour"})
-"""Image domains whose reward has a gradient with respect to the pixels."""
 _JUDGE: list[Any] = []
 
 
 def image_of(item: ScoreInput) -> np.ndarray:
     """The item's image as float64 [C, H, W]; ValueError saying what is wrong with it."""
-    import msgpack
-
-    from rollwire.services.core.wire import WireError, decode_array
+    from rollwire.services.core.wire import WireError, array_from_bytes
 
     if not item.image:
         raise ValueError("this domain scores images: the item has none (ScoreItem.image)")
     try:
-        value = msgpack.unpackb(item.image, raw=False)
-    except Exception as error:  # msgpack raises several unrelated types on bad bytes
-        raise ValueError(f"the image is not valid msgpack ({type(error).__name__})") from None
-    try:
-        array = decode_array(value, "image")
+        array = array_from_bytes(item.image, "image")
     except WireError as error:
         raise ValueError(f"the image is not a wire array map: {error}") from None
     if array.dtype not in (np.float32, np.float64):
@@ -65,7 +58,13 @@ def _judge() -> Any:
     if not _JUDGE:
         from rollwire.diffusion.judge import digits_judge
 
-        _JUDGE.append(digits_judge())
+        try:
+            _JUDGE.append(digits_judge())
+        except ModuleNotFoundError as error:
+            raise ValueError(
+                f"the digit domain's judge is fitted on scikit-learn's digits ({error}): "
+                "install rollwire[diffusion] beside this reward-server"
+            ) from None
     return _JUDGE[0]
 
 

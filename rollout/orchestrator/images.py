@@ -11,14 +11,12 @@ the digit wanted), and returns one `kind: latents` trajectory per sample
 
 from __future__ import annotations
 
-import msgpack
-
 from rollwire.diffusion.sampling import SamplingSettings
 from rollwire.diffusion.trajectories import latent_trajectory
 from rollwire.proto.v1 import rollout_pb2
 from rollwire.rollout.orchestrator.servers import Servers
 from rollwire.services.core.datasets import Task
-from rollwire.services.core.wire import Trajectory, decode_array
+from rollwire.services.core.wire import Trajectory, array_from_bytes
 
 
 def image_sampling(settings: SamplingSettings) -> rollout_pb2.ImageSampling:
@@ -52,9 +50,10 @@ async def image_group(
     results = await servers.score(task, [""] * len(kept), [s.image for s in kept])
     trajectories = []
     for index, (sample, result) in enumerate(zip(kept, results, strict=True)):
-        latents = decode_array(msgpack.unpackb(sample.latents, raw=False), "latents")
         trajectories.append(
             latent_trajectory(
+                sample,
+                latents=array_from_bytes(sample.latents, "latents"),
                 trajectory_id=f"{ordinal}/{index}",
                 group_id=str(ordinal),
                 sample_index=index,
@@ -62,11 +61,6 @@ async def image_group(
                 task_id=task.task_id,
                 source=task.source,
                 domain=task.domain,
-                recorded_steps=list(sample.recorded_steps),
-                logprobs=list(sample.logprobs),
-                policy_versions=list(sample.policy_versions),
-                latents=latents,
-                label=sample.label,
                 settings=settings,
                 reward=0.0 if result.error else result.reward,
                 reward_components={**result.components, "score_error": float(result.error)},

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from rollwire.diffusion.data import label_of
+from rollwire.diffusion.digits import velocity
 from rollwire.diffusion.sampling import SamplingSettings, sample
 from rollwire.rollout.server.engine import RequestError, ScoreUnsupported
 from rollwire.rollout.server.requests import InFlight
@@ -247,7 +249,7 @@ class DiffusionEngine:
         self._take_update()
         with self._weights_lock:
             self._step_version = self._version
-            return self.model(x, t * 1000.0, class_labels=labels).sample
+            return velocity(self.model, x, t, labels)
 
     def _sample_batch(
         self, taken: list, settings: SamplingSettings, loop: asyncio.AbstractEventLoop
@@ -255,7 +257,7 @@ class DiffusionEngine:
         started = time.monotonic()
         requests = [request for requests, *_ in taken for request in requests]
         labels = torch.tensor([self.label(request.prompt) for request in requests])
-        settings = SamplingSettings(**{**vars(settings), "any_label": self.any_label})
+        settings = dataclasses.replace(settings, any_label=self.any_label)
         with torch.no_grad():
             out = sample(
                 self._velocity,

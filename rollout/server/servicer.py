@@ -187,7 +187,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             )
         from rollwire.diffusion.sampling import SamplingSettings
         from rollwire.rollout.server.diffusion_engine import ImageRequest
-        from rollwire.services.core.wire import encode_array
+        from rollwire.services.core.wire import array_bytes
 
         if len(request.prompts) != len(request.seeds) or not 1 <= len(request.prompts) <= 1024:
             await self._reject(
@@ -222,8 +222,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         samples = [
             rollout_pb2.ImageSample(
                 request_id=item.request_id,
-                image=msgpack_array(encode_array(result.image, "<f4")),
-                latents=msgpack_array(encode_array(result.latents, "<f4")),
+                image=array_bytes(result.image),
+                latents=array_bytes(result.latents),
                 recorded_steps=result.recorded_steps,
                 logprobs=result.logprobs,
                 policy_versions=result.policy_versions,
@@ -370,13 +370,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.weights.close()
         self.watchdog.stop()
         await self.engine.close()
-
-
-def msgpack_array(array_map: dict) -> bytes:
-    """An array map (`wire.encode_array`) as msgpack bytes: how images travel in protos."""
-    import msgpack
-
-    return msgpack.packb(array_map, use_bin_type=True)
 
 
 # Engines in this process that take the same arguments; imported only when chosen.

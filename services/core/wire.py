@@ -71,6 +71,22 @@ def decode_array(
     return array.copy() if copy else array
 
 
+def array_bytes(array: np.ndarray, dtype: str = "<f4") -> bytes:
+    """An array as one msgpack array map (`encode_array`): how an image or latents travel
+    in a proto's `bytes` field (`GenerateImages`, `ScoreItem.image`)."""
+    return msgpack.packb(encode_array(array, dtype), use_bin_type=True)
+
+
+def array_from_bytes(data: bytes, name: str) -> np.ndarray:
+    """The array `array_bytes` wrote, checked as `decode_array` checks it; WireError saying
+    what is wrong otherwise."""
+    try:
+        value = msgpack.unpackb(data, raw=False)
+    except Exception as error:  # msgpack raises several unrelated types on bad bytes
+        raise WireError(f"{name}: not valid msgpack ({type(error).__name__})") from None
+    return decode_array(value, name)
+
+
 # ---------------------------------------------------------------- messages
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -73,7 +74,15 @@ def latent_trajectory(group: str, index: int, versions: tuple[int, ...] = (0, 0,
 
     rng = np.random.default_rng(zlib.crc32(f"{group}/{index}".encode()))
     steps = len(versions)
+    sampled = SimpleNamespace(
+        recorded_steps=range(2, 2 + steps),
+        logprobs=rng.normal(-60, 5, steps),
+        policy_versions=versions,
+        latents=rng.standard_normal((steps + 1, 1, 8, 8)),
+        label=10,
+    )
     return made(
+        sampled,
         trajectory_id=f"{group}/{index}",
         group_id=group,
         sample_index=index,
@@ -81,11 +90,6 @@ def latent_trajectory(group: str, index: int, versions: tuple[int, ...] = (0, 0,
         task_id=group,
         source="test",
         domain="digit",
-        recorded_steps=range(2, 2 + steps),
-        logprobs=rng.normal(-60, 5, steps),
-        policy_versions=versions,
-        latents=rng.standard_normal((steps + 1, 1, 8, 8)),
-        label=10,
         settings=SamplingSettings(steps=10, eta=0.7, sde_window=(2, 2 + steps)),
         reward=0.0,
     )

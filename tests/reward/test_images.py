@@ -3,7 +3,6 @@ for, measurable properties pay as they say, and bad images are that item's error
 
 from __future__ import annotations
 
-import msgpack
 import numpy as np
 import pytest
 
@@ -12,13 +11,13 @@ from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc
 from rollwire.reward.server import registrations
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.config import RewardServerConfig
-from rollwire.services.core.wire import encode_array
+from rollwire.services.core.wire import array_bytes
 
 pytestmark = pytest.mark.integration
 
 
 def packed(image, dtype: str = "<f4") -> bytes:
-    return msgpack.packb(encode_array(np.asarray(image), dtype), use_bin_type=True)
+    return array_bytes(np.asarray(image), dtype)
 
 
 def item(item_id: str, domain: str, image: bytes, reference: str = "", **metadata):

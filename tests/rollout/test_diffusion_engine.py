@@ -124,11 +124,10 @@ async def test_generate_images_over_grpc_and_a_token_engine_refuses_it(
     model_path, tiny_model_path, start_service
 ) -> None:
     import grpc
-    import msgpack
 
     from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
     from rollwire.rollout.server.hf_engine import HFEngine
-    from rollwire.services.core.wire import decode_array
+    from rollwire.services.core.wire import array_from_bytes
     from tests.helpers.servers import serve_engine
 
     address, _ = await serve_engine(start_service, DiffusionEngine(model_path))
@@ -141,8 +140,8 @@ async def test_generate_images_over_grpc_and_a_token_engine_refuses_it(
             )
         )
         first = reply.samples[0]
-        image = decode_array(msgpack.unpackb(first.image, raw=False), "image")
-        latents = decode_array(msgpack.unpackb(first.latents, raw=False), "latents")
+        image = array_from_bytes(first.image, "image")
+        latents = array_from_bytes(first.latents, "latents")
         assert first.request_id == "g/0" and image.shape == (1, 8, 8)
         assert latents.shape == (5, 1, 8, 8) and list(first.recorded_steps) == [1, 2, 3, 4]
         assert len(first.logprobs) == 4 and [s.label for s in reply.samples] == [3, 10]

@@ -4,6 +4,7 @@ engine's recorded steps recomputed by the trainer to within 1e-5, through the wi
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ def model_path(tmp_path_factory):
 
 def trajectory(index: int, generation, reward: float) -> Trajectory:
     return latent_trajectory(
+        generation,
         trajectory_id=f"t{index}",
         group_id=f"g{index // 2}",
         sample_index=index % 2,
@@ -37,11 +39,6 @@ def trajectory(index: int, generation, reward: float) -> Trajectory:
         task_id="any",
         source="digits",
         domain="digit",
-        recorded_steps=generation.recorded_steps,
-        logprobs=generation.logprobs,
-        policy_versions=generation.policy_versions,
-        latents=generation.latents,
-        label=generation.label,
         settings=SDE,
         reward=reward,
     )
@@ -119,20 +116,20 @@ def test_only_latent_batches_of_one_setting_are_taken() -> None:
         latent_batch([tokens], 10)
     with pytest.raises(ValueError, match=r"3 latents \(steps \+ 1 expected\)"):
         latent_trajectory(
-            **{
-                "trajectory_id": "t",
-                "group_id": "g",
-                "sample_index": 0,
-                "prompt_ordinal": 0,
-                "task_id": "3",
-                "source": "s",
-                "domain": "digit",
-                "label": 3,
-                "reward": 0.0,
-            },
-            recorded_steps=[1, 2, 3],
-            logprobs=[0.0] * 3,
-            policy_versions=[0] * 3,
-            latents=np.zeros((3, 1, 8, 8)),
+            SimpleNamespace(
+                recorded_steps=[1, 2, 3],
+                logprobs=[0.0] * 3,
+                policy_versions=[0] * 3,
+                latents=np.zeros((3, 1, 8, 8)),
+                label=3,
+            ),
+            trajectory_id="t",
+            group_id="g",
+            sample_index=0,
+            prompt_ordinal=0,
+            task_id="3",
+            source="s",
+            domain="digit",
+            reward=0.0,
             settings=SDE,
         )

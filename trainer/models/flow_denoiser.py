@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rollwire.diffusion.digits import velocity
 from rollwire.trainer.models.base import ModelFamily
 
 MARKER = "rollwire_diffusion.json"
@@ -69,8 +70,7 @@ class FlowDenoiser(ModelFamily):
         raise FileNotFoundError(f"no UNet weights in {folder} (looked for {', '.join(WEIGHTS)})")
 
     def logits(self, model: Any, batch: Noised, device: torch.device) -> torch.Tensor:
-        x, t, labels = batch.x.to(device), batch.t.to(device), batch.labels.to(device)
-        return model(x, t * 1000.0, class_labels=labels).sample
+        return velocity(model, batch.x.to(device), batch.t.to(device), batch.labels.to(device))
 
     def save_extras(self, source: Path, folder: Path) -> None:
         source, folder = Path(source), Path(folder)

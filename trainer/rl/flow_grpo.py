@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollwire.diffusion.flow import logprob_of, step_distribution, time_grid
-from rollwire.diffusion.sampling import SamplingSettings, guided
+from rollwire.diffusion.sampling import SamplingSettings, logprobs_of, step_distributions
 from rollwire.diffusion.trajectories import SAMPLING_KEYS
 from rollwire.services.core.config.algorithms import settings_of
 from rollwire.services.core.wire import Trajectory
@@ -107,30 +106,20 @@ class FlowGRPOStep:
     def step_distributions(
         self, batch: LatentBatch, model: Any = None
     ) -> list[tuple[torch.Tensor, float]]:
-        """For each recorded step, the (mean [B, C, H, W], std) of its Gaussian under
-        `model` (the trained one by default), with gradients when they are on."""
-        grid = time_grid(batch.settings.steps, batch.settings.shift)
-        field = guided(self._velocity(model), batch.settings.guidance, self.any_label)
+        """For each recorded step, the (mean, std) of its Gaussian under `model` (the
+        trained one by default), with gradients when they are on."""
         device = self.learner.device
-        labels = batch.labels.to(device)
-        out = []
-        for position, index in enumerate(batch.steps):
-            t, t_next = grid[index], grid[index + 1]
-            x = batch.latents[:, position].to(device)
-            v = field(x, torch.full((len(x),), t, device=device), labels)
-            out.append(step_distribution(x, v, t, t_next, batch.settings.eta))
-        return out
+        return step_distributions(
+            self._velocity(model),
+            batch.latents.to(device),
+            batch.labels.to(device),
+            batch.steps,
+            batch.settings,
+        )
 
     def logprobs(self, batch: LatentBatch, distributions: list) -> torch.Tensor:
         """[B, R] log-probabilities of the recorded transitions under `distributions`."""
-        device = self.learner.device
-        return torch.stack(
-            [
-                logprob_of(batch.latents[:, position + 1].to(device), mean, std)
-                for position, (mean, std) in enumerate(distributions)
-            ],
-            dim=1,
-        )
+        return logprobs_of(batch.latents.to(self.learner.device), distributions)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         settings = self.config.algorithm.advantage
