@@ -47,7 +47,7 @@ from rollwire.diffusion.trajectories import latent_trajectory
 from rollwire.reward.images import digit_score
 from rollwire.reward.scorers import ScoreInput
 from rollwire.rollout.server.diffusion_engine import DiffusionEngine, ImageRequest
-from rollwire.services.core.config import TrainerConfig
+from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.wire import array_bytes
 from rollwire.trainer.learner import Learner
 from rollwire.trainer.models.flow_denoiser import FlowDenoiser
@@ -85,8 +85,9 @@ async def run(args) -> list[dict]:
             "loss": {"type": "ppo_clip", "clip_low": args.clip, "clip_high": args.clip},
         },
     )
-    learner = Learner(folder, config, family=FlowDenoiser(), total_updates=args.iterations)
-    step = FlowGRPOStep(learner, group_size=args.group_size)
+    learner = Learner(folder, config, family=FlowDenoiser())
+    rl = RLSection(group_size=args.group_size, max_steps=args.iterations)
+    step = FlowGRPOStep(learner, config, rl)
     window = (0, args.steps - 1) if args.window is None else tuple(args.window)
     settings = SamplingSettings(steps=args.steps, eta=args.eta, sde_window=window)
     rng = np.random.default_rng(args.seed)

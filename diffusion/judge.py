@@ -13,6 +13,15 @@ Quality of a set of samples, in the judge's 128 hidden features:
   training digits against the held-out ones reads about 1 on this scale, noise about 100.
 - `diversity(features)`: the mean distance between two samples of a set; collapse to one
   image per class reads near 0.
+- `class_matched_frechet(features, classes, real, real_classes)`: the Frechet distance of
+  samples to real digits of the same classes in the same proportions (the classes the
+  judge reads the samples as): whether the samples are good digits of what they are,
+  comparable between a model that draws any digit and one that draws only 3s.
+- `within_class_diversity(features, classes)`: `diversity` inside each judged class,
+  averaged over the samples; a model that draws every digit is not "diverse" for it.
+  `relative_diversity` divides it by the same measure of real digits of those classes:
+  1 is as varied as real digits of what the samples are (some digits vary more than
+  others: real 3s read 7.5, the mixture of all ten 8.5).
 """
 
 from __future__ import annotations
@@ -102,8 +111,15 @@ def digits_judge() -> DigitsJudge:
 
 def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
     """The Frechet distance between Gaussians fitted to the rows of `a` and of `b`."""
-    mean_a, mean_b = a.mean(axis=0), b.mean(axis=0)
-    cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    return gaussian_frechet(
+        a.mean(axis=0), np.cov(a, rowvar=False), b.mean(axis=0), np.cov(b, rowvar=False)
+    )
+
+
+def gaussian_frechet(
+    mean_a: np.ndarray, cov_a: np.ndarray, mean_b: np.ndarray, cov_b: np.ndarray
+) -> float:
+    """The Frechet distance between two Gaussians."""
     values, vectors = np.linalg.eigh(cov_a)
     root_a = (vectors * np.sqrt(np.clip(values, 0.0, None))) @ vectors.T
     middle = root_a @ cov_b @ root_a
@@ -121,3 +137,60 @@ def diversity(features: np.ndarray) -> float:
     gram = squares[:, None] + squares[None, :] - 2 * features @ features.T
     distances = np.sqrt(np.clip(gram, 0.0, None))
     return float(distances.sum() / (count * (count - 1)))
+
+
+def class_matched_frechet(
+    features: np.ndarray, classes: np.ndarray, real: np.ndarray, real_classes: np.ndarray
+) -> float:
+    """The Frechet distance of `features` to the Gaussian of the real features' mixture
+    with the samples' class proportions: each class's mean and covariance among `real`,
+    weighted by the share of `classes` that are that class (see the module docstring)."""
+    classes, real_classes = np.asarray(classes), np.asarray(real_classes)
+    present, counts = np.unique(classes, return_counts=True)
+    weights = counts / counts.sum()
+    dim = real.shape[1]
+    mean, second = np.zeros(dim), np.zeros((dim, dim))
+    for label, weight in zip(present, weights, strict=True):
+        rows = real[real_classes == label]
+        if len(rows) < 2:
+            raise ValueError(f"fewer than two real examples of class {label}")
+        class_mean = rows.mean(axis=0)
+        mean += weight * class_mean
+        second += weight * (np.cov(rows, rowvar=False) + np.outer(class_mean, class_mean))
+    return gaussian_frechet(
+        features.mean(axis=0), np.cov(features, rowvar=False), mean, second - np.outer(mean, mean)
+    )
+
+
+def within_class_diversity(
+    features: np.ndarray, classes: np.ndarray, weights_from: np.ndarray | None = None
+) -> float:
+    """`diversity` inside each class of `classes` (those with two samples or more),
+    averaged with each class weighted by its samples (or by its count in
+    `weights_from`, a set of class labels)."""
+    classes = np.asarray(classes)
+    counted = classes if weights_from is None else np.asarray(weights_from)
+    total, weight = 0.0, 0
+    for label in np.unique(counted):
+        rows = features[classes == label]
+        count = int((counted == label).sum())
+        if len(rows) >= 2 and (weights_from is not None or count >= 2):
+            total += count * diversity(rows)
+            weight += count
+    return total / weight if weight else 0.0
+
+
+def relative_diversity(
+    features: np.ndarray, classes: np.ndarray, real: np.ndarray, real_classes: np.ndarray
+) -> float:
+    """`within_class_diversity` of the samples over that of the real digits of the same
+    classes, weighted alike (see the module docstring)."""
+    classes = np.asarray(classes)
+    labels, counts = np.unique(classes, return_counts=True)
+    kept = labels[counts >= 2]
+    mask = np.isin(classes, kept)
+    if not mask.any():
+        return 0.0
+    samples = within_class_diversity(features[mask], classes[mask])
+    reference = within_class_diversity(real, real_classes, weights_from=classes[mask])
+    return samples / reference

@@ -6,7 +6,9 @@ is missing, malformed, not finite or outside that range (the item's error, with 
 reason). The domains:
 
 - `digit`: the digits judge's probability that the image is the digit in `reference`
-  (0-9); components `probability` and `correct` (the judge's first choice is that digit).
+  (0-9), or with `metadata.pay: correct` 1 when the judge's first choice is that digit
+  and 0 otherwise (nothing more to gain from a digit the judge already reads right, so
+  less to win by exaggerating one); components `probability` and `correct` either way.
   The judge (`rollwire.diffusion.judge`) is fitted once per machine into the cache and
   read once per scorer process (fitting it needs scikit-learn: `rollwire[diffusion]`).
   Reward feedback learning uses the same judge's weights in torch
@@ -79,7 +81,11 @@ def digit_score(item: ScoreInput) -> Score:
     wanted = int(reference)
     probability = float(probabilities[wanted])
     correct = float(int(probabilities.argmax()) == wanted)
-    return Score(probability, {"probability": probability, "correct": correct})
+    pay = item.metadata.get("pay", "probability")
+    if pay not in ("probability", "correct"):
+        raise ValueError(f"the digit domain pays `probability` or `correct`, not {pay!r}")
+    reward = probability if pay == "probability" else correct
+    return Score(reward, {"probability": probability, "correct": correct})
 
 
 def brightness_score(item: ScoreInput) -> Score:

@@ -21,6 +21,7 @@ Start here; the rest of the room:
     teacher.py     on-policy distillation's teacher scoring each group
     episode.py     an episode's tokens and the trajectory made of them
     agent.py       multi-turn episodes against env-servers
+    images.py      groups of images from a diffusion rollout-server, and their evaluation
     evaluation.py  held-out evaluation
 """
 
@@ -43,6 +44,12 @@ from rollwire.rollout.orchestrator.episode import (
     trajectory_from_episode,
 )
 from rollwire.rollout.orchestrator.evaluation import Evaluation
+from rollwire.rollout.orchestrator.images import (
+    ImageEvaluation,
+    image_group,
+    sample_seeds,
+    sampling_of,
+)
 from rollwire.rollout.orchestrator.pacing import (
     DynamicSampling,
     PromptQueue,
@@ -54,7 +61,7 @@ from rollwire.rollout.orchestrator.teacher import Teacher
 from rollwire.services.buffer.client import BufferError, BufferProducer
 from rollwire.services.buffer.protocol import PutAnswer
 from rollwire.services.core.client import describe_error
-from rollwire.services.core.config import EnvDataset, RunConfig, scored_domains
+from rollwire.services.core.config import EnvDataset, ImageDataset, RunConfig, scored_domains
 from rollwire.services.core.datasets import Task, cycle, load_tasks, task_at, training_tasks
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.server import EXIT_NO_RESTART
@@ -114,6 +121,9 @@ class Orchestrator:
         self.eval_log = (self.run_dir / "metrics" / "eval.jsonl").open("a")
         self.progress_log = (self.run_dir / "metrics" / "orchestrator.jsonl").open("a")
         self.agentic = self.sampler.agentic
+        self.images = isinstance(self.settings.dataset, ImageDataset)
+        """An image run: groups come from a diffusion rollout-server (`images.py`)."""
+        self.generated_images = 0
 
     async def run(self) -> None:
         """Feeds the buffer until the trainer reaches `rl.max_steps`. Each pass evaluates
@@ -130,7 +140,8 @@ class Orchestrator:
                 extra={"excluded": dataset.excluded, "kept": len(dataset)},
             )
         self.held_out_excluded = dataset.excluded
-        self.check_prompts(dataset, "orchestrator.dataset")
+        if not self.images:  # an image prompt is the task's question, no template
+            self.check_prompts(dataset, "orchestrator.dataset")
         self.sampler.servers.check_domains(
             scored_domains(self.settings.dataset) | scored_domains(self.settings.eval_dataset)
         )
@@ -208,17 +219,20 @@ class Orchestrator:
     def held_out_evaluation(self) -> Evaluation:
         """The evaluation of this run (of no tasks when `eval_dataset` is unset)."""
         tasks = load_tasks(self.settings.eval_dataset) if self.settings.eval_dataset else []
+        common = {
+            "every": self.settings.eval_every,
+            "final_step": self.rl.max_steps,
+            "concurrency": self.settings.max_concurrent_groups * self.rl.group_size,
+            "log_file": self.eval_log,
+            "watchdog": self.watchdog,
+            "watch_seconds": self.watch_seconds,
+        }
+        if self.images:
+            return ImageEvaluation(
+                list(tasks), self.sampler.servers, self.settings.images, self.run_dir, **common
+            )
         self.check_prompts(tasks, "orchestrator.eval_dataset")
-        return Evaluation(
-            tasks,
-            self.sampler.greedy_reward,
-            every=self.settings.eval_every,
-            final_step=self.rl.max_steps,
-            concurrency=self.settings.max_concurrent_groups * self.rl.group_size,
-            log_file=self.eval_log,
-            watchdog=self.watchdog,
-            watch_seconds=self.watch_seconds,
-        )
+        return Evaluation(tasks, self.sampler.greedy_reward, **common)
 
     async def refresh_version(self) -> None:
         """Asks the buffer for the trainer's version and step and the groups it dropped as
@@ -307,6 +321,8 @@ class Orchestrator:
         ):
             if self.agentic:
                 trajectories = await self.play_env_group(task)
+            elif self.images:
+                trajectories = await self.image_group(task)
             else:
                 trajectories = await self.sample_group(task)
             if self.teacher is not None:
@@ -341,6 +357,19 @@ class Orchestrator:
             )
             trajectories.append(trajectory)
         self.generated_tokens += sum(len(o.token_ids) for o in outputs)
+        return trajectories
+
+    async def image_group(self, task: Task) -> list[Trajectory]:
+        """`rl.group_size` images of one prompt, scored, as latent trajectories; a group
+        that lost a sample (a rollout-server stopping) fails, to be run again."""
+        seeds = sample_seeds(
+            self.sampler.servers.sampling_base, int(task.metadata["image_seed"]), self.rl.group_size
+        )
+        settings = sampling_of(self.settings.images)
+        trajectories = await image_group(self.sampler.servers, task, task.ordinal, settings, seeds)
+        if len(trajectories) < len(seeds):
+            raise RuntimeError(f"{len(seeds) - len(trajectories)} images of the group were aborted")
+        self.generated_images += len(trajectories)
         return trajectories
 
     async def play_env_group(self, task: Task) -> list[Trajectory]:
@@ -396,6 +425,7 @@ class Orchestrator:
             "groups_resumed": self.resumed_gaps,
             "held_out_excluded": self.held_out_excluded,
             "generated_tokens": self.generated_tokens,
+            **({"generated_images": self.generated_images} if self.images else {}),
             "tokens_per_second": self.generated_tokens / max(elapsed, 1e-9),
         }
         # Where the time went since the start (seconds of calls, summed over those in
@@ -449,8 +479,11 @@ def run_orchestrator(config: RunConfig) -> int:
             "(unless an env gives the rewards) and endpoints.buffer_producer"
         )
         return 1
-    tokenizer = AutoTokenizer.from_pretrained(
-        config.rollout_server.model_path or default_model_path()
+    # An image run has no tokens: its prompts go to the diffusion engine as they are.
+    tokenizer = (
+        None
+        if isinstance(config.orchestrator.dataset, ImageDataset)
+        else AutoTokenizer.from_pretrained(config.rollout_server.model_path or default_model_path())
     )
 
     async def main() -> int:

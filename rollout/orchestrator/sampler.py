@@ -45,7 +45,8 @@ class Sampler:
         self.rl = config.rl
         self.settings = config.orchestrator
         self.tokenizer = tokenizer
-        self.eos = int(tokenizer.eos_token_id)
+        # None for an image run (nothing is tokenized): no stop token.
+        self.eos = -1 if tokenizer is None else int(tokenizer.eos_token_id)
         self.servers = Servers(config, self.eos)
         self.agentic = isinstance(self.settings.dataset, EnvDataset)
         self.pool = None

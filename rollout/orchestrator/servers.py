@@ -118,7 +118,7 @@ class Servers:
         self.settings = config.orchestrator
         base = self.settings.sampling_seed
         # The samples' seeds come from this, the prompt's ordinal and the sample's index.
-        self._sampling_base = (
+        self.sampling_base = (
             None if base is None else stream_seed(config.run.seed, "sampling", base)
         )
         self.eos = eos
@@ -221,8 +221,8 @@ class Servers:
         batched on one rollout-server; seeded from the prompt's ordinal when
         `orchestrator.sampling_seed` is set."""
         sampling = self._sampling(self.rl.temperature, self.settings.max_new_tokens)
-        if self._sampling_base is not None and ordinal is not None:
-            sampling.seed = sample_seed(self._sampling_base, ordinal)
+        if self.sampling_base is not None and ordinal is not None:
+            sampling.seed = sample_seed(self.sampling_base, ordinal)
         request = rollout_pb2.GenerateGroupRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,

@@ -266,6 +266,11 @@ def prepare_model(config: RunConfig, progress: bool = True) -> Path:
         if config.warmup.steps and progress:
             print(f"warm-up skipped: it trains the built-in tiny model, and {key} is set")
         return path
+    if config.rollout_server.engine == "diffusion":
+        # The built-in diffusion model: trained once into the cache, as the warm-up is.
+        from rollwire.diffusion.digits import digits_model
+
+        return digits_model(threads=warm_up_threads(), progress=progress)
     from rollwire.services.core.tiny import TinySpec, tiny_model_of
 
     spec = TinySpec(**config.run.tiny_model)

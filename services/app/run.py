@@ -71,17 +71,7 @@ def check_sandbox(config: RunConfig) -> None:
         raise LaunchError(f"this run scores code (domain `code`), but {INSTALL_HINT}")
 
 
-DIFFUSION_NOT_YET = (
-    "rollout_server.engine 'diffusion' serves images (GenerateImages), but `rollwire train` "
-    "and `rollwire up` do not run a diffusion task through the services yet (issue 28); "
-    "run `rollwire rollout-server` with it alone, or benchmarks/flow_grpo.py for Flow-GRPO "
-    "in one process"
-)
-
-
 def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
-    if config.rollout_server.engine == "diffusion":
-        raise ValueError(DIFFUSION_NOT_YET)
     check_sandbox(config)
     run_dir = Path(config.run.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

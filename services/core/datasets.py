@@ -1,4 +1,5 @@
-"""Task sources for the orchestrator: reasoning-gym generators and JSONL/Parquet files.
+"""Task sources for the orchestrator: reasoning-gym generators, JSONL/Parquet files,
+environment seeds and image prompts.
 
 Every task carries a monotonic `ordinal` (its position in the run's stream of
 prompts), which later accounting (exactly-once training) keys on.
@@ -17,6 +18,7 @@ from rollwire.services.core.config.models import (
     DatasetConfig,
     EnvDataset,
     FileDataset,
+    ImageDataset,
     MixtureDataset,
     ReasoningGymDataset,
 )
@@ -115,6 +117,34 @@ class EnvTasks(Sequence[Task]):
         )
 
 
+class ImageTasks(Sequence[Task]):
+    """Image prompts as tasks: task i asks for images of `prompts[i % len(prompts)]`
+    from seed `seed + i` (its samples' own seeds are made from it), scored in the
+    dataset's domain against `target`. The seed travels in the metadata (`image_seed`)."""
+
+    def __init__(self, config: ImageDataset) -> None:
+        self._config = config
+
+    def __len__(self) -> int:
+        return self._config.size
+
+    def __getitem__(self, index: int) -> Task:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        config = self._config
+        seed = config.seed + index
+        prompt = config.prompts[index % len(config.prompts)]
+        return Task(
+            index,
+            f"images/{seed}",
+            prompt,
+            config.target,
+            config.domain,
+            "images",
+            {**config.metadata, "image_seed": seed},
+        )
+
+
 class MixtureTasks(Sequence[Task]):
     """Datasets interleaved by weight: each round of sum(weights) positions holds `weight`
     tasks of each part, spread evenly (smooth weighted round robin), so the shares hold
@@ -160,7 +190,7 @@ class MixtureTasks(Sequence[Task]):
 
 
 def load_tasks(
-    config: ReasoningGymDataset | FileDataset | EnvDataset | MixtureDataset,
+    config: ReasoningGymDataset | FileDataset | EnvDataset | ImageDataset | MixtureDataset,
 ) -> Sequence[Task]:
     """A dataset as a sequence of tasks (ordinals are positions in it)."""
     if isinstance(config, MixtureDataset):
@@ -169,6 +199,8 @@ def load_tasks(
         return ReasoningGymTasks(config)
     if isinstance(config, EnvDataset):
         return EnvTasks(config)
+    if isinstance(config, ImageDataset):
+        return ImageTasks(config)
     rows = list(read_rows(config.path))
     tasks = []
     for index, row in enumerate(rows):
@@ -199,7 +231,10 @@ def load_tasks(
 
 def task_key(task: Task) -> tuple[str, ...]:
     """What makes two tasks the same prompt: the question with case and spacing
-    normalised, or for env tasks (no question) the env, its kwargs and the seed."""
+    normalised, for env tasks (no question) the env, its kwargs and the seed, for image
+    tasks (the same few prompts over and over) the prompt and the seed."""
+    if "image_seed" in task.metadata:
+        return ("image", task.question, str(task.metadata["image_seed"]))
     if task.question:
         return ("question", " ".join(task.question.lower().split()))
     meta = task.metadata

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from rollwire.services.app.launcher import LaunchError, prepare_model
@@ -98,20 +96,29 @@ def test_the_warm_up_of_an_env_served_elsewhere_is_skipped_with_the_reason(
     )
 
 
-def test_a_diffusion_engine_is_refused_by_train_and_up_with_the_reason(tmp_path, capsys) -> None:
-    """The diffusion engine serves GenerateImages on its own; until a diffusion task runs
-    through the services, `rollwire train` and `up` say so before starting anything."""
-    from rollwire.services.app.run import run_train, run_up
+def test_an_image_dataset_and_the_diffusion_engine_come_together() -> None:
+    """The diffusion engine samples only images, and only it samples them: a run that
+    sets one without the other is refused when its config is read, with both settings
+    named; an image run gets held-out seeds of the same prompts when it names none."""
+    from pydantic import ValidationError
+
     from rollwire.services.core.config import RunConfig
 
-    config = RunConfig.model_validate(
-        {"rollout_server": {"engine": "diffusion"}, "run": {"output_dir": str(tmp_path / "run")}}
+    for settings in (
+        {"rollout_server": {"engine": "diffusion"}},
+        {"orchestrator": {"dataset": {"type": "images"}}},
+    ):
+        with pytest.raises(ValidationError, match="rollout_server.engine: diffusion"):
+            RunConfig.model_validate(settings)
+    images = RunConfig.model_validate(
+        {"rollout_server": {"engine": "diffusion"}, "orchestrator": {"dataset": {"type": "images"}}}
     )
-    handler = signal.getsignal(signal.SIGTERM)  # both install their own; this process keeps its
-    try:
-        for run in (run_train, run_up):
-            assert run(config) == 1
-            assert "do not run a diffusion task" in capsys.readouterr().out
-    finally:
-        signal.signal(signal.SIGTERM, handler)
-    assert not (tmp_path / "run").exists()
+    held_out = images.orchestrator.eval_dataset
+    assert (held_out.type, held_out.prompts, held_out.seed) == ("images", ["any"], 1 << 40)
+    with pytest.raises(ValidationError, match="local backend, one rank"):
+        RunConfig.model_validate(
+            {
+                **images.model_dump(mode="json", include={"rollout_server", "orchestrator"}),
+                "trainer": {"world_size": 2, "backend": "fsdp2"},
+            }
+        )

@@ -128,3 +128,25 @@ def test_task_keys_normalise_questions_and_name_env_episodes() -> None:
     assert [t.ordinal for t in kept] == [0, 1]
     with pytest.raises(ValueError, match="every training task is in the evaluation set"):
         Excluding([question("a")], [question("A")])
+
+
+def test_image_tasks_cycle_their_prompts_and_are_held_out_by_seed() -> None:
+    """The same few prompts recur in training and evaluation: an image task is its
+    prompt and its seed, so a held-out set excludes its seeds, not its prompts; the
+    samples' seeds come from the run's sampling seed and never repeat across tasks."""
+    from rollwire.rollout.orchestrator.images import sample_seeds
+    from rollwire.services.core.config.models import ImageDataset
+    from rollwire.services.core.datasets import training_tasks
+
+    dataset = ImageDataset(prompts=["any", "7"], target="3", size=6, metadata={"pay": "correct"})
+    tasks = load_tasks(dataset)
+    assert [t.question for t in tasks] == ["any", "7"] * 3
+    assert tasks[4].metadata == {"pay": "correct", "image_seed": 4}
+    assert (tasks[4].reference, tasks[4].domain) == ("3", "digit")
+    held_out = ImageDataset(prompts=["any"], seed=2, size=2)  # seeds 2, 3
+    kept = training_tasks(dataset, held_out)
+    assert kept.excluded == 1  # seed 2 is "any" in both; seed 3 is "7" in training
+    assert [t.metadata["image_seed"] for t in kept] == [0, 1, 3, 4, 5]
+    seeds = [s for task in range(50) for s in sample_seeds(0, task, 8)]
+    assert len(set(seeds)) == 400 and all(0 <= s < 2**62 for s in seeds)
+    assert sample_seeds(0, 5, 8) == sample_seeds(0, 5, 8) != sample_seeds(1, 5, 8)

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from rollwire.diffusion.data import ANY, digits, label_of
-from rollwire.diffusion.judge import digits_judge, diversity, frechet_distance
+from rollwire.diffusion.judge import (
+    class_matched_frechet,
+    digits_judge,
+    diversity,
+    frechet_distance,
+    relative_diversity,
+    within_class_diversity,
+)
 
 
 def test_the_judge_knows_held_out_digits_and_its_measures_separate_real_from_fake() -> None:
@@ -62,3 +69,38 @@ def test_the_torch_judge_is_the_numpy_judge_with_a_gradient() -> None:
     # One gradient step on the pixels raises the wanted digit's probability.
     moved = (images + 0.05 * images.grad.sign()).clamp(-1, 1)
     assert (module.log_probability(moved, wanted) >= log_probability - 1e-6).all()
+
+
+def test_the_class_matched_measures_compare_samples_with_real_digits_of_their_classes() -> None:
+    """Real digits score as real digits whatever their class mix: a set of 3s and a set
+    of every digit both read near the train-vs-held-out floor and near diversity 1, while
+    3s measured against all ten digits (what a plain Frechet distance would do) do not;
+    the same 3s copied once each read diversity 0."""
+    judge = digits_judge()
+    train, train_labels = digits("train")
+    held, labels = digits("held_out")
+    real = judge.features(train)
+    held_features = judge.features(held)
+    threes = held_features[labels == 3]
+    matched_threes = class_matched_frechet(threes, labels[labels == 3], real, train_labels)
+    matched_all = class_matched_frechet(held_features, labels, real, train_labels)
+    unmatched = frechet_distance(threes, real)
+    # One class: exactly the Frechet distance to that class's real digits.
+    assert matched_threes == pytest.approx(
+        frechet_distance(threes, real[train_labels == 3]), rel=1e-9
+    )
+    assert matched_threes < 10 and matched_all < 5 and unmatched > 5 * matched_threes
+    assert relative_diversity(held_features, labels, real, train_labels) == pytest.approx(
+        1.0, abs=0.1
+    )
+    assert relative_diversity(threes, labels[labels == 3], real, train_labels) == pytest.approx(
+        1.0, abs=0.15
+    )
+    copies = np.repeat(threes[:1], 10, axis=0)
+    assert relative_diversity(copies, np.full(10, 3), real, train_labels) == pytest.approx(
+        0.0, abs=1e-6
+    )
+    # A class seen once has no within-class spread: it is left out, not counted as 0.
+    assert within_class_diversity(
+        np.concatenate([threes, held_features[:1]]), np.r_[np.full(len(threes), 3), 11]
+    ) == pytest.approx(diversity(threes))

@@ -36,6 +36,8 @@ async def test_image_domains_score_and_refuse_bad_images_per_item(start_service)
     items = [
         item("three-as-3", "digit", packed(three), "3"),
         item("seven-as-3", "digit", packed(three * 0 + seven), "3"),
+        item("three-paid-if-correct", "digit", packed(three), "3", pay="correct"),
+        item("seven-paid-if-correct", "digit", packed(seven), "3", pay="correct"),
         item("black", "brightness", packed(np.full((1, 8, 8), -1.0))),
         item("white", "brightness", packed(np.ones((1, 8, 8)))),
         item("flat", "contrast", packed(np.zeros((1, 8, 8)))),
@@ -51,6 +53,7 @@ async def test_image_domains_score_and_refuse_bad_images_per_item(start_service)
         item("no-reference", "digit", packed(three), "x"),
         item("big-digit", "digit", packed(np.zeros((3, 8, 8))), "3"),
         item("no-target", "colour", packed(grey)),
+        item("bad-pay", "digit", packed(three), "3", pay="most"),
     ]
     async with open_channel(runtime.address) as channel:
         stub = reward_pb2_grpc.RewardServiceStub(channel)
@@ -60,6 +63,8 @@ async def test_image_domains_score_and_refuse_bad_images_per_item(start_service)
     got = {r.item_id: r for r in reply.results}
     assert got["three-as-3"].reward > 0.9 and got["three-as-3"].components["correct"] == 1.0
     assert got["seven-as-3"].reward < 0.1 and got["seven-as-3"].components["correct"] == 0.0
+    assert got["three-paid-if-correct"].reward == 1.0
+    assert got["seven-paid-if-correct"].reward == 0.0
     assert (got["black"].reward, got["white"].reward) == (0.0, 1.0)
     assert got["flat"].reward == 0.0
     assert got["on-target"].reward == pytest.approx(1.0)
@@ -74,6 +79,7 @@ async def test_image_domains_score_and_refuse_bad_images_per_item(start_service)
         "no-reference": "reference digit",
         "big-digit": "1x8x8",
         "no-target": "metadata.target",
+        "bad-pay": "pays `probability` or `correct`",
     }
     for item_id, reason in reasons.items():
         assert got[item_id].error and reason in got[item_id].error_message, got[item_id]

@@ -43,7 +43,7 @@ async def test_an_image_group_is_sampled_scored_and_carried_to_the_trainer(
         await servers.wait_until_serving()
         settings = SamplingSettings(steps=5, eta=0.7, sde_window=(0, 4))
         task = Task(7, "digits-any-3", "any", "3", "digit", "digits")
-        group = await image_group(servers, task, 7, 4, settings, seed_base=100)
+        group = await image_group(servers, task, 7, settings, [100, 101, 102, 103])
         assert [t.trajectory_id for t in group] == ["7/0", "7/1", "7/2", "7/3"]
         assert all(0.0 <= t.reward <= 1.0 and t.kind == "latents" for t in group)
         assert all(t.reward_components["score_error"] == 0.0 for t in group)

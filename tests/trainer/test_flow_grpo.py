@@ -14,7 +14,7 @@ from rollwire.diffusion.digits import DigitsSpec, build_digits_model
 from rollwire.diffusion.sampling import SamplingSettings
 from rollwire.diffusion.trajectories import latent_trajectory
 from rollwire.rollout.server.diffusion_engine import DiffusionEngine, ImageRequest
-from rollwire.services.core.config import TrainerConfig
+from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.wire import Trajectory, decode_trajectory, encode
 from rollwire.trainer.learner import Learner
 from rollwire.trainer.models.flow_denoiser import FlowDenoiser
@@ -64,13 +64,17 @@ async def test_the_trainer_recomputes_the_engines_steps_and_the_update_moves_the
 ) -> None:
     trajectories = await sampled(model_path, [1.0, 0.0, 0.3, 0.6])
     config = TrainerConfig(optimizer={"learning_rate": 1e-3}, algorithm={"kl": {"coef": 0.1}})
-    step = FlowGRPOStep(Learner(model_path, config, family=FlowDenoiser(), total_updates=2), 2)
+    learner = Learner(model_path, config, family=FlowDenoiser())
+    step = FlowGRPOStep(learner, config, RLSection(group_size=2, max_steps=2))
     first = step.step(trajectories)
     # float32 on both sides: the largest difference of a recorded step's log-probability.
     assert first["mismatch_abs_max"] <= 1e-5, first
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["kl"] == 0.0
     second = step.step(trajectories)
-    assert second["mismatch_abs_max"] > 1e-4 and second["kl"] > 0  # the weights moved
+    # The weights moved: the samples are one version old, their log-probabilities no
+    # longer the trainer's (and no longer a measure of engine-trainer mismatch).
+    assert abs(second["behaviour_kl"]) > 1e-5 and second["kl"] > 0
+    assert "mismatch_abs_max" not in second and second["staleness_mean"] == 1.0
 
 
 async def test_the_clipped_surrogate_by_hand(model_path) -> None:
@@ -80,8 +84,10 @@ async def test_the_clipped_surrogate_by_hand(model_path) -> None:
     surrogate 1.28 and -0.8, the loss per step -1.28 and +0.8, their mean -0.24, and
     half the steps are clipped high and half low."""
     trajectories = await sampled(model_path, [1.0, 0.0])
-    learner = Learner(model_path, TrainerConfig(), family=FlowDenoiser(), total_updates=1)
-    step = FlowGRPOStep(learner, group_size=2)
+    # Plain PPO: the ratio against the recorded log-probabilities (no correction).
+    config = TrainerConfig(algorithm={"correction": {"type": "none"}})
+    learner = Learner(model_path, config, family=FlowDenoiser())
+    step = FlowGRPOStep(learner, config, RLSection(group_size=2, max_steps=1))
     batch = latent_batch(trajectories, 10)
     with torch.no_grad():
         now = step.logprobs(batch, step.step_distributions(batch))
@@ -91,7 +97,7 @@ async def test_the_clipped_surrogate_by_hand(model_path) -> None:
     metrics = step.step(trajectories)
     assert metrics["loss"] == pytest.approx(-0.24, abs=1e-4)
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # (1.5 + 0.5) / 2
-    assert (metrics["clip_high_fraction"], metrics["clip_low_fraction"]) == (0.5, 0.5)
+    assert (metrics["clip_frac_high"], metrics["clip_frac_low"]) == (0.5, 0.5)
 
 
 def test_only_latent_batches_of_one_setting_are_taken() -> None:

@@ -68,6 +68,18 @@ PIPELINES: dict[str, Pipeline] = {
         program="rollwire.services.app.run:run_train",
         help="on-policy distillation (rollwire train with trainer.algorithm.advantage on_policy_distill)",
     ),
+    "flow_grpo": Pipeline(
+        name="flow_grpo",
+        section="rl",
+        data="image prompts of orchestrator.dataset (type images), sampled by a diffusion "
+        "rollout-server's SDE and scored live",
+        step="rollwire.trainer.rl.flow_grpo:FlowGRPOStep",
+        family="rollwire.trainer.models.flow_denoiser:FlowDenoiser",
+        services=RL_SERVICES,
+        program="rollwire.services.app.run:run_train",
+        help="Flow-GRPO: RL for a flow-matching diffusion model (rollwire train with "
+        "rollout_server.engine diffusion)",
+    ),
     "sft": Pipeline(
         name="sft",
         section="sft",
@@ -120,8 +132,11 @@ def offline() -> list[Pipeline]:
 
 
 def pipeline_of(config: Any) -> Pipeline:
-    """The pipeline `rollwire train` runs for `config`: on-policy distillation when the
-    trainer's advantage is the teacher's, else RL."""
+    """The pipeline `rollwire train` runs for `config`: Flow-GRPO for a diffusion
+    rollout-server, on-policy distillation when the trainer's advantage is the
+    teacher's, else RL."""
+    if config.rollout_server.engine == "diffusion":
+        return PIPELINES["flow_grpo"]
     if config.trainer.algorithm.advantage.type == "on_policy_distill":
         return PIPELINES["on_policy_distill"]
     return PIPELINES["rl"]

@@ -35,6 +35,7 @@ from rollwire.services.core.timing import PhaseClock
 from rollwire.services.core.watchdog import Watchdog
 from rollwire.services.core.wire import Batch
 from rollwire.trainer.learner import seed_initialisation, torchrun_argv
+from rollwire.trainer.pipelines.table import load, pipeline_of
 from rollwire.trainer.process.records import Clock, MetricsLog, open_trained_log
 from rollwire.trainer.process.servicer import TrainerServicer, TrainerState
 from rollwire.trainer.process.thread_plan import ThreadPlan
@@ -47,6 +48,14 @@ from rollwire.trainer.process.weight_sender import (
 from rollwire.trainer.rl.policy import Policy
 
 log = logging.getLogger(__name__)
+
+
+def policy_of(config: RunConfig, model_path: Path) -> Policy:
+    """The policy of `config`'s pipeline (`pipeline_of`): its model family and its step."""
+    pipeline = pipeline_of(config)
+    return Policy(
+        model_path, config.trainer, config.rl, load(pipeline.family)(), load(pipeline.step)
+    )
 
 
 async def resume(
@@ -398,7 +407,7 @@ async def run(config: RunConfig, model_path: Path) -> int:
                 channel, timeout=config.client.connect_timeout_seconds, target=address
             )
         seed_initialisation(config.run.seed)
-        policy = await asyncio.to_thread(Policy, model_path, config.trainer, config.rl)
+        policy = await asyncio.to_thread(policy_of, config, model_path)
         stubs = [rollout_pb2_grpc.RolloutServiceStub(channel) for channel in channels]
         loop = asyncio.get_running_loop()
 
@@ -434,7 +443,7 @@ def follow(config: RunConfig, model_path: Path) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: log.info("stop asked; rank 0 decides when"))
     seed_initialisation(config.run.seed)
-    Policy(model_path, config.trainer, config.rl).followed()
+    policy_of(config, model_path).followed()
     return 0
 
 
@@ -462,6 +471,10 @@ def run_trainer(config: RunConfig, argv: list[str] | None = None) -> int:
     name = "trainer" if rank == 0 else f"trainer-rank{rank}"
     configure_logging(name, config.telemetry.log_level, config.telemetry.log_format)
     model_path = Path(config.trainer.model_path or default_model_path())
+    if config.trainer.model_path is None and config.rollout_server.engine == "diffusion":
+        from rollwire.diffusion.digits import digits_model
+
+        model_path = digits_model(threads=config.trainer.threads)
     try:
         if rank != 0:
             return follow(config, model_path)

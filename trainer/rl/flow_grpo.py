@@ -8,29 +8,43 @@ the label and the sampling settings. The step then is the RL table's:
 - advantages: `trainer.algorithm.advantage` (a group estimator; `grpo` is Flow-GRPO's),
   one per sample, broadcast over its recorded steps;
 - loss: `trainer.algorithm.loss` (`ppo_clip` is Flow-GRPO's) per step, on the ratio of the
-  step's log-probability now to the recorded one, aggregated by `trainer.algorithm.aggregation`;
+  step's log-probability now to the proximal one, with the off-policy correction of
+  `trainer.algorithm.correction` towards the recorded one (as for text: a sample taken
+  by older weights is weighted, or masked, by how far they are), aggregated by
+  `trainer.algorithm.aggregation`;
 - KL to the model the run started from (`trainer.algorithm.kl.coef`): between two
   Gaussians of one std it is exact, ||mean - mean_ref||^2 / (2 std^2) per step.
 The first pass, before any update, also measures how far the trainer's log-probabilities
-are from the engine's for the same transitions (`mismatch_abs_max`).
+are from the engine's for the same transitions (`mismatch_abs_max`). A step makes
+`batching.epochs_per_step` x `batching.minibatches_per_step` updates, as the RL step does;
+the batching's token settings (micro-batches by tokens) do not apply: a minibatch of
+latents goes through in one pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from rollwire.diffusion.data import ANY
 from rollwire.diffusion.sampling import SamplingSettings, logprobs_of, step_distributions
 from rollwire.diffusion.trajectories import SAMPLING_KEYS
+from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.config.algorithms import settings_of
 from rollwire.services.core.wire import Trajectory
-from rollwire.trainer.learner import Learner
+from rollwire.trainer.batching import split_rows
+from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.math.algorithms import ADVANTAGE_ESTIMATORS
-from rollwire.trainer.math.losses import POLICY_LOSSES, aggregate
-from rollwire.trainer.models.flow_denoiser import Noised
+from rollwire.trainer.math.losses import policy_objective
+from rollwire.trainer.models.flow_denoiser import MARKER, Noised
+from rollwire.trainer.rl.update import average
 
 
 @dataclass
@@ -48,6 +62,17 @@ class LatentBatch:
     rewards: torch.Tensor
     """[B]"""
     settings: SamplingSettings
+
+    def select(self, rows: list[int]) -> LatentBatch:
+        """The batch of `rows` only."""
+        index = torch.tensor(rows)
+        return dataclasses.replace(
+            self,
+            latents=self.latents[index],
+            labels=self.labels[index],
+            behaviour_logprobs=self.behaviour_logprobs[index],
+            rewards=self.rewards[index],
+        )
 
 
 def latent_batch(trajectories: list[Trajectory], any_label: int) -> LatentBatch:
@@ -88,14 +113,24 @@ def latent_batch(trajectories: list[Trajectory], any_label: int) -> LatentBatch:
 
 
 class FlowGRPOStep:
-    """See the module docstring. `group_size`: samples per prompt, adjacent in a batch."""
+    """See the module docstring. Build one on the learner (it attaches itself, like
+    `RLStep`): `train_step` is what the trainer loop calls. A batch holds whole groups of
+    `rl.group_size` samples, adjacent."""
 
-    def __init__(self, learner: Learner, group_size: int, any_label: int = 10) -> None:
-        self.learner = learner
-        self.config = learner.config
-        self.group_size = group_size
-        self.any_label = any_label
-        self._reference: Any = None
+    def __init__(self, learner: Learner, config: TrainerConfig, rl: RLSection) -> None:
+        self.learner, self.config, self.rl = learner, config, rl
+        self.group_size = rl.group_size
+        self.any_label = any_label_of(learner.model_path)
+        learner.total_updates = rl.max_steps * self.updates_per_step
+        self._reference: Any = learner.frozen_reference() if config.algorithm.kl.coef > 0 else None
+        self.update_metrics: list[dict[str, float]] = []
+        """The metrics of each optimizer update of the last step, in order."""
+        learner.attach(self, "flow_grpo")
+
+    @property
+    def updates_per_step(self) -> int:
+        batching = self.config.batching
+        return batching.minibatches_per_step * batching.epochs_per_step
 
     def _velocity(self, model: Any = None):
         def velocity(x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -132,44 +167,120 @@ class FlowGRPOStep:
             rewards=rewards, group_size=self.group_size, **settings_of(settings)
         )
 
-    def step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """One optimizer update on a batch of whole groups; its metrics."""
-        batch = latent_batch(trajectories, self.any_label)
-        device = self.learner.device
-        advantages = self.advantages(batch.rewards).to(device)
-        old = batch.behaviour_logprobs.to(device)
-        mask = torch.ones_like(old)
-        self.learner.model.train()
-        distributions = self.step_distributions(batch)
-        logprobs = self.logprobs(batch, distributions)
-        loss_settings = self.config.algorithm.loss
-        token_loss = POLICY_LOSSES[loss_settings.type](
-            logprobs=logprobs,
-            old_logprobs=old,
-            advantages=advantages[:, None].expand_as(old),
-            mask=mask,
-            **settings_of(loss_settings),
-        )
-        numerator, denominator = aggregate(
-            token_loss.values, mask, self.config.algorithm.aggregation
-        )
-        loss = numerator / max(denominator, 1.0)
+    @collective
+    def train_step(self, trajectories: list[Trajectory], trainer_version: int) -> dict[str, float]:
+        """One trainer step on whole groups: `batching.epochs_per_step` x
+        `batching.minibatches_per_step` optimizer updates (minibatches of samples), each
+        against the proximal log-probabilities of the weights the step started from,
+        corrected towards the engine's as `trainer.algorithm.correction` says; returns
+        metrics, the update ones averaged."""
+        started = time.perf_counter()
+        learner = self.learner
+        whole = latent_batch(trajectories, self.any_label)
+        advantages = self.advantages(whole.rewards)
+        versions = np.concatenate([t.policy_versions for t in trajectories])
+        keep = [i for i in range(len(trajectories)) if float(advantages[i]) != 0.0]
         metrics = {
-            "loss": float(loss.detach()),
-            "reward": float(batch.rewards.mean()),
-            "ratio_mean": float(token_loss.ratio.mean()),
-            "clip_high_fraction": _fraction(token_loss.clipped_high),
-            "clip_low_fraction": _fraction(token_loss.clipped_low),
-            "mismatch_abs_max": float((logprobs.detach() - old).abs().max()),
+            "reward_mean": float(whole.rewards.mean()),
+            "reward_std": float(whole.rewards.std(unbiased=False)),
+            "sequences": float(len(trajectories)),
+            "sequences_with_signal": float(len(keep)),
+            "recorded_steps": float(len(whole.steps)),
         }
-        coef = self.config.algorithm.kl.coef
-        if coef > 0:
-            kl = self.kl(batch, distributions)
-            loss = loss + coef * kl
-            metrics["kl"] = float(kl.detach())
-        self.learner.backend.backward(loss)
-        metrics.update(self.learner.optimizer_update())
+        if versions.size:
+            metrics["staleness_mean"] = float(trainer_version - versions.mean())
+            metrics["staleness_max"] = float(trainer_version - versions.min())
+        self.update_metrics = []
+        if not keep:  # every group's rewards equal: nothing to learn from
+            metrics.update(loss=0.0, grad_norm=0.0, optimizer_steps=0.0)
+            metrics["learning_rate"] = learner.learning_rate()
+            metrics["step_seconds"] = time.perf_counter() - started
+            return metrics
+        batch = whole.select(keep)
+        advantages = advantages[keep].to(learner.device)
+        behaviour = batch.behaviour_logprobs.to(learner.device)
+        # The engine-trainer mismatch is read on the steps the weights being trained took.
+        current = torch.from_numpy(
+            np.stack([trajectories[i].policy_versions for i in keep]) == trainer_version
+        ).to(learner.device)
+        # One update: its own forward gives the proximal log-probabilities. More: the
+        # weights move after the first, so they are taken before it.
+        proximal = None
+        if self.updates_per_step > 1:
+            with torch.no_grad():
+                proximal = self.logprobs(batch, self.step_distributions(batch))
+            metrics.update(self._mismatch(proximal, behaviour, current))
+        minibatches = split_rows(len(keep), self.config.batching.minibatches_per_step)
+        for _ in range(self.config.batching.epochs_per_step):
+            for rows in minibatches:
+                self.update_metrics.append(
+                    self._update(batch, rows, advantages, behaviour, proximal, current, metrics)
+                )
+        metrics.update(average(self.update_metrics))
+        metrics["optimizer_steps"] = float(len(self.update_metrics))
+        metrics["step_seconds"] = time.perf_counter() - started
         return metrics
+
+    def _update(
+        self,
+        batch: LatentBatch,
+        rows: list[int],
+        advantages: torch.Tensor,
+        behaviour: torch.Tensor,
+        proximal: torch.Tensor | None,
+        current: torch.Tensor,
+        metrics: dict[str, float],
+    ) -> dict[str, float]:
+        """One optimizer update on `rows` of `batch`; its metrics (`metrics` gets the
+        engine-trainer mismatch on the `current` steps when this is the step's only
+        update)."""
+        learner, algorithm = self.learner, self.config.algorithm
+        part = batch if len(rows) == len(batch.rewards) else batch.select(rows)
+        index = torch.tensor(rows, device=learner.device)
+        learner.backend.zero_grad()
+        learner.model.train()
+        distributions = self.step_distributions(part)
+        logprobs = self.logprobs(part, distributions)
+        old = behaviour[index]
+        if proximal is None:
+            metrics.update(self._mismatch(logprobs.detach(), old, current[index]))
+        objective = policy_objective(
+            logprobs=logprobs,
+            proximal_logprobs=logprobs.detach() if proximal is None else proximal[index],
+            behaviour_logprobs=old,
+            advantages=advantages[index],
+            mask=torch.ones_like(old),
+            loss=algorithm.loss.type,
+            loss_settings=settings_of(algorithm.loss),
+            correction=algorithm.correction.type,
+            correction_settings=settings_of(algorithm.correction),
+            aggregation=algorithm.aggregation,
+            constant=algorithm.aggregation_constant or 1.0,
+        )
+        loss = objective.numerator / max(objective.denominator, 1e-12)
+        out = {**objective.metrics, "loss": float(loss.detach())}
+        if algorithm.kl.coef > 0:
+            kl = self.kl(part, distributions)
+            loss = loss + algorithm.kl.coef * kl
+            out["kl"] = float(kl.detach())
+        learner.backend.backward(loss)
+        out.update(learner.optimizer_update())
+        return out
+
+    @staticmethod
+    def _mismatch(
+        trainer: torch.Tensor, engine: torch.Tensor, current: torch.Tensor
+    ) -> dict[str, float]:
+        """The largest difference of a recorded step's log-probability between the
+        trainer and the engine, over the steps taken by the weights being trained (none:
+        no metric)."""
+        if not bool(current.any()):
+            return {}
+        return {"mismatch_abs_max": float((trainer - engine).abs()[current].max())}
+
+    def step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """`train_step` outside a run (benchmarks, tests): the version is the updates so far."""
+        return self.train_step(trajectories, self.learner.optimizer_steps)
 
     def kl(self, batch: LatentBatch, distributions: list) -> torch.Tensor:
         """The mean over samples and steps of KL(step policy || the starting model's)."""
@@ -184,6 +295,9 @@ class FlowGRPOStep:
         return torch.stack(terms, dim=1).mean()
 
 
-def _fraction(flags: torch.Tensor) -> float:
-    """The share of True in `flags`; 0 for a loss that flags nothing (an empty tensor)."""
-    return float(flags.float().mean()) if flags.numel() else 0.0
+def any_label_of(folder: Path) -> int:
+    """The unconditional branch's label of a model folder (its task file), 10 without one."""
+    marker = Path(folder) / MARKER
+    if marker.exists():
+        return int(json.loads(marker.read_text()).get("any_label", ANY))
+    return ANY

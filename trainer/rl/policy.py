@@ -6,7 +6,9 @@
 
 The learner (trainer/learner.py) holds the model, its optimizer, ranks and checkpoints;
 the step (trainer/rl/step.py) holds what RL adds (reference, critic, advantages). The
-methods below are the learner's and the step's, named for the trainer loop.
+methods below are the learner's and the step's, named for the trainer loop. Another
+family and step may be given: a run's pipeline names them (the trainer process's
+`policy_of`: Flow-GRPO's step on a flow denoiser for a diffusion run).
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ class Policy:
         config: TrainerConfig,
         rl: RLSection,
         family: ModelFamily | None = None,
+        step: type | None = None,
     ) -> None:
         self.learner = Learner(model_path, config, family)
-        self.step = RLStep(self.learner, config, rl)
+        self.step = (step or RLStep)(self.learner, config, rl)
 
     def train_step(self, trajectories: list[Trajectory], trainer_version: int) -> dict[str, float]:
-        """One RL step (`RLStep.train_step`)."""
+        """One step of the pipeline's (`RLStep.train_step`, `FlowGRPOStep.train_step`)."""
         return self.step.train_step(trajectories, trainer_version)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:

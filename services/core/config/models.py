@@ -26,6 +26,8 @@ from rollwire.services.core.config.orchestrator import (
     DatasetConfig,
     EnvDataset,
     FileDataset,
+    ImageDataset,
+    ImageSamplingConfig,
     MixtureDataset,
     MixturePart,
     OrchestratorConfig,
@@ -96,6 +98,8 @@ __all__ = [
     "EnvSandboxConfig",
     "EnvServerConfig",
     "FileDataset",
+    "ImageDataset",
+    "ImageSamplingConfig",
     "JudgeConfig",
     "KLConfig",
     "LRScheduleConfig",
@@ -286,6 +290,38 @@ class RunConfig(PipelineSections):
             raise ValueError(
                 "orchestrator.filter_uniform_groups drops groups whose rewards are all equal, "
                 "but on-policy distillation learns from every group's tokens: turn it off"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _images_come_from_a_diffusion_engine(self) -> RunConfig:
+        images = self.orchestrator.dataset.type == "images"
+        diffusion = self.rollout_server.engine == "diffusion"
+        if images != diffusion:
+            raise ValueError(
+                "an `images` dataset is sampled by rollout_server.engine: diffusion, and that "
+                "engine samples only images: set both or neither "
+                f"(orchestrator.dataset.type={self.orchestrator.dataset.type}, "
+                f"rollout_server.engine={self.rollout_server.engine})"
+            )
+        if not images:
+            return self
+        if self.trainer.world_size > 1 or self.trainer.backend != "local":
+            raise ValueError(
+                "Flow-GRPO trains a diffusion model on the local backend, one rank "
+                f"(trainer.backend={self.trainer.backend}, trainer.world_size="
+                f"{self.trainer.world_size}); the fsdp2 and deepspeed backends do not load "
+                "a diffusers folder yet"
+            )
+        if self.trainer.algorithm.advantage.type in ("gae", "on_policy_distill"):
+            raise ValueError(
+                "Flow-GRPO takes a group estimator for trainer.algorithm.advantage (grpo, "
+                f"rloo, ...), not {self.trainer.algorithm.advantage.type}"
+            )
+        if self.trainer.algorithm.kl.in_reward:
+            raise ValueError(
+                "Flow-GRPO's KL is a loss term (trainer.algorithm.kl.coef); kl.in_reward "
+                "is for token rewards"
             )
         return self
 

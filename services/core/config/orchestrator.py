@@ -70,6 +70,71 @@ class EnvDataset(StrictModel):
     """First episode seed; use different seeds for training and evaluation."""
 
 
+class ImageDataset(StrictModel):
+    """Image prompts for a diffusion rollout-server (`rollout_server.engine: diffusion`):
+    task i asks for images of `prompts[i % len(prompts)]`, each sample from a seed of its
+    own (task i's seeds come from `seed + i`), scored in `domain` against `target`."""
+
+    type: Literal["images"] = "images"
+    prompts: list[str] = Field(["any"], min_length=1)
+    """What the images are asked to be: for the built-in digits model a digit ("3") or
+    "any" (its unconditional branch)."""
+    target: str = "3"
+    """The reference the scorer reads: for `digit`, the digit that is paid for."""
+    domain: str = "digit"
+    """The reward-server's image domain: `digit` (the digits judge's probability of
+    `target`), `brightness`, `contrast` or `colour`, or a custom image scorer."""
+    metadata: dict[str, Any] = {}
+    """What every task carries to its scorer besides the target: for `digit`,
+    `{pay: correct}` pays 1 for an image the judge reads as the target (default: its
+    probability); for `colour`, `{target: [r, g, b]}`."""
+    size: int = Field(100_000, ge=1)
+    """Tasks in the dataset; the run cycles through them."""
+    seed: int = 0
+    """First task seed; a held-out set takes seeds training never reaches (the default
+    evaluation set of an image run starts at 2**40)."""
+
+
+class ImageSamplingConfig(StrictModel):
+    """How a diffusion rollout-server samples for training and for evaluation
+    (`rollwire.diffusion.sampling`)."""
+
+    steps: int = Field(10, ge=1)
+    """Denoising steps of a training sample."""
+    eta: float = Field(0.7, ge=0)
+    """Noise of the SDE steps (Flow-GRPO's exploration); 0 makes every step an ODE step
+    and records nothing to train on."""
+    sde_window: tuple[int, int] | None = None
+    """The steps [first, last) sampled by the SDE and recorded for training; None: every
+    step but the last (whose noise level has no limit)."""
+    shift: float = Field(1.0, gt=0)
+    """Time shift of the schedule (SD3's; 1 leaves it uniform)."""
+    guidance: float = Field(1.0, ge=0)
+    """Classifier-free guidance (1: none)."""
+    eval_steps: int = Field(10, ge=1)
+    """Denoising steps of an evaluation sample (the ODE: one image per seed, the same
+    every time)."""
+    grid_images: int = Field(64, ge=0)
+    """Evaluation images drawn into `metrics/images/version_*.png` at each evaluation
+    (0: none)."""
+
+    @model_validator(mode="after")
+    def _window_fits(self) -> ImageSamplingConfig:
+        if self.sde_window is not None:
+            first, last = self.sde_window
+            if not 0 <= first < last < self.steps:
+                raise ValueError(
+                    f"orchestrator.images.sde_window {list(self.sde_window)} must be steps "
+                    f"[first, last) with 0 <= first < last < steps={self.steps} (the last "
+                    "step cannot be an SDE step)"
+                )
+        return self
+
+    def window(self) -> tuple[int, int]:
+        """The recorded steps [first, last)."""
+        return self.sde_window if self.sde_window is not None else (0, self.steps - 1)
+
+
 def _dataset_type(value: Any) -> str | None:
     # A section without `type` (e.g. only `--set orchestrator.dataset.kwargs=...`) means reasoning_gym.
     if isinstance(value, dict):
@@ -101,10 +166,12 @@ class MixtureDataset(StrictModel):
     """The datasets and their weights."""
 
 
-def share_key(dataset: ReasoningGymDataset | FileDataset, by: str) -> str:
+def share_key(dataset: ReasoningGymDataset | FileDataset | ImageDataset, by: str) -> str:
     """The key a dataset's groups are counted under in `buffer.batch_shares`."""
     if by == "domain":
         return dataset.domain
+    if isinstance(dataset, ImageDataset):
+        return f"images/{dataset.domain}"
     return dataset.name if isinstance(dataset, ReasoningGymDataset) else dataset.path.name
 
 
@@ -113,7 +180,7 @@ def scored_domains(dataset: Any) -> set[str]:
     server, so none here)."""
     if isinstance(dataset, MixtureDataset):
         return set().union(*(scored_domains(part.dataset) for part in dataset.parts))
-    if isinstance(dataset, ReasoningGymDataset | FileDataset):
+    if isinstance(dataset, ReasoningGymDataset | FileDataset | ImageDataset):
         return {dataset.domain}
     return set()
 
@@ -122,6 +189,7 @@ DatasetConfig = Annotated[
     Annotated[ReasoningGymDataset, Tag("reasoning_gym")]
     | Annotated[FileDataset, Tag("file")]
     | Annotated[EnvDataset, Tag("env")]
+    | Annotated[ImageDataset, Tag("images")]
     | Annotated[MixtureDataset, Tag("mixture")],
     Discriminator(_dataset_type),
 ]
@@ -148,6 +216,10 @@ class AgentConfig(StrictModel):
     env_call_timeout_seconds: float = Field(60.0, gt=0)
     """Longest wait for one Reset or Step; past it the env-server is taken as hung and the
     episode starts again on another."""
+
+
+IMAGE_EVAL = {"seed": 1 << 40, "size": 200}
+"""An image run's held-out set when none is set: 200 seeds training never reaches."""
 
 
 class OrchestratorConfig(StrictModel):
@@ -194,6 +266,8 @@ class OrchestratorConfig(StrictModel):
     luck); 0 never stops."""
     agent: AgentConfig = AgentConfig()
     """Multi-turn episodes, for an `env` dataset."""
+    images: ImageSamplingConfig = ImageSamplingConfig()
+    """Sampling of an `images` dataset (a diffusion rollout-server)."""
     filter_uniform_groups: bool = False
     """Dynamic sampling: a group whose rewards are all equal gives group-relative advantages
     nothing to learn from; drop it (counted as `groups_filtered`) and sample another prompt."""
@@ -203,15 +277,16 @@ class OrchestratorConfig(StrictModel):
 
     @model_validator(mode="after")
     def _evaluate_like_training(self) -> OrchestratorConfig:
-        training_env = self.dataset.type == "env"
-        if training_env and "eval_dataset" not in self.model_fields_set:
-            # Not set: held-out seeds of the same environment.
-            self.eval_dataset = self.dataset.model_copy(update={"seed": 1 << 32, "size": 64})
-            return self
-        if self.eval_dataset is not None and (self.eval_dataset.type == "env") != training_env:
-            raise ValueError(
-                "eval_dataset must be an env dataset exactly when dataset is one "
-                f"(dataset.type={self.dataset.type}, eval_dataset.type={self.eval_dataset.type}); "
-                "set eval_dataset: null to turn evaluation off"
-            )
+        for kind, held_out in (("env", {"seed": 1 << 32, "size": 64}), ("images", IMAGE_EVAL)):
+            training = self.dataset.type == kind
+            if training and "eval_dataset" not in self.model_fields_set:
+                # Not set: held-out seeds of the same environment, or of the same prompts.
+                self.eval_dataset = self.dataset.model_copy(update=held_out)
+                return self
+            if self.eval_dataset is not None and (self.eval_dataset.type == kind) != training:
+                raise ValueError(
+                    f"eval_dataset must be an {kind} dataset exactly when dataset is one "
+                    f"(dataset.type={self.dataset.type}, eval_dataset.type="
+                    f"{self.eval_dataset.type}); set eval_dataset: null to turn evaluation off"
+                )
         return self
