@@ -136,14 +136,18 @@ class ImageEvaluation(Evaluation):
         self.servers, self.settings = servers, settings
         self.images_dir = run_dir / "metrics" / "images"
         self.plot_path = run_dir / "metrics" / "image_quality.png"
-        self.rows: list[dict[str, Any]] = []
-        self.first: dict[str, float] | None = None
+        self.rows: list[dict[str, Any]] = _earlier_evaluations(run_dir)
+        """This run's evaluations so far (a restarted orchestrator reads them back, so its
+        ratios stay to the run's start)."""
+        measured = [row for row in self.rows if "frechet" in row]
+        self.first: dict[str, float] | None = (
+            {key: measured[0][key] for key in ("frechet", "diversity")} if measured else None
+        )
         self._judge: Any = None
 
     async def evaluate(self, version: int) -> float:
         """One image per held-out task, by the ODE, scored; logged (module docstring)."""
         sampling = rollout_pb2.ImageSampling(steps=self.settings.eval_steps, eta=0.0)
-        samples: list[rollout_pb2.ImageSample] = []
         by_prompt: dict[str, list[Task]] = {}
         for task in self.tasks:
             by_prompt.setdefault(task.question, []).append(task)
@@ -164,7 +168,9 @@ class ImageEvaluation(Evaluation):
                 )
                 for result in results:
                     if result.error:
-                        raise RuntimeError(f"an evaluation image was not scored: {result.error}")
+                        raise RuntimeError(
+                            f"an evaluation image was not scored: {result.error_message}"
+                        )
                     rewards.append(result.reward)
                     correct.append(result.components.get("correct", float("nan")))
                 images.extend(array_from_bytes(s.image, "image") for s in samples)
@@ -225,6 +231,19 @@ class ImageEvaluation(Evaluation):
             save_grid(images[:count], self.images_dir / f"version_{version:06d}.png")
         with contextlib.suppress(ImportError):  # matplotlib comes with rollwire[train]
             plot_quality(self.rows, self.plot_path)
+
+
+def _earlier_evaluations(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics" / "eval.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a crash
+            continue
+    return rows
 
 
 async def _unused(task: Task) -> float:

@@ -297,6 +297,13 @@ def summarise(run_dir: Path, seconds: float) -> str:
             f"held-out eval reward: {first['eval_reward']:.3f} (version {first['policy_version']}) -> "
             f"{last['eval_reward']:.3f} (version {last['policy_version']})"
         )
+        if "frechet_ratio" in last:  # an image run: what the samples became
+            lines.append(
+                f"sample quality at version {last['policy_version']}: Frechet distance "
+                f"{last['frechet']:.2f} ({last['frechet_ratio']:.2f} x the start), diversity "
+                f"{last['diversity']:.2f} ({last['diversity_ratio']:.2f} x the start); "
+                f"curves: {run_dir / 'metrics' / 'image_quality.png'}"
+            )
     if rows:
         lines.append(
             f"trainer idle fraction {rows[-1]['trainer_idle_fraction']:.2f}, "

@@ -36,6 +36,7 @@ def test_a_diffusion_run_goes_through_every_process(tmp_path) -> None:
         config=EXAMPLE,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "sample quality at version 3: Frechet distance" in result.stdout
     steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["recorded_steps"] == 2 and s["sequences"] == 32 for s in steps)
