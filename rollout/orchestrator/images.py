@@ -39,6 +39,7 @@ from rollwire.rollout.orchestrator.evaluation import Evaluation
 from rollwire.rollout.orchestrator.servers import Servers
 from rollwire.services.core.config import ImageSamplingConfig
 from rollwire.services.core.datasets import Task
+from rollwire.services.core.files import read_jsonl
 from rollwire.services.core.wire import Trajectory, array_from_bytes
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class ImageEvaluation(Evaluation):
         self.servers, self.settings = servers, settings
         self.images_dir = run_dir / "metrics" / "images"
         self.plot_path = run_dir / "metrics" / "image_quality.png"
-        self.rows: list[dict[str, Any]] = _earlier_evaluations(run_dir)
+        self.rows: list[dict[str, Any]] = read_jsonl(run_dir / "metrics" / "eval.jsonl")
         """This run's evaluations so far (a restarted orchestrator reads them back, so its
         ratios stay to the run's start)."""
         measured = [row for row in self.rows if "frechet" in row]
@@ -231,19 +232,6 @@ class ImageEvaluation(Evaluation):
             save_grid(images[:count], self.images_dir / f"version_{version:06d}.png")
         with contextlib.suppress(ImportError):  # matplotlib comes with rollwire[train]
             plot_quality(self.rows, self.plot_path)
-
-
-def _earlier_evaluations(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics" / "eval.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a crash
-            continue
-    return rows
 
 
 async def _unused(task: Task) -> float:

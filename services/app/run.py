@@ -28,23 +28,11 @@ from rollwire.services.app.launcher import (
 )
 from rollwire.services.app.liveness import Liveness, Target
 from rollwire.services.core.config import RunConfig, scored_domains, write_resolved_config
-from rollwire.services.core.files import latest_checkpoint, staged_directory
+from rollwire.services.core.files import latest_checkpoint, read_jsonl, staged_directory
 from rollwire.services.core.sandbox import INSTALL_HINT, bwrap_path
 from rollwire.trainer.pipelines.table import SAMPLING_SERVICES, pipeline_of
 
 log = logging.getLogger(__name__)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line being written right now
-    return rows
 
 
 def _stop_on_sigterm() -> None:
@@ -262,8 +250,8 @@ def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
     try:
         while True:
             stack.check(expected_to_finish=("trainer", "orchestrator"))
-            rows = _read_jsonl(run_dir / "metrics" / "trainer.jsonl")
-            evals = _read_jsonl(run_dir / "metrics" / "eval.jsonl")
+            rows = read_jsonl(run_dir / "metrics" / "trainer.jsonl")
+            evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
             if rows and rows[-1]["step"] > shown:
                 last = rows[-1]
                 bar.update(last["step"] - shown)
@@ -288,8 +276,8 @@ def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
 
 def summarise(run_dir: Path, seconds: float) -> str:
     """Writes the reward-curve plot and returns a short report of the run."""
-    rows = _read_jsonl(run_dir / "metrics" / "trainer.jsonl")
-    evals = _read_jsonl(run_dir / "metrics" / "eval.jsonl")
+    rows = read_jsonl(run_dir / "metrics" / "trainer.jsonl")
+    evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
     lines = [f"wall time {seconds:.0f}s, {len(rows)} steps"]
     if evals:
         first, last = evals[0], evals[-1]
@@ -309,7 +297,7 @@ def summarise(run_dir: Path, seconds: float) -> str:
             f"trainer idle fraction {rows[-1]['trainer_idle_fraction']:.2f}, "
             f"{rows[-1]['trajectories_per_second']:.1f} trajectories/s"
         )
-    lines.extend(time_breakdown(rows, _read_jsonl(run_dir / "metrics" / "orchestrator.jsonl")))
+    lines.extend(time_breakdown(rows, read_jsonl(run_dir / "metrics" / "orchestrator.jsonl")))
     transport = weight_transport_used(rows)
     if transport:
         lines.append(transport)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import time
@@ -88,3 +89,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     folders = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
     complete = [f for f in folders if (f / "trainer_state.pt").exists()]
     return complete[-1] if complete else None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines log another process may be writing: none when it does
+    not exist yet, and up to (not including) a last line still being written."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being written right now (or cut short by a crash)
+    return rows
