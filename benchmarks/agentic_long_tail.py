@@ -21,7 +21,6 @@ SPARE_STEPS more steps than measured and stopped once --steps are trained.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -29,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from rollwire.services.core.files import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 RUN_TIMEOUT_SECONDS = 3600
@@ -109,15 +110,7 @@ def run(
 
 def trained(metrics: Path) -> list[dict]:
     """Complete lines of trainer.jsonl written so far."""
-    if not metrics.exists():
-        return []
-    rows = []
-    for line in metrics.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # being written
-    return rows
+    return read_jsonl(metrics)
 
 
 def median_run(runs: list[dict[str, float]]) -> dict[str, float]:

@@ -40,12 +40,12 @@ def _worth_another_try(error: BaseException) -> bool:
 
 class Evaluation:
     """Evaluates the policy on held-out `tasks` when due; `reward_of(task)` plays one
-    task greedily and returns its reward."""
+    task greedily and returns its reward (None for a subclass with its own `evaluate`)."""
 
     def __init__(
         self,
         tasks: Sequence[Task],
-        reward_of: Callable[[Task], Awaitable[float]],
+        reward_of: Callable[[Task], Awaitable[float]] | None,
         *,
         every: int,
         final_step: int,
@@ -110,9 +110,12 @@ class Evaluation:
         # As many requests in flight as training keeps, no more.
         limit = asyncio.Semaphore(self.concurrency)
 
+        reward_of = self.reward_of
+        assert reward_of is not None, "an Evaluation without reward_of evaluates its own way"
+
         async def one(task: Task) -> float:
             async with limit:
-                return await self.reward_of(task)
+                return await reward_of(task)
 
         rewards = await asyncio.gather(*(one(t) for t in self.tasks))
         mean = float(np.mean(rewards))

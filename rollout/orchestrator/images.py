@@ -133,7 +133,7 @@ class ImageEvaluation(Evaluation):
         run_dir: Path,
         **kwargs: Any,
     ) -> None:
-        super().__init__(tasks, _unused, **kwargs)
+        super().__init__(tasks, None, **kwargs)
         self.servers, self.settings = servers, settings
         self.images_dir = run_dir / "metrics" / "images"
         self.plot_path = run_dir / "metrics" / "image_quality.png"
@@ -232,10 +232,6 @@ class ImageEvaluation(Evaluation):
             save_grid(images[:count], self.images_dir / f"version_{version:06d}.png")
         with contextlib.suppress(ImportError):  # matplotlib comes with rollwire[train]
             plot_quality(self.rows, self.plot_path)
-
-
-async def _unused(task: Task) -> float:
-    raise NotImplementedError("an image evaluation samples its tasks together")
 
 
 def save_grid(images: np.ndarray, path: Path, columns: int = 16, scale: int = 4) -> None:

@@ -88,14 +88,11 @@ class ReasoningGymTasks(Sequence[Task]):
         )
 
 
-class EnvTasks(Sequence[Task]):
-    """Seeds of an environment as tasks: task i is an episode from seed `seed + i`.
+class SeededTasks(Sequence[Task]):
+    """A dataset whose task i comes from seed `config.seed + i`, `config.size` of them
+    (`task` makes one)."""
 
-    The env id and kwargs travel in the task's metadata (`env_id`, `env_kwargs`,
-    `env_seed`); question and reference stay empty, the env supplies both.
-    """
-
-    def __init__(self, config: EnvDataset) -> None:
+    def __init__(self, config: EnvDataset | ImageDataset) -> None:
         self._config = config
 
     def __len__(self) -> int:
@@ -104,8 +101,21 @@ class EnvTasks(Sequence[Task]):
     def __getitem__(self, index: int) -> Task:  # type: ignore[override]
         if not 0 <= index < len(self):
             raise IndexError(index)
+        return self.task(index, self._config.seed + index)
+
+    def task(self, index: int, seed: int) -> Task:
+        raise NotImplementedError
+
+
+class EnvTasks(SeededTasks):
+    """Seeds of an environment as tasks: task i is an episode from seed `seed + i`.
+
+    The env id and kwargs travel in the task's metadata (`env_id`, `env_kwargs`,
+    `env_seed`); question and reference stay empty, the env supplies both.
+    """
+
+    def task(self, index: int, seed: int) -> Task:
         config = self._config
-        seed = config.seed + index
         return Task(
             index,
             f"{config.env_id}/{seed}",
@@ -117,27 +127,17 @@ class EnvTasks(Sequence[Task]):
         )
 
 
-class ImageTasks(Sequence[Task]):
+class ImageTasks(SeededTasks):
     """Image prompts as tasks: task i asks for images of `prompts[i % len(prompts)]`
     from seed `seed + i` (its samples' own seeds are made from it), scored in the
     dataset's domain against `target`. The seed travels in the metadata (`image_seed`)."""
 
-    def __init__(self, config: ImageDataset) -> None:
-        self._config = config
-
-    def __len__(self) -> int:
-        return self._config.size
-
-    def __getitem__(self, index: int) -> Task:  # type: ignore[override]
-        if not 0 <= index < len(self):
-            raise IndexError(index)
+    def task(self, index: int, seed: int) -> Task:
         config = self._config
-        seed = config.seed + index
-        prompt = config.prompts[index % len(config.prompts)]
         return Task(
             index,
             f"images/{seed}",
-            prompt,
+            config.prompts[index % len(config.prompts)],
             config.target,
             config.domain,
             "images",

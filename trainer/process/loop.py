@@ -470,11 +470,14 @@ def run_trainer(config: RunConfig, argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     name = "trainer" if rank == 0 else f"trainer-rank{rank}"
     configure_logging(name, config.telemetry.log_level, config.telemetry.log_format)
-    model_path = Path(config.trainer.model_path or default_model_path())
-    if config.trainer.model_path is None and config.rollout_server.engine == "diffusion":
+    if config.trainer.model_path is not None:
+        model_path = Path(config.trainer.model_path)
+    elif config.rollout_server.engine == "diffusion":
         from rollwire.diffusion.digits import digits_model
 
         model_path = digits_model(threads=config.trainer.threads)
+    else:
+        model_path = Path(default_model_path())
     try:
         if rank != 0:
             return follow(config, model_path)

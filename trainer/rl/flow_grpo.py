@@ -283,9 +283,8 @@ class FlowGRPOStep:
         return self.train_step(trajectories, self.learner.optimizer_steps)
 
     def kl(self, batch: LatentBatch, distributions: list) -> torch.Tensor:
-        """The mean over samples and steps of KL(step policy || the starting model's)."""
-        if self._reference is None:
-            self._reference = self.learner.frozen_reference()
+        """The mean over samples and steps of KL(step policy || the starting model's)
+        (`trainer.algorithm.kl.coef` > 0: the reference was frozen at construction)."""
         with torch.no_grad():
             reference = self.step_distributions(batch, self._reference)
         terms = [
