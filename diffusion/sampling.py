@@ -2,10 +2,12 @@
 or by the SDE in a window of steps that are recorded for RL (`flow.py` has the math).
 
 `sample(velocity, labels, seeds, settings)` runs `settings.steps` steps from noise at t = 1
-to t = 0. Steps whose index is in `settings.sde_window` are SDE steps (noise level
-`settings.eta`): for each, the sample's latent before and after and the step's
-log-probability are kept (`Sampled.recorded`), which is what Flow-GRPO trains on; every
-other step is an ODE step. A sample's noise comes from a generator seeded by its own
+to t = 0. Steps whose index is in `settings.sde_window` are recorded: with `settings.eta`
+above 0 they are SDE steps, and for each the sample's latent before and after and the
+step's log-probability are kept (`Sampled.recorded`), which is what Flow-GRPO trains on;
+with `eta` 0 they are ODE steps whose latents are kept (log-probability 0: a
+deterministic step has no density), which is where reward feedback learning picks the
+sampling up with gradients. Every other step is an ODE step. A sample's noise comes from a generator seeded by its own
 seed, so a sample is the same whatever else shares its batch.
 
 `velocity(x, t, labels)` is the denoiser: [B] times in [0, 1]. With `guidance` g != 1
@@ -32,9 +34,9 @@ class SamplingSettings:
 
     steps: int = 10
     eta: float = 0.0
-    """The SDE's noise level (0: every step is an ODE step, nothing is recorded)."""
+    """The SDE's noise level on the recorded steps (0: every step is an ODE step)."""
     sde_window: tuple[int, int] = (0, 0)
-    """[first, last) step indices taken by the SDE and recorded."""
+    """[first, last) step indices recorded (taken by the SDE when `eta` > 0)."""
     shift: float = 1.0
     guidance: float = 1.0
     any_label: int = 10
@@ -51,8 +53,8 @@ class SamplingSettings:
                 f"there; end sde_window at {self.steps - 1} at most"
             )
 
-    def sde_steps(self) -> range:
-        return range(*self.sde_window) if self.eta > 0 else range(0)
+    def recorded_steps(self) -> range:
+        return range(*self.sde_window)
 
 
 @dataclass
@@ -121,15 +123,18 @@ def sample(
     grid = time_grid(settings.steps, settings.shift)
     labels = labels.to(device)
     x = noise_like(shape, generators, dtype).to(device)
-    recorded = settings.sde_steps()
+    recorded = settings.recorded_steps()
     latents, logprobs, versions = [], [], []
     for index, (t, t_next) in enumerate(itertools.pairwise(grid)):
         v = field(x, torch.full((len(seeds),), t, device=device, dtype=dtype), labels)
         if index in recorded:
             versions.append(0 if version is None else version())
             latents.append(x)
-            noise = noise_like(shape, generators, dtype).to(device)
-            x, logprob = sde_step(x, v, t, t_next, settings.eta, noise)
+            if settings.eta > 0:
+                noise = noise_like(shape, generators, dtype).to(device)
+                x, logprob = sde_step(x, v, t, t_next, settings.eta, noise)
+            else:
+                x, logprob = ode_step(x, v, t, t_next), x.new_zeros(len(seeds))
             logprobs.append(logprob)
         else:
             x = ode_step(x, v, t, t_next)

@@ -5,11 +5,14 @@ Each recorded SDE step is one generated "token": its step index in `token_ids`, 
 the version that took it in `policy_versions`; `tensors` holds `latents` (float32
 [R + 1, C, H, W]: before each step, then after the last), `label` (int64 [1]) and
 `sampling` (float64 [4]: steps, eta, shift, guidance), everything the trainer needs to
-recompute the steps' log-probabilities (`rollwire.trainer.rl.flow_grpo`).
+recompute the steps' log-probabilities (`rollwire.trainer.rl.flow_grpo`), and `scoring`
+(the task's reference and metadata as UTF-8 JSON bytes, uint8), what reward feedback
+learning needs to score its own image of the sample (`rollwire.trainer.rl.reward_fl`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -26,6 +29,18 @@ def sampling_tensor(settings: SamplingSettings) -> np.ndarray:
     return np.array([getattr(settings, key) for key in SAMPLING_KEYS], dtype=np.float64)
 
 
+def scoring_tensor(reference: str, metadata: dict[str, Any]) -> np.ndarray:
+    """`tensors["scoring"]`: how the sample's task is scored, as JSON bytes."""
+    text = json.dumps({"reference": reference, "metadata": metadata}, sort_keys=True)
+    return np.frombuffer(text.encode(), dtype=np.uint8).copy()
+
+
+def scoring_of(tensor: np.ndarray) -> tuple[str, dict[str, Any]]:
+    """(reference, metadata) of a `scoring` tensor."""
+    scoring = json.loads(np.asarray(tensor, np.uint8).tobytes().decode())
+    return str(scoring["reference"]), dict(scoring["metadata"])
+
+
 def latent_trajectory(
     sample: Any,
     *,
@@ -40,11 +55,12 @@ def latent_trajectory(
     reward: float,
     reward_components: dict[str, float] | None = None,
     latents: np.ndarray | None = None,
+    scoring: np.ndarray | None = None,
 ) -> Trajectory:
     """The Trajectory of one sample (see the module docstring): `sample` is what an engine
     answered (its `recorded_steps`, `logprobs`, `policy_versions`, `label` and, unless
     `latents` is given, `latents`: an `ImageGeneration`, or an `ImageSample` with its
-    latents decoded)."""
+    latents decoded); `scoring` (`scoring_tensor`) is kept when given."""
     latents = np.asarray(sample.latents if latents is None else latents, np.float32)
     steps = len(sample.recorded_steps)
     if not (len(sample.logprobs) == len(sample.policy_versions) == steps == len(latents) - 1):
@@ -72,5 +88,6 @@ def latent_trajectory(
             "latents": latents,
             "label": np.array([sample.label], np.int64),
             "sampling": sampling_tensor(settings),
+            **({} if scoring is None else {"scoring": scoring}),
         },
     )

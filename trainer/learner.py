@@ -119,9 +119,9 @@ class AdaptersOff:
     def __init__(self, model: Any) -> None:
         self.model = model
 
-    def __call__(self, **inputs: Any) -> Any:
+    def __call__(self, *args: Any, **inputs: Any) -> Any:
         with self.model.disable_adapter():
-            return self.model(**inputs)
+            return self.model(*args, **inputs)
 
 
 class Learner:

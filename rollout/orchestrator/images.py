@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from rollwire.diffusion.sampling import SamplingSettings
-from rollwire.diffusion.trajectories import latent_trajectory
+from rollwire.diffusion.trajectories import latent_trajectory, scoring_tensor
 from rollwire.proto.v1 import rollout_pb2
 from rollwire.rollout.orchestrator.evaluation import Evaluation
 from rollwire.rollout.orchestrator.servers import Servers
@@ -45,12 +45,25 @@ from rollwire.services.core.wire import Trajectory, array_from_bytes
 log = logging.getLogger(__name__)
 
 
-def sampling_of(config: ImageSamplingConfig, any_label: int = 10) -> SamplingSettings:
-    """The training samples' settings (the SDE on the recorded window)."""
+def sampling_of(
+    config: ImageSamplingConfig, any_label: int = 10, grad_steps: int | None = None
+) -> SamplingSettings:
+    """The training samples' settings: Flow-GRPO's (the SDE on the recorded window), or
+    with `grad_steps` reward feedback learning's (the ODE, its last `grad_steps` steps
+    recorded for the trainer to run again with gradients)."""
+    if grad_steps is not None:
+        return SamplingSettings(
+            steps=config.steps,
+            eta=0.0,
+            sde_window=(config.steps - grad_steps, config.steps),
+            shift=config.shift,
+            guidance=config.guidance,
+            any_label=any_label,
+        )
     return SamplingSettings(
         steps=config.steps,
-        eta=config.eta,
-        sde_window=config.window() if config.eta > 0 else (0, 0),
+        eta=config.sde_eta(),
+        sde_window=config.window(),
         shift=config.shift,
         guidance=config.guidance,
         any_label=any_label,
@@ -100,6 +113,7 @@ async def image_group(
     kept = [s for s in samples if s.finish_reason != rollout_pb2.FINISH_REASON_ABORT]
     results = await servers.score(task, [""] * len(kept), [s.image for s in kept])
     timings = {"generate": generated - started, "score": time.perf_counter() - generated}
+    scoring = scoring_tensor(task.reference, dict(task.metadata))
     trajectories = []
     for index, (sample, result) in enumerate(zip(kept, results, strict=True)):
         trajectories.append(
@@ -116,6 +130,7 @@ async def image_group(
                 settings=settings,
                 reward=0.0 if result.error else result.reward,
                 reward_components={**result.components, "score_error": float(result.error)},
+                scoring=scoring,
             )
         )
         trajectories[-1].timings = dict(timings)

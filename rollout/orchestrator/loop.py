@@ -365,7 +365,10 @@ class Orchestrator:
         seeds = sample_seeds(
             self.sampler.servers.sampling_base, int(task.metadata["image_seed"]), self.rl.group_size
         )
-        settings = sampling_of(self.settings.images)
+        reward_fl = self.config.reward_fl
+        settings = sampling_of(
+            self.settings.images, grad_steps=reward_fl.grad_steps if reward_fl.enabled else None
+        )
         trajectories = await image_group(self.sampler.servers, task, task.ordinal, settings, seeds)
         if len(trajectories) < len(seeds):
             raise RuntimeError(f"{len(seeds) - len(trajectories)} images of the group were aborted")

@@ -122,3 +122,39 @@ def test_an_image_dataset_and_the_diffusion_engine_come_together() -> None:
                 "trainer": {"world_size": 2, "backend": "fsdp2"},
             }
         )
+
+
+def test_reward_feedback_learning_is_chosen_and_checked_when_the_config_is_read() -> None:
+    """`reward_fl.enabled` picks reward feedback learning's pipeline for an image run; the
+    settings it does not use, a domain without a differentiable twin, or a gradient
+    window longer than the sampling are refused, each named."""
+    from pydantic import ValidationError
+
+    from rollwire.diffusion.differentiable import DIFFERENTIABLE
+    from rollwire.services.core.config import DIFFERENTIABLE_DOMAINS, RunConfig
+    from rollwire.trainer.pipelines.table import pipeline_of
+
+    assert set(DIFFERENTIABLE_DOMAINS) == set(DIFFERENTIABLE)
+    image_run = {
+        "rollout_server": {"engine": "diffusion"},
+        "orchestrator": {"dataset": {"type": "images"}},
+    }
+    assert pipeline_of(RunConfig.model_validate(image_run)).name == "flow_grpo"
+    enabled = {**image_run, "reward_fl": {"enabled": True, "grad_steps": 3}}
+    assert pipeline_of(RunConfig.model_validate(enabled)).name == "reward_fl"
+    refused = {
+        "rollout_server.engine: diffusion": {"reward_fl": {"enabled": True}},
+        "enabled is false": {**image_run, "reward_fl": {"grad_steps": 3}},
+        "images.eta is Flow-GRPO's": {
+            **enabled,
+            "orchestrator": {"dataset": {"type": "images"}, "images": {"eta": 0.5}},
+        },
+        "cannot exceed": {**enabled, "reward_fl": {"enabled": True, "grad_steps": 11}},
+        "pay: correct has no gradient": {
+            **enabled,
+            "orchestrator": {"dataset": {"type": "images", "metadata": {"pay": "correct"}}},
+        },
+    }
+    for message, settings in refused.items():
+        with pytest.raises(ValidationError, match=message):
+            RunConfig.model_validate(settings)

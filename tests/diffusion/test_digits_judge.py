@@ -51,24 +51,50 @@ def test_prompts_name_a_digit_or_any() -> None:
         digits("test")
 
 
-def test_the_torch_judge_is_the_numpy_judge_with_a_gradient() -> None:
+def test_every_differentiable_twin_pays_what_the_reward_server_pays_with_a_gradient() -> None:
     import torch
 
-    from rollwire.diffusion.differentiable import TorchJudge
+    from rollwire.diffusion.differentiable import DIFFERENTIABLE, differentiable_reward
+    from rollwire.reward.images import IMAGE_SCORERS
+    from rollwire.reward.scorers import ScoreInput
+    from rollwire.services.core.wire import array_bytes
 
-    judge = digits_judge()
     held, labels = digits("held_out")
-    module = TorchJudge(judge)
-    images = torch.from_numpy(held[:32]).requires_grad_(True)
-    wanted = torch.from_numpy(labels[:32])
-    log_probability = module.log_probability(images, wanted)
-    expected = np.log(judge.probabilities(held[:32])[np.arange(32), labels[:32]])
-    np.testing.assert_allclose(log_probability.detach().numpy(), expected, atol=1e-4)
-    log_probability.sum().backward()
-    assert images.grad is not None and images.grad.abs().sum() > 0
-    # One gradient step on the pixels raises the wanted digit's probability.
-    moved = (images + 0.05 * images.grad.sign()).clamp(-1, 1)
-    assert (module.log_probability(moved, wanted) >= log_probability - 1e-6).all()
+    rng = np.random.default_rng(0)
+    cases = {
+        "digit": (held[:24], [str(d) for d in labels[:24]], [{}] * 24),
+        "brightness": (held[:6], [""] * 6, [{}] * 6),
+        "contrast": (held[:6], [""] * 6, [{}] * 6),
+        "colour": (
+            rng.uniform(-1, 1, (6, 3, 4, 4)).astype(np.float32),
+            [""] * 6,
+            [{"target": [0.5, -0.2, 0.0]}] * 6,
+        ),
+    }
+    assert set(cases) == set(DIFFERENTIABLE)
+    for domain, (images, references, metadata) in cases.items():
+        _, scorer = IMAGE_SCORERS[domain]
+        expected = [
+            scorer(ScoreInput("", ref, metadata=extra, image=array_bytes(image, "<f4"))).reward
+            for image, ref, extra in zip(images, references, metadata, strict=True)
+        ]
+        pixels = torch.from_numpy(images).requires_grad_(True)
+        reward = differentiable_reward(domain)(pixels, references, metadata)
+        np.testing.assert_allclose(reward.detach().numpy(), expected, atol=1e-5, err_msg=domain)
+        reward.sum().backward()
+        assert pixels.grad is not None and pixels.grad.abs().sum() > 0, domain
+    # One signed gradient step on the pixels raises the judge's probability of the digit.
+    twin = differentiable_reward("digit")
+    pixels = torch.from_numpy(held[:24]).requires_grad_(True)
+    wanted = [str(d) for d in labels[:24]]
+    before = twin(pixels, wanted, [{}] * 24)
+    before.sum().backward()
+    moved = (pixels + 0.05 * pixels.grad.sign()).clamp(-1, 1)
+    assert (twin(moved, wanted, [{}] * 24) >= before - 1e-6).all()
+    with pytest.raises(ValueError, match="no gradient"):
+        twin(pixels, wanted[:1] * 24, [{"pay": "correct"}] * 24)
+    with pytest.raises(ValueError, match="no differentiable twin"):
+        differentiable_reward("math")
 
 
 def test_the_class_matched_measures_compare_samples_with_real_digits_of_their_classes() -> None:

@@ -37,10 +37,17 @@ def test_a_sample_depends_on_its_seed_alone_and_its_steps_are_recorded() -> None
     torch.testing.assert_close(again, batch.logprobs, atol=1e-5, rtol=0)
 
 
-def test_the_ode_records_nothing_and_bad_windows_are_refused() -> None:
+def test_the_ode_records_its_window_deterministically_and_bad_windows_are_refused() -> None:
     plain = sample(toy_velocity, torch.tensor([2, 2]), [0, 0], SamplingSettings(steps=4))
     assert plain.recorded_steps == [] and plain.logprobs.shape == (2, 0)
     torch.testing.assert_close(plain.images[0], plain.images[1])
+    # An ODE window (reward feedback learning's) keeps the latents on the ODE's own path,
+    # the last step included, with no log-probability.
+    window = sample(toy_velocity, torch.tensor([2, 2]), [0, 0], SamplingSettings(4, 0.0, (2, 4)))
+    assert window.recorded_steps == [2, 3] and window.latents.shape == (2, 3, 1, 8, 8)
+    assert (window.logprobs == 0).all()
+    torch.testing.assert_close(window.images, plain.images, atol=0, rtol=0)
+    torch.testing.assert_close(window.latents[:, -1], plain.images, atol=0, rtol=0)
     with pytest.raises(ValueError, match="within"):
         SamplingSettings(steps=4, sde_window=(2, 6))
     with pytest.raises(ValueError, match="last step"):

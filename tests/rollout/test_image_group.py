@@ -16,7 +16,7 @@ from rollwire.rollout.orchestrator.servers import Servers
 from rollwire.rollout.server.diffusion_engine import DiffusionEngine
 from rollwire.services.core.config import RewardServerConfig, RunConfig
 from rollwire.services.core.datasets import Task
-from rollwire.trainer.rl.flow_grpo import latent_batch
+from rollwire.trainer.rl.latents import latent_batch
 from tests.helpers.servers import Running, serve_engine
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,8 @@ from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.wire import Trajectory, decode_trajectory, encode
 from rollwire.trainer.learner import Learner
 from rollwire.trainer.models.flow_denoiser import FlowDenoiser
-from rollwire.trainer.rl.flow_grpo import FlowGRPOStep, latent_batch
+from rollwire.trainer.rl.flow_grpo import FlowGRPOStep
+from rollwire.trainer.rl.latents import latent_batch
 
 SDE = SamplingSettings(steps=6, eta=0.8, sde_window=(1, 5))
 
@@ -75,6 +76,18 @@ async def test_the_trainer_recomputes_the_engines_steps_and_the_update_moves_the
     # longer the trainer's (and no longer a measure of engine-trainer mismatch).
     assert abs(second["behaviour_kl"]) > 1e-5 and second["kl"] > 0
     assert "mismatch_abs_max" not in second and second["staleness_mean"] == 1.0
+
+
+async def test_with_lora_the_kl_reference_is_the_model_with_its_adapters_off(model_path) -> None:
+    trajectories = await sampled(model_path, [1.0, 0.0])
+    lora = {"rank": 2, "alpha": 4, "target_modules": ["conv1", "conv2"]}
+    config = TrainerConfig(
+        optimizer={"learning_rate": 1e-2}, algorithm={"kl": {"coef": 0.1}}, lora=lora
+    )
+    learner = Learner(model_path, config, family=FlowDenoiser())
+    step = FlowGRPOStep(learner, config, RLSection(group_size=2, max_steps=2))
+    assert step.step(trajectories)["kl"] == 0.0  # adapters start at zero: the base model
+    assert step.step(trajectories)["kl"] > 0
 
 
 async def test_the_clipped_surrogate_by_hand(model_path) -> None:

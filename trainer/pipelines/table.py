@@ -80,6 +80,18 @@ PIPELINES: dict[str, Pipeline] = {
         help="Flow-GRPO: RL for a flow-matching diffusion model (rollwire train with "
         "rollout_server.engine diffusion)",
     ),
+    "reward_fl": Pipeline(
+        name="reward_fl",
+        section="reward_fl",
+        data="image prompts of orchestrator.dataset (type images), sampled by a diffusion "
+        "rollout-server's ODE to its last reward_fl.grad_steps steps",
+        step="rollwire.trainer.rl.reward_fl:RewardFLStep",
+        family="rollwire.trainer.models.flow_denoiser:FlowDenoiser",
+        services=RL_SERVICES,
+        program="rollwire.services.app.run:run_train",
+        help="reward feedback learning for a flow-matching diffusion model (rollwire train "
+        "with reward_fl.enabled)",
+    ),
     "sft": Pipeline(
         name="sft",
         section="sft",
@@ -132,11 +144,11 @@ def offline() -> list[Pipeline]:
 
 
 def pipeline_of(config: Any) -> Pipeline:
-    """The pipeline `rollwire train` runs for `config`: Flow-GRPO for a diffusion
-    rollout-server, on-policy distillation when the trainer's advantage is the
-    teacher's, else RL."""
+    """The pipeline `rollwire train` runs for `config`: for a diffusion rollout-server
+    reward feedback learning when `reward_fl.enabled`, else Flow-GRPO; on-policy
+    distillation when the trainer's advantage is the teacher's; else RL."""
     if config.rollout_server.engine == "diffusion":
-        return PIPELINES["flow_grpo"]
+        return PIPELINES["reward_fl" if config.reward_fl.enabled else "flow_grpo"]
     if config.trainer.algorithm.advantage.type == "on_policy_distill":
         return PIPELINES["on_policy_distill"]
     return PIPELINES["rl"]

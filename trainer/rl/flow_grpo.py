@@ -23,19 +23,13 @@ latents goes through in one pass.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rollwire.diffusion.data import ANY
-from rollwire.diffusion.sampling import SamplingSettings, logprobs_of, step_distributions
-from rollwire.diffusion.trajectories import SAMPLING_KEYS
+from rollwire.diffusion.sampling import logprobs_of, step_distributions
 from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.config.algorithms import settings_of
 from rollwire.services.core.wire import Trajectory
@@ -43,73 +37,9 @@ from rollwire.trainer.batching import split_rows
 from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.math.algorithms import ADVANTAGE_ESTIMATORS
 from rollwire.trainer.math.losses import policy_objective
-from rollwire.trainer.models.flow_denoiser import MARKER, Noised
+from rollwire.trainer.models.flow_denoiser import Noised
+from rollwire.trainer.rl.latents import LatentBatch, any_label_of, latent_batch
 from rollwire.trainer.rl.update import average
-
-
-@dataclass
-class LatentBatch:
-    """Latent trajectories stacked for one step (all sampled with the same settings)."""
-
-    latents: torch.Tensor
-    """[B, R + 1, C, H, W]"""
-    labels: torch.Tensor
-    """[B]"""
-    steps: list[int]
-    """The R recorded step indices (the same for every sample)."""
-    behaviour_logprobs: torch.Tensor
-    """[B, R] as the engine recorded them."""
-    rewards: torch.Tensor
-    """[B]"""
-    settings: SamplingSettings
-
-    def select(self, rows: list[int]) -> LatentBatch:
-        """The batch of `rows` only."""
-        index = torch.tensor(rows)
-        return dataclasses.replace(
-            self,
-            latents=self.latents[index],
-            labels=self.labels[index],
-            behaviour_logprobs=self.behaviour_logprobs[index],
-            rewards=self.rewards[index],
-        )
-
-
-def latent_batch(trajectories: list[Trajectory], any_label: int) -> LatentBatch:
-    """Stacks latent trajectories; ValueError for another kind, or mixed settings or steps."""
-    if not trajectories:
-        raise ValueError("no trajectories")
-    first = trajectories[0]
-    for trajectory in trajectories:
-        if trajectory.kind != "latents":
-            raise ValueError(f"Flow-GRPO trains latent trajectories, not {trajectory.kind!r} ones")
-        missing = {"latents", "label", "sampling"} - set(trajectory.tensors)
-        if missing:
-            raise ValueError(f"trajectory {trajectory.trajectory_id}: no {sorted(missing)} tensors")
-        if not np.array_equal(trajectory.tensors["sampling"], first.tensors["sampling"]) or (
-            not np.array_equal(trajectory.token_ids, first.token_ids)
-        ):
-            raise ValueError("a batch's latent trajectories must share sampling settings and steps")
-    steps, eta, shift, guidance = (
-        float(v) for v in first.tensors["sampling"][: len(SAMPLING_KEYS)]
-    )
-    recorded = [int(step) for step in first.token_ids]
-    settings = SamplingSettings(
-        steps=int(steps),
-        eta=eta,
-        sde_window=(min(recorded), max(recorded) + 1) if recorded else (0, 0),
-        shift=shift,
-        guidance=guidance,
-        any_label=any_label,
-    )
-    return LatentBatch(
-        latents=torch.from_numpy(np.stack([t.tensors["latents"] for t in trajectories])),
-        labels=torch.from_numpy(np.concatenate([t.tensors["label"] for t in trajectories])),
-        steps=recorded,
-        behaviour_logprobs=torch.from_numpy(np.stack([t.behaviour_logprobs for t in trajectories])),
-        rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-        settings=settings,
-    )
 
 
 class FlowGRPOStep:
@@ -177,6 +107,11 @@ class FlowGRPOStep:
         started = time.perf_counter()
         learner = self.learner
         whole = latent_batch(trajectories, self.any_label)
+        if whole.settings.eta <= 0:
+            raise ValueError(
+                "Flow-GRPO learns from SDE steps: these samples were drawn by the ODE (eta 0), "
+                "whose steps have no log-probability"
+            )
         advantages = self.advantages(whole.rewards)
         versions = np.concatenate([t.policy_versions for t in trajectories])
         keep = [i for i in range(len(trajectories)) if float(advantages[i]) != 0.0]
@@ -292,11 +227,3 @@ class FlowGRPOStep:
             for (mean, std), (ref_mean, _) in zip(distributions, reference, strict=True)
         ]
         return torch.stack(terms, dim=1).mean()
-
-
-def any_label_of(folder: Path) -> int:
-    """The unconditional branch's label of a model folder (its task file), 10 without one."""
-    marker = Path(folder) / MARKER
-    if marker.exists():
-        return int(json.loads(marker.read_text()).get("any_label", ANY))
-    return ANY

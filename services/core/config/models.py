@@ -37,9 +37,11 @@ from rollwire.services.core.config.orchestrator import (
     share_key,
 )
 from rollwire.services.core.config.pipelines import (
+    DIFFERENTIABLE_DOMAINS,
     DistillConfig,
     DPOConfig,
     PipelineSections,
+    RewardFLConfig,
     RewardModelTrainingConfig,
     SFTConfig,
 )
@@ -80,6 +82,7 @@ from rollwire.services.core.config.trainer import (
 
 __all__ = [
     "CHAIN_SUM_SMALL",
+    "DIFFERENTIABLE_DOMAINS",
     "Z85_ALPHABET",
     "AgentConfig",
     "AlgorithmConfig",
@@ -112,6 +115,7 @@ __all__ = [
     "PipelineSections",
     "RLSection",
     "ReasoningGymDataset",
+    "RewardFLConfig",
     "RewardModelConfig",
     "RewardModelTrainingConfig",
     "RewardServerConfig",
@@ -305,13 +309,25 @@ class RunConfig(PipelineSections):
                 f"rollout_server.engine={self.rollout_server.engine})"
             )
         if not images:
+            if self.reward_fl.enabled:
+                raise ValueError(
+                    "reward_fl trains a diffusion model: set rollout_server.engine: diffusion "
+                    "and an `images` dataset"
+                )
             return self
         if self.trainer.world_size > 1 or self.trainer.backend != "local":
             raise ValueError(
-                "Flow-GRPO trains a diffusion model on the local backend, one rank "
+                "a diffusion model trains on the local backend, one rank "
                 f"(trainer.backend={self.trainer.backend}, trainer.world_size="
                 f"{self.trainer.world_size}); the fsdp2 and deepspeed backends do not load "
                 "a diffusers folder yet"
+            )
+        if self.reward_fl.enabled:
+            return self._reward_fl_fits()
+        if self.reward_fl.grad_steps != RewardFLConfig().grad_steps:
+            raise ValueError(
+                "reward_fl.grad_steps is set but reward_fl.enabled is false: this run is "
+                "Flow-GRPO; enable reward_fl or drop the setting"
             )
         if self.trainer.algorithm.advantage.type in ("gae", "on_policy_distill"):
             raise ValueError(
@@ -322,6 +338,34 @@ class RunConfig(PipelineSections):
             raise ValueError(
                 "Flow-GRPO's KL is a loss term (trainer.algorithm.kl.coef); kl.in_reward "
                 "is for token rewards"
+            )
+        return self
+
+    def _reward_fl_fits(self) -> RunConfig:
+        images = self.orchestrator.images
+        for name in ("eta", "sde_window"):
+            if getattr(images, name) is not None:
+                raise ValueError(
+                    f"orchestrator.images.{name} is Flow-GRPO's: reward feedback learning "
+                    "samples by the ODE and records the last reward_fl.grad_steps steps; "
+                    "drop it"
+                )
+        if self.reward_fl.grad_steps > images.steps:
+            raise ValueError(
+                f"reward_fl.grad_steps ({self.reward_fl.grad_steps}) cannot exceed "
+                f"orchestrator.images.steps ({images.steps})"
+            )
+        domains = scored_domains(self.orchestrator.dataset)
+        if not domains <= set(DIFFERENTIABLE_DOMAINS):
+            raise ValueError(
+                f"reward feedback learning needs a differentiable reward; the domain "
+                f"{sorted(domains - set(DIFFERENTIABLE_DOMAINS))[0]!r} has none (these have: "
+                f"{', '.join(DIFFERENTIABLE_DOMAINS)})"
+            )
+        if self.orchestrator.dataset.metadata.get("pay", "probability") != "probability":
+            raise ValueError(
+                "reward feedback learning follows the digit judge's probability: "
+                "orchestrator.dataset.metadata.pay: correct has no gradient"
             )
         return self
 

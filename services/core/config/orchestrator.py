@@ -95,15 +95,19 @@ class ImageDataset(StrictModel):
     evaluation set of an image run starts at 2**40)."""
 
 
+DEFAULT_ETA = 0.7
+"""Flow-GRPO's SDE noise level unless `orchestrator.images.eta` says otherwise."""
+
+
 class ImageSamplingConfig(StrictModel):
     """How a diffusion rollout-server samples for training and for evaluation
     (`rollwire.diffusion.sampling`)."""
 
     steps: int = Field(10, ge=1)
     """Denoising steps of a training sample."""
-    eta: float = Field(0.7, ge=0)
-    """Noise of the SDE steps (Flow-GRPO's exploration); 0 makes every step an ODE step
-    and records nothing to train on."""
+    eta: float | None = Field(None, gt=0)
+    """Noise of Flow-GRPO's SDE steps (its exploration); None: `DEFAULT_ETA`. Reward
+    feedback learning samples by the ODE and takes none."""
     sde_window: tuple[int, int] | None = None
     """The steps [first, last) sampled by the SDE and recorded for training; None: every
     step but the last (whose noise level has no limit)."""
@@ -129,6 +133,10 @@ class ImageSamplingConfig(StrictModel):
                     "step cannot be an SDE step)"
                 )
         return self
+
+    def sde_eta(self) -> float:
+        """Flow-GRPO's noise level: `eta`, or `DEFAULT_ETA` when unset."""
+        return DEFAULT_ETA if self.eta is None else self.eta
 
     def window(self) -> tuple[int, int]:
         """The recorded steps [first, last)."""

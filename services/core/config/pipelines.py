@@ -173,6 +173,27 @@ class RewardModelTrainingConfig(PipelineData):
     """Steps between held-out evaluations (and one at the end); 0: only at the end."""
 
 
+DIFFERENTIABLE_DOMAINS = ("digit", "brightness", "contrast", "colour")
+"""The image domains whose scorer has a differentiable twin (`rollwire.diffusion.
+differentiable`): what reward feedback learning can maximise."""
+
+
+class RewardFLConfig(StrictModel):
+    """Reward feedback learning for a diffusion model (`rollwire train` with
+    `reward_fl.enabled`; the pipeline table's `reward_fl`): the rollout-server samples
+    each image by the ODE and keeps the latent `grad_steps` steps before the end; the
+    trainer runs those last steps again with gradients, scores the image they make with
+    the differentiable twin of the dataset's domain and ascends that reward, with
+    `trainer.algorithm.kl.coef` times the squared distance of its velocities to the
+    starting model's on the same steps. `orchestrator.images.steps` is the sampling's
+    length; its `eta` and `sde_window` are Flow-GRPO's and do not apply."""
+
+    enabled: bool = False
+    """Train by reward feedback learning instead of Flow-GRPO."""
+    grad_steps: int = Field(2, ge=1)
+    """The last denoising steps the reward's gradient flows back through (K)."""
+
+
 class PipelineSections(StrictModel):
     """The pipelines' sections of the run config (`RunConfig` has them all)."""
 
@@ -187,3 +208,6 @@ class PipelineSections(StrictModel):
     reward_model: RewardModelTrainingConfig = RewardModelTrainingConfig()
     """`rollwire reward-model`: a reward model for the reward-server, with the trainer
     section's backend and optimizer."""
+    reward_fl: RewardFLConfig = RewardFLConfig()
+    """Reward feedback learning for a diffusion run (`rollwire train` with
+    `rollout_server.engine: diffusion`), instead of Flow-GRPO."""
