@@ -16,6 +16,8 @@ distance and the within-class diversity relative to real digits of the same clas
 each with its ratio to the first evaluation's.
 Every evaluation writes a line to metrics/eval.jsonl, a grid of its images to
 metrics/images/version_NNNNNN.png and the curves so far to metrics/image_quality.png.
+With `orchestrator.images.quality_band` each line also says whether it is `in_band`, and
+`quality_stop` is the early stop `rollwire train` applies to those lines.
 """
 
 from __future__ import annotations
@@ -237,6 +239,8 @@ class ImageEvaluation(Evaluation):
             self.first = dict(out)
         out["frechet_ratio"] = out["frechet"] / max(self.first["frechet"], 1e-9)
         out["diversity_ratio"] = out["diversity"] / max(self.first["diversity"], 1e-9)
+        if self.settings.quality_band is not None:
+            out["in_band"] = in_band(out, self.settings.quality_band)
         return out
 
     def draw(self, version: int, images: np.ndarray) -> None:
@@ -246,7 +250,25 @@ class ImageEvaluation(Evaluation):
             self.images_dir.mkdir(parents=True, exist_ok=True)
             save_grid(images[:count], self.images_dir / f"version_{version:06d}.png")
         with contextlib.suppress(ImportError):  # matplotlib comes with rollwire[train]
-            plot_quality(self.rows, self.plot_path)
+            plot_quality(self.rows, self.plot_path, self.settings.quality_band or 0.2)
+
+
+def in_band(row: dict[str, Any], band: float) -> bool:
+    """Whether an evaluation's sample quality is within `band` of the start's: Frechet
+    ratio at most 1 + band and diversity ratio at least 1 - band."""
+    return row["frechet_ratio"] <= 1.0 + band and row["diversity_ratio"] >= 1.0 - band
+
+
+def quality_stop(
+    rows: list[dict[str, Any]], band: float, patience: int
+) -> tuple[bool, dict[str, Any] | None]:
+    """Early stopping on sample quality over a run's evaluations so far: (whether the
+    last `patience` evaluations all left the band, the last evaluation inside it)."""
+    measured = [row for row in rows if "frechet_ratio" in row]
+    inside = [row for row in measured if in_band(row, band)]
+    tail = measured[-patience:]
+    stop = len(tail) == patience and not any(in_band(row, band) for row in tail)
+    return stop, (inside[-1] if inside else None)
 
 
 def save_grid(images: np.ndarray, path: Path, columns: int = 16, scale: int = 4) -> None:
@@ -266,8 +288,9 @@ def save_grid(images: np.ndarray, path: Path, columns: int = 16, scale: int = 4)
     Image.fromarray(picture).save(path)
 
 
-def plot_quality(rows: list[dict[str, Any]], path: Path) -> None:
-    """The held-out reward and, where measured, the quality ratios against the policy version."""
+def plot_quality(rows: list[dict[str, Any]], path: Path, band: float = 0.2) -> None:
+    """The held-out reward and, where measured, the quality ratios against the policy
+    version, with the band's bounds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -283,7 +306,7 @@ def plot_quality(rows: list[dict[str, Any]], path: Path) -> None:
         axis.plot(
             versions, [row["diversity_ratio"] for row in rows], "v--", label="diversity / start"
         )
-        for bound in (0.8, 1.2):
+        for bound in (1.0 - band, 1.0 + band):
             axis.axhline(bound, color="grey", lw=0.8, ls=":")
     axis.set_xlabel("policy version")
     axis.grid(alpha=0.3)

@@ -65,7 +65,7 @@ def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(run_dir) if config.trainer.checkpointing.resume else None
     if checkpoint is None:
-        for stale in ("trainer.jsonl", "eval.jsonl", "orchestrator.jsonl"):
+        for stale in ("trainer.jsonl", "eval.jsonl", "orchestrator.jsonl", QUALITY_RESULT):
             (run_dir / "metrics" / stale).unlink(missing_ok=True)
     if not config.trainer.checkpointing.resume:
         _forget_the_run_before(config, run_dir)
@@ -266,12 +266,66 @@ def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
                 bar.set_postfix(postfix)
             if trainer.process.poll() == 0 and orchestrator.process.poll() is not None:
                 return
+            if _quality_left_the_band(config, run_dir, evals, say=bar.write):
+                return
             if trainer.process.poll() == 0 and evals and evals[-1]["policy_version"] >= total:
                 return
             time.sleep(0.5)
     finally:
         liveness.stop()
         bar.close()
+
+
+QUALITY_RESULT = "quality_band.json"
+"""metrics/ file of an image run with orchestrator.images.quality_band: its result."""
+
+
+def _quality_left_the_band(
+    config: RunConfig, run_dir: Path, evals: list[dict[str, Any]], say: Any = print
+) -> bool:
+    """Early stopping on sample quality (orchestrator.images.quality_band): writes what
+    the run keeps (the last evaluation inside the band, with its checkpoint) to
+    metrics/quality_band.json whenever an evaluation comes in, and True once the last
+    `quality_patience` evaluations all left the band."""
+    images = config.orchestrator.images
+    if images.quality_band is None or not evals:
+        return False
+    from rollwire.rollout.orchestrator.images import quality_stop
+
+    stop, kept = quality_stop(evals, images.quality_band, images.quality_patience)
+    result: dict[str, Any] = {"band": images.quality_band, "stopped_at": None, "kept": None}
+    if kept is not None:
+        folder = run_dir / "checkpoints" / f"step_{kept['policy_version']:06d}"
+        result["kept"] = {**kept, "checkpoint": str(folder) if kept["policy_version"] else None}
+    if stop:
+        result["stopped_at"] = evals[-1]["policy_version"]
+        last = evals[-1]
+        say(
+            f"sample quality left the band at version {last['policy_version']} (Frechet "
+            f"x{last['frechet_ratio']:.2f}, diversity x{last['diversity_ratio']:.2f}; band "
+            f"{images.quality_band:g}): stopping the run"
+        )
+    (run_dir / "metrics" / QUALITY_RESULT).write_text(json.dumps(result, indent=1) + "\n")
+    return stop
+
+
+def quality_line(result: dict[str, Any]) -> str:
+    """The summary's line on early stopping (metrics/quality_band.json)."""
+    stopped = result["stopped_at"]
+    head = (
+        f"stopped early at version {stopped}: sample quality left the band ({result['band']:g})"
+        if stopped is not None
+        else f"sample quality band {result['band']:g}"
+    )
+    kept = result["kept"]
+    if kept is None:
+        return f"{head}; no evaluation was inside it"
+    where = kept["checkpoint"] or "the starting model"
+    return (
+        f"{head}; the last evaluation inside it: version {kept['policy_version']}, held-out "
+        f"reward {kept['eval_reward']:.3f}, Frechet x{kept['frechet_ratio']:.2f}, diversity "
+        f"x{kept['diversity_ratio']:.2f} ({where})"
+    )
 
 
 def summarise(run_dir: Path, seconds: float) -> str:
@@ -292,6 +346,9 @@ def summarise(run_dir: Path, seconds: float) -> str:
                 f"{last['diversity']:.2f} ({last['diversity_ratio']:.2f} x the start); "
                 f"curves: {run_dir / 'metrics' / 'image_quality.png'}"
             )
+        quality = run_dir / "metrics" / QUALITY_RESULT
+        if quality.exists():
+            lines.append(quality_line(json.loads(quality.read_text())))
     if rows:
         lines.append(
             f"trainer idle fraction {rows[-1]['trainer_idle_fraction']:.2f}, "

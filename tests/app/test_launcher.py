@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rollwire.services.app.launcher import LaunchError, prepare_model
@@ -158,3 +160,58 @@ def test_reward_feedback_learning_is_chosen_and_checked_when_the_config_is_read(
     for message, settings in refused.items():
         with pytest.raises(ValidationError, match=message):
             RunConfig.model_validate(settings)
+
+
+def test_early_stopping_on_sample_quality_keeps_the_last_evaluation_inside_the_band(
+    tmp_path,
+) -> None:
+    """orchestrator.images.quality_band: rollwire train stops once `quality_patience`
+    evaluations in a row leave the band, and names the last one inside with its
+    checkpoint (metrics/quality_band.json and the summary)."""
+    from rollwire.services.app.run import _quality_left_the_band, summarise
+    from rollwire.services.core.config import RunConfig
+
+    config = RunConfig.model_validate(
+        {
+            "rollout_server": {"engine": "diffusion"},
+            "trainer": {"checkpointing": {"every": 5}},
+            "orchestrator": {
+                "dataset": {"type": "images"},
+                "eval_every": 10,
+                "images": {"quality_band": 0.2, "quality_patience": 2},
+            },
+        }
+    )
+    (tmp_path / "metrics").mkdir()
+    rows = [
+        {"policy_version": 0, "eval_reward": 0.1, "frechet_ratio": 1.0, "diversity_ratio": 1.0},
+        {"policy_version": 10, "eval_reward": 0.2, "frechet_ratio": 1.15, "diversity_ratio": 0.9},
+        {"policy_version": 20, "eval_reward": 0.3, "frechet_ratio": 1.3, "diversity_ratio": 0.9},
+        {"policy_version": 30, "eval_reward": 0.3, "frechet_ratio": 1.1, "diversity_ratio": 0.7},
+    ]
+    for row in rows:
+        row.update(frechet=2.0 * row["frechet_ratio"], diversity=row["diversity_ratio"])
+    said: list[str] = []
+    # One evaluation outside is not yet `quality_patience` 2 of them.
+    assert not _quality_left_the_band(config, tmp_path, rows[:3], say=said.append)
+    assert _quality_left_the_band(config, tmp_path, rows, say=said.append)
+    assert said == [
+        "sample quality left the band at version 30 (Frechet x1.10, diversity x0.70; band "
+        "0.2): stopping the run"
+    ]
+    result = json.loads((tmp_path / "metrics" / "quality_band.json").read_text())
+    assert result["stopped_at"] == 30 and result["kept"]["policy_version"] == 10
+    assert result["kept"]["checkpoint"] == str(tmp_path / "checkpoints" / "step_000010")
+    (tmp_path / "metrics" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert (
+        "stopped early at version 30: sample quality left the band (0.2); the last "
+        "evaluation inside it: version 10, held-out reward 0.200, Frechet x1.15, diversity "
+        f"x0.90 ({tmp_path / 'checkpoints' / 'step_000010'})"
+    ) in summarise(tmp_path, 1.0)
+    with pytest.raises(Exception, match="must divide orchestrator.eval_every"):
+        RunConfig.model_validate(
+            {
+                **config.model_dump(mode="json", include={"rollout_server", "orchestrator"}),
+                "trainer": {"checkpointing": {"every": 3}},
+            }
+        )

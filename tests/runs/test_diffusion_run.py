@@ -28,6 +28,7 @@ def test_a_diffusion_run_goes_through_every_process(tmp_path) -> None:
         f"rollout_server.model_path={model}",
         "rl.max_steps=3",
         "orchestrator.eval_every=2",
+        "trainer.checkpointing.every=1",
         "orchestrator.eval_dataset.size=24",
         "orchestrator.images.grid_images=16",
         "orchestrator.images.steps=4",
@@ -72,4 +73,43 @@ def test_a_diffusion_run_goes_through_every_process(tmp_path) -> None:
     checkpoint = run_dir / "checkpoints" / "step_000003"
     assert (checkpoint / "scheduler").is_dir() and (checkpoint / MARKER).exists()
     assert UNet2DModel.from_pretrained(checkpoint).config.sample_size == 8
+    assert_no_process_left(run_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_reward_feedback_learning_goes_through_every_process(tmp_path) -> None:
+    """`examples/diffusion_reward_fl.yaml`: ODE samples whose last steps the trainer runs
+    again with the reward's gradient; the engine's image is the trainer's, and the
+    early stop's result names a kept evaluation."""
+    model = build_digits_model(
+        tmp_path / "model", DigitsSpec(steps=2, batch_size=8), progress=False
+    )
+    run_dir, result = rollwire_train(
+        tmp_path,
+        f"rollout_server.model_path={model}",
+        "rl.max_steps=2",
+        "rl.groups_per_step=2",
+        "orchestrator.eval_every=1",
+        "trainer.checkpointing.every=1",
+        "orchestrator.eval_dataset.size=24",
+        "orchestrator.images.grid_images=0",
+        "orchestrator.images.steps=4",
+        "orchestrator.images.eval_steps=4",
+        "reward_fl.grad_steps=2",
+        config=EXAMPLE.with_name("diffusion_reward_fl.yaml"),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["recorded_steps"] == 2 and s["sequences"] == 16 for s in steps)
+    # The trainer's run of the engine's last two ODE steps, with the weights that took
+    # them, ends on the engine's image; its differentiable reward is what was paid.
+    first = steps[0]
+    assert first["mismatch_abs_max"] <= 1e-5, first
+    assert first["fl_reward"] == pytest.approx(first["reward_mean"], abs=1e-4)
+    assert all(math.isfinite(s["loss"]) and s["kl"] >= 0 for s in steps)
+    quality = json.loads((run_dir / "metrics" / "quality_band.json").read_text())
+    assert quality["band"] == 0.2 and quality["kept"]["policy_version"] in (0, 1, 2)
+    assert "sample quality band 0.2" in result.stdout or "stopped early" in result.stdout
     assert_no_process_left(run_dir)

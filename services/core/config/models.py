@@ -322,6 +322,20 @@ class RunConfig(PipelineSections):
                 f"{self.trainer.world_size}); the fsdp2 and deepspeed backends do not load "
                 "a diffusers folder yet"
             )
+        band = self.orchestrator.images.quality_band
+        every, eval_every = self.trainer.checkpointing.every, self.orchestrator.eval_every
+        if band is not None and (not every or not eval_every or eval_every % every):
+            raise ValueError(
+                "orchestrator.images.quality_band keeps the last evaluation inside the band "
+                "as the run's result, so its version needs a checkpoint: "
+                f"trainer.checkpointing.every ({every}) must divide orchestrator.eval_every "
+                f"({eval_every}), both above 0"
+            )
+        if band is not None and "digit" not in scored_domains(self.orchestrator.eval_dataset):
+            raise ValueError(
+                "orchestrator.images.quality_band watches the digit judge's Frechet distance "
+                "and diversity: the evaluation set's domain must be digit"
+            )
         if self.reward_fl.enabled:
             return self._reward_fl_fits()
         if self.reward_fl.grad_steps != RewardFLConfig().grad_steps:

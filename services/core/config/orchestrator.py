@@ -121,6 +121,15 @@ class ImageSamplingConfig(StrictModel):
     grid_images: int = Field(64, ge=0)
     """Evaluation images drawn into `metrics/images/version_*.png` at each evaluation
     (0: none)."""
+    quality_band: float | None = Field(None, gt=0, lt=1)
+    """Early stopping on sample quality (the `digit` domain's measures): an evaluation is
+    in the band while its Frechet ratio to the start is at most 1 + band and its
+    diversity ratio at least 1 - band; `rollwire train` stops the run once
+    `quality_patience` evaluations in a row are outside, and names the last evaluation
+    inside with its checkpoint as the run's result (trainer.checkpointing.every must
+    divide orchestrator.eval_every, so that one exists). None: no early stop."""
+    quality_patience: int = Field(1, ge=1)
+    """Evaluations in a row outside `quality_band` that stop the run."""
 
     @model_validator(mode="after")
     def _window_fits(self) -> ImageSamplingConfig:
