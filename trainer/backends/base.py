@@ -255,7 +255,14 @@ class TrainBackend(ABC):
         with self.staged(folder) as staging:
             weights = self.iter_full_weights(bucket_bytes)
             if self.is_main:
-                write_pretrained(staging, self.hf_config, weights, shard_bytes)
+                write_pretrained(
+                    staging,
+                    self.hf_config,
+                    weights,
+                    shard_bytes,
+                    self.family.weights_stem,
+                    self.family.save_config,
+                )
                 self.family.save_extras(self.model_path, staging)
             else:
                 for _ in weights:

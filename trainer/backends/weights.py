@@ -39,10 +39,13 @@ def write_pretrained(
     config: Any,
     weights: Iterator[tuple[str, torch.Tensor]],
     shard_bytes: int,
+    stem: str = "model",
+    save_config: Any = None,
 ) -> None:
     """Streams `weights` into safetensors files of at most about `shard_bytes` (one
-    `model.safetensors`, or numbered shards and their index) with the config: with what
-    the model's family saves beside it (`ModelFamily.save_extras`), a folder
+    `{stem}.safetensors`, or numbered shards and their index) with the config
+    (`save_config(config, folder)`, by default `config.save_pretrained(folder)`): with
+    what the model's family saves beside it (`ModelFamily.save_extras`), a folder
     `from_pretrained` loads. Not collective."""
     from safetensors.torch import save_file
 
@@ -68,14 +71,17 @@ def write_pretrained(
     if shards[-1] or not written:
         flush()
     if len(written) == 1:
-        os.replace(folder / "part-00000", folder / "model.safetensors")
+        os.replace(folder / "part-00000", folder / f"{stem}.safetensors")
     else:
         weight_map: dict[str, str] = {}
         count = len(written)
         for index, names in enumerate(written):
-            file = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            file = f"{stem}-{index + 1:05d}-of-{count:05d}.safetensors"
             os.replace(folder / f"part-{index:05d}", folder / file)
             weight_map.update(dict.fromkeys(names, file))
         index_text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
-        (folder / "model.safetensors.index.json").write_text(index_text, encoding="utf-8")
-    config.save_pretrained(folder)
+        (folder / f"{stem}.safetensors.index.json").write_text(index_text, encoding="utf-8")
+    if save_config is None:
+        config.save_pretrained(folder)
+    else:
+        save_config(config, folder)

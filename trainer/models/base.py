@@ -27,6 +27,11 @@ class ModelFamily(ABC):
     """peft's `TaskType` name for LoRA on this family (e.g. `CAUSAL_LM`); empty for a model
     peft wraps without a task (a diffusers UNet)."""
 
+    weights_stem: str = "model"
+    """The stem of a saved folder's safetensors files as the family's `from_pretrained`
+    looks for them (`model.safetensors`, or `model-00001-of-00002.safetensors` and
+    `model.safetensors.index.json`)."""
+
     @abstractmethod
     def load(self, path: Path, *, value_head: bool = False) -> torch.nn.Module:
         """The model at `path` in float32 on the CPU, in training mode: the master
@@ -49,6 +54,11 @@ class ModelFamily(ABC):
     def save_extras(self, source: Path, folder: Path) -> None:
         """Writes into `folder` what a saved model needs beside its weights and config,
         read from the model folder the run started from."""
+
+    def save_config(self, config: Any, folder: Path) -> None:
+        """Writes the model's config (`backend.hf_config`) into `folder` the way its
+        `from_pretrained` reads it (a transformers config saves itself)."""
+        config.save_pretrained(folder)
 
     def pad_token_id(self, config: Any) -> int:
         """The id padding positions hold (never attended to, never in a loss)."""

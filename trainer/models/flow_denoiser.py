@@ -14,6 +14,7 @@ The family's forward (`logits`) takes a `Noised` batch and returns the predicted
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ class FlowDenoiser(ModelFamily):
     name = "flow_denoiser"
     lora_task = ""
     """peft without a task type: the UNet is no transformers model."""
+    weights_stem = "diffusion_pytorch_model"
+    """What diffusers' `from_pretrained` looks for."""
 
     def load(self, path: Path, *, value_head: bool = False) -> torch.nn.Module:
         if value_head:
@@ -78,6 +81,19 @@ class FlowDenoiser(ModelFamily):
             shutil.copytree(source / "scheduler", folder / "scheduler", dirs_exist_ok=True)
         if (source / MARKER).exists():
             shutil.copy2(source / MARKER, folder / MARKER)
+
+    def save_config(self, config: Any, folder: Path) -> None:
+        """The UNet's `config.json` as diffusers writes it (its class, version, settings),
+        from the model's frozen config (what the sharded backends hold)."""
+        import diffusers
+
+        settings = {key: value for key, value in dict(config).items() if not key.startswith("_")}
+        text = json.dumps(
+            {"_class_name": "UNet2DModel", "_diffusers_version": diffusers.__version__, **settings},
+            indent=2,
+            sort_keys=True,
+        )
+        (Path(folder) / "config.json").write_text(text + "\n")
 
     def pad_token_id(self, config: Any) -> int:
         return 0  # images have no padding

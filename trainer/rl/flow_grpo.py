@@ -38,7 +38,7 @@ from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.math.algorithms import ADVANTAGE_ESTIMATORS
 from rollwire.trainer.math.losses import policy_objective
 from rollwire.trainer.models.flow_denoiser import Noised
-from rollwire.trainer.rl.latents import LatentBatch, any_label_of, latent_batch
+from rollwire.trainer.rl.latents import LatentBatch, any_label_of, latent_batch, rank_share
 from rollwire.trainer.rl.update import average
 
 
@@ -154,6 +154,8 @@ class FlowGRPOStep:
         metrics.update(average(self.update_metrics))
         metrics["optimizer_steps"] = float(len(self.update_metrics))
         metrics["step_seconds"] = time.perf_counter() - started
+        if self.learner.sharded:  # rank 0's copy of the new weights, to publish
+            self.learner.gather()
         return metrics
 
     def _update(
@@ -168,23 +170,32 @@ class FlowGRPOStep:
     ) -> dict[str, float]:
         """One optimizer update on `rows` of `batch`; its metrics (`metrics` gets the
         engine-trainer mismatch on the `current` steps when this is the step's only
-        update)."""
+        update). On several ranks each computes its share of the rows (`rank_share`;
+        one without rows runs a pass that counts for nothing, as the passes are
+        collective) and the losses are scaled so the averaged gradient is the
+        minibatch's."""
         learner, algorithm = self.learner, self.config.algorithm
-        part = batch if len(rows) == len(batch.rewards) else batch.select(rows)
-        index = torch.tensor(rows, device=learner.device)
-        learner.backend.zero_grad()
+        backend = learner.backend
+        ranks = backend.world_size
+        mine = rank_share(rows, backend.rank, ranks)
+        taken = mine or rows[:1]
+        part = batch if len(taken) == len(batch.rewards) else batch.select(taken)
+        index = torch.tensor(taken, device=learner.device)
+        backend.zero_grad()
         learner.model.train()
         distributions = self.step_distributions(part)
         logprobs = self.logprobs(part, distributions)
         old = behaviour[index]
+        mask = torch.ones_like(old) if mine else torch.zeros_like(old)
         if proximal is None:
-            metrics.update(self._mismatch(logprobs.detach(), old, current[index]))
+            seen = current[index] & mask.bool()
+            metrics.update(self._mismatch(logprobs.detach(), old, seen, backend))
         objective = policy_objective(
             logprobs=logprobs,
             proximal_logprobs=logprobs.detach() if proximal is None else proximal[index],
             behaviour_logprobs=old,
             advantages=advantages[index],
-            mask=torch.ones_like(old),
+            mask=mask,
             loss=algorithm.loss.type,
             loss_settings=settings_of(algorithm.loss),
             correction=algorithm.correction.type,
@@ -192,38 +203,48 @@ class FlowGRPOStep:
             aggregation=algorithm.aggregation,
             constant=algorithm.aggregation_constant or 1.0,
         )
-        loss = objective.numerator / max(objective.denominator, 1e-12)
-        out = {**objective.metrics, "loss": float(loss.detach())}
+        total = objective.denominator
+        if ranks > 1:
+            total = backend.reduce_metrics({"denominator": total}, "sum")["denominator"]
+        total = max(total, 1e-12)
+        share = objective.denominator / total
+        loss = objective.numerator * (ranks / total)
+        out = {key: (value * share if mine else 0.0) for key, value in objective.metrics.items()}
+        out["loss"] = float(objective.numerator.detach()) / total
         if algorithm.kl.coef > 0:
-            kl = self.kl(part, distributions)
-            loss = loss + algorithm.kl.coef * kl
-            out["kl"] = float(kl.detach())
-        learner.backend.backward(loss)
+            kl = self.kl(part, distributions) * mask[:, 0]
+            loss = loss + algorithm.kl.coef * kl.sum() * (ranks / len(rows))
+            out["kl"] = float(kl.detach().sum()) / len(rows)
+        backend.backward(loss)
+        if ranks > 1:  # each rank holds its share: the minibatch's are their sums
+            out = backend.reduce_metrics(out, "sum")
         out.update(learner.optimizer_update())
         return out
 
     @staticmethod
     def _mismatch(
-        trainer: torch.Tensor, engine: torch.Tensor, current: torch.Tensor
+        trainer: torch.Tensor, engine: torch.Tensor, current: torch.Tensor, backend: Any = None
     ) -> dict[str, float]:
         """The largest difference of a recorded step's log-probability between the
         trainer and the engine, over the steps taken by the weights being trained (none:
-        no metric)."""
-        if not bool(current.any()):
-            return {}
-        return {"mismatch_abs_max": float((trainer - engine).abs()[current].max())}
+        no metric); over every rank's steps with a sharded `backend` (collective)."""
+        gap = float((trainer - engine).abs()[current].max()) if bool(current.any()) else -1.0
+        if backend is not None and backend.world_size > 1:
+            gap = backend.reduce_metrics({"mismatch": gap}, "max")["mismatch"]
+        return {"mismatch_abs_max": gap} if gap >= 0 else {}
 
     def step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """`train_step` outside a run (benchmarks, tests): the version is the updates so far."""
         return self.train_step(trajectories, self.learner.optimizer_steps)
 
     def kl(self, batch: LatentBatch, distributions: list) -> torch.Tensor:
-        """The mean over samples and steps of KL(step policy || the starting model's)
-        (`trainer.algorithm.kl.coef` > 0: the reference was frozen at construction)."""
+        """[B] each sample's mean over its recorded steps of KL(step policy || the
+        starting model's) (`trainer.algorithm.kl.coef` > 0: the reference was frozen at
+        construction)."""
         with torch.no_grad():
             reference = self.step_distributions(batch, self._reference)
         terms = [
             ((mean - ref_mean.float()) ** 2).flatten(1).sum(dim=1) / (2 * std * std)
             for (mean, std), (ref_mean, _) in zip(distributions, reference, strict=True)
         ]
-        return torch.stack(terms, dim=1).mean()
+        return torch.stack(terms, dim=1).mean(dim=1)

@@ -3,7 +3,9 @@
 `latent_batch(trajectories, any_label)` stacks a batch's latent trajectories
 (`rollwire.diffusion.trajectories`; all drawn with the same sampling settings and
 recorded steps) into a `LatentBatch`; `any_label_of(folder)` is a model folder's
-unconditional label. Flow-GRPO (`flow_grpo.py`) and reward feedback learning
+unconditional label; `rank_share(rows, rank, ranks)` is one rank's part of a
+minibatch on a sharded backend (every rank runs the step on the same batch and takes
+its own rows, so its passes stay collective). Flow-GRPO (`flow_grpo.py`) and reward feedback learning
 (`reward_fl.py`) both start here.
 """
 
@@ -22,6 +24,7 @@ from rollwire.diffusion.data import ANY
 from rollwire.diffusion.sampling import SamplingSettings
 from rollwire.diffusion.trajectories import SAMPLING_KEYS, scoring_of
 from rollwire.services.core.wire import Trajectory
+from rollwire.trainer.batching import split_rows
 from rollwire.trainer.models.flow_denoiser import MARKER
 
 
@@ -113,3 +116,12 @@ def any_label_of(folder: Path) -> int:
     if marker.exists():
         return int(json.loads(marker.read_text()).get("any_label", ANY))
     return ANY
+
+
+def rank_share(rows: list[int], rank: int, ranks: int) -> list[int]:
+    """The contiguous part of a minibatch's `rows` that `rank` of `ranks` computes
+    (empty when there are fewer rows than ranks)."""
+    if ranks <= 1:
+        return list(rows)
+    runs = split_rows(len(rows), ranks)
+    return [rows[i] for i in runs[rank]] if rank < len(runs) else []

@@ -18,7 +18,7 @@ model the run began with). The first K - 1 steps' latents depend on the weights,
 gradient runs through the whole chain, as in DRaFT-K; the steps before the window were
 taken by the engine with weights at most `rl.max_staleness` versions old.
 
-The first pass of a step, before any update, also compares the trainer's image with the
+The step's first update, before the weights move, also compares the trainer's image with the
 engine's for the samples whose every recorded step the trained weights took
 (`mismatch_abs_max`, the largest pixel difference: the two run the same steps in fp32).
 A step makes `batching.epochs_per_step` x `batching.minibatches_per_step` updates; no
@@ -42,7 +42,7 @@ from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import split_rows
 from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.models.flow_denoiser import Noised
-from rollwire.trainer.rl.latents import LatentBatch, any_label_of, latent_batch
+from rollwire.trainer.rl.latents import LatentBatch, any_label_of, latent_batch, rank_share
 from rollwire.trainer.rl.update import average
 
 
@@ -138,43 +138,64 @@ class RewardFLStep:
             metrics["staleness_max"] = float(trainer_version - versions.min())
         current = torch.from_numpy((versions == trainer_version).all(axis=1))
         self.update_metrics = []
-        first = True
-        for _ in range(self.config.batching.epochs_per_step):
-            for rows in split_rows(len(trajectories), self.config.batching.minibatches_per_step):
-                part = whole if len(rows) == len(trajectories) else whole.select(rows)
+        minibatches = split_rows(len(trajectories), self.config.batching.minibatches_per_step)
+        for epoch in range(self.config.batching.epochs_per_step):
+            for number, rows in enumerate(minibatches):
+                first = epoch == 0 and number == 0  # the weights have not moved yet
                 self.update_metrics.append(
-                    self._update(part, current[rows] if first else None, metrics)
+                    self._update(whole, rows, current if first else None, metrics)
                 )
-            first = False
         metrics.update(average(self.update_metrics))
         metrics["optimizer_steps"] = float(len(self.update_metrics))
         metrics["step_seconds"] = time.perf_counter() - started
+        if self.learner.sharded:  # rank 0's copy of the new weights, to publish
+            self.learner.gather()
         return metrics
 
     def _update(
-        self, batch: LatentBatch, current: torch.Tensor | None, metrics: dict[str, float]
+        self,
+        whole: LatentBatch,
+        rows: list[int],
+        current: torch.Tensor | None,
+        metrics: dict[str, float],
     ) -> dict[str, float]:
-        """One optimizer update on `batch`; with `current` (the first epoch), the largest
-        difference of its images from the engine's on the `current` samples goes into
-        `metrics` (the weights have not moved for the first minibatch only, so it is read
-        there)."""
+        """One optimizer update on `rows` of `whole`. With `current` (the step's first
+        update, before the weights move), the largest difference of the images from the
+        engine's on the `current` samples goes into `metrics`. On
+        several ranks each computes its share of the rows (`rank_share`; one without
+        rows runs a pass that counts for nothing, as the passes are collective) and the
+        loss is scaled so the averaged gradient is the minibatch's."""
         learner = self.learner
-        learner.backend.zero_grad()
+        backend = learner.backend
+        ranks = backend.world_size
+        mine = rank_share(rows, backend.rank, ranks)
+        taken = mine or rows[:1]
+        batch = whole if len(taken) == len(whole.rewards) else whole.select(taken)
+        weight = torch.full((len(taken),), 1.0 if mine else 0.0, device=learner.device)
+        backend.zero_grad()
         learner.model.train()
         images, gaps = self.run_window(batch)
-        reward = self.rewards(batch, images)
-        loss = -reward.mean()
-        out = {"fl_reward": float(reward.detach().mean()), "fl_objective": float(-loss.detach())}
+        reward = self.rewards(batch, images) * weight
+        scale = ranks / len(rows)
+        loss = -reward.sum() * scale
+        out = {"fl_reward": float(reward.detach().sum()) / len(rows)}
         if gaps is not None:
-            kl = gaps.mean()
-            loss = loss + self.kl_coef * kl
-            out["kl"] = float(kl.detach())
-        out["loss"] = float(loss.detach())
-        if current is not None and "mismatch_abs_max" not in metrics and bool(current.any()):
+            gaps = gaps * weight
+            loss = loss + self.kl_coef * gaps.sum() * scale
+            out["kl"] = float(gaps.detach().sum()) / len(rows)
+        out["loss"] = float(loss.detach()) / ranks
+        if current is not None:
             engine = batch.latents[:, -1].to(images.device)
+            seen = current[torch.tensor(taken)].to(images.device) & weight.bool()
             gap = (images.detach() - engine).abs().flatten(1).amax(dim=1)
-            metrics["mismatch_abs_max"] = float(gap[current.to(gap.device)].max())
-        learner.backend.backward(loss)
+            worst = float(gap[seen].max()) if bool(seen.any()) else -1.0
+            if ranks > 1:
+                worst = backend.reduce_metrics({"mismatch": worst}, "max")["mismatch"]
+            if worst >= 0:
+                metrics["mismatch_abs_max"] = worst
+        backend.backward(loss)
+        if ranks > 1:  # each rank holds its share: the minibatch's are their sums
+            out = backend.reduce_metrics(out, "sum")
         out.update(learner.optimizer_update())
         return out
 

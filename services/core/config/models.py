@@ -315,13 +315,6 @@ class RunConfig(PipelineSections):
                     "and an `images` dataset"
                 )
             return self
-        if self.trainer.world_size > 1 or self.trainer.backend != "local":
-            raise ValueError(
-                "a diffusion model trains on the local backend, one rank "
-                f"(trainer.backend={self.trainer.backend}, trainer.world_size="
-                f"{self.trainer.world_size}); the fsdp2 and deepspeed backends do not load "
-                "a diffusers folder yet"
-            )
         band = self.orchestrator.images.quality_band
         every, eval_every = self.trainer.checkpointing.every, self.orchestrator.eval_every
         if band is not None and (not every or not eval_every or eval_every % every):
