@@ -18,7 +18,9 @@ which one Euler-Maruyama step from `t` to `t_next < t` makes
     std = sigma_t * sqrt(-dt),  dt = t_next - t.
 
 At `t = 1` `sigma_t` is infinite; the first step uses the grid's second time there, as
-Flow-GRPO does. `eta = 0` is the ODE step. Everything here is plain torch, on any device
+Flow-GRPO does. `eta = 0` is the ODE step. On this path the deterministic DDIM step
+(predict `x0 = x - t v` and the noise `x + (1 - t) v`, then mix them at `t_next`) is the
+same Euler step, `x + (t_next - t) v`: one ODE sampler serves for both. Everything here is plain torch, on any device
 and dtype; the log-probability sums over a sample's dimensions (`logprob_of`)."""
 
 from __future__ import annotations
