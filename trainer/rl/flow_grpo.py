@@ -38,8 +38,14 @@ from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.math.algorithms import ADVANTAGE_ESTIMATORS
 from rollwire.trainer.math.losses import policy_objective
 from rollwire.trainer.models.flow_denoiser import Noised
-from rollwire.trainer.rl.latents import LatentBatch, any_label_of, latent_batch, rank_share
-from rollwire.trainer.rl.update import average
+from rollwire.trainer.rl.latents import (
+    LatentBatch,
+    any_label_of,
+    batch_metrics,
+    finish_step,
+    latent_batch,
+    rank_share,
+)
 
 
 class FlowGRPOStep:
@@ -113,18 +119,9 @@ class FlowGRPOStep:
                 "whose steps have no log-probability"
             )
         advantages = self.advantages(whole.rewards)
-        versions = np.concatenate([t.policy_versions for t in trajectories])
         keep = [i for i in range(len(trajectories)) if float(advantages[i]) != 0.0]
-        metrics = {
-            "reward_mean": float(whole.rewards.mean()),
-            "reward_std": float(whole.rewards.std(unbiased=False)),
-            "sequences": float(len(trajectories)),
-            "sequences_with_signal": float(len(keep)),
-            "recorded_steps": float(len(whole.steps)),
-        }
-        if versions.size:
-            metrics["staleness_mean"] = float(trainer_version - versions.mean())
-            metrics["staleness_max"] = float(trainer_version - versions.min())
+        metrics = batch_metrics(whole, trainer_version)
+        metrics["sequences_with_signal"] = float(len(keep))
         self.update_metrics = []
         if not keep:  # every group's rewards equal: nothing to learn from
             metrics.update(loss=0.0, grad_norm=0.0, optimizer_steps=0.0)
@@ -151,12 +148,7 @@ class FlowGRPOStep:
                 self.update_metrics.append(
                     self._update(batch, rows, advantages, behaviour, proximal, current, metrics)
                 )
-        metrics.update(average(self.update_metrics))
-        metrics["optimizer_steps"] = float(len(self.update_metrics))
-        metrics["step_seconds"] = time.perf_counter() - started
-        if self.learner.sharded:  # rank 0's copy of the new weights, to publish
-            self.learner.gather()
-        return metrics
+        return finish_step(learner, metrics, self.update_metrics, started)
 
     def _update(
         self,

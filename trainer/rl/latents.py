@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from rollwire.diffusion.trajectories import SAMPLING_KEYS, scoring_of
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import split_rows
 from rollwire.trainer.models.flow_denoiser import MARKER
+from rollwire.trainer.rl.update import average
 
 
 @dataclass
@@ -125,3 +127,32 @@ def rank_share(rows: list[int], rank: int, ranks: int) -> list[int]:
         return list(rows)
     runs = split_rows(len(rows), ranks)
     return [rows[i] for i in runs[rank]] if rank < len(runs) else []
+
+
+def batch_metrics(batch: LatentBatch, trainer_version: int) -> dict[str, float]:
+    """What a diffusion step reports of its batch before training on it: the rewards,
+    the samples and recorded steps, how stale the steps are."""
+    versions = batch.versions.numpy()
+    metrics = {
+        "reward_mean": float(batch.rewards.mean()),
+        "reward_std": float(batch.rewards.std(unbiased=False)),
+        "sequences": float(len(batch.rewards)),
+        "recorded_steps": float(len(batch.steps)),
+    }
+    if versions.size:
+        metrics["staleness_mean"] = float(trainer_version - versions.mean())
+        metrics["staleness_max"] = float(trainer_version - versions.min())
+    return metrics
+
+
+def finish_step(
+    learner: Any, metrics: dict[str, float], updates: list[dict[str, float]], started: float
+) -> dict[str, float]:
+    """A diffusion step's metrics with its updates' averaged in, their count and the
+    step's seconds; on a sharded backend, rank 0 gathers the new weights to publish."""
+    metrics.update(average(updates))
+    metrics["optimizer_steps"] = float(len(updates))
+    metrics["step_seconds"] = time.perf_counter() - started
+    if learner.sharded:
+        learner.gather()
+    return metrics

@@ -42,8 +42,14 @@ from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import split_rows
 from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.models.flow_denoiser import Noised
-from rollwire.trainer.rl.latents import LatentBatch, any_label_of, latent_batch, rank_share
-from rollwire.trainer.rl.update import average
+from rollwire.trainer.rl.latents import (
+    LatentBatch,
+    any_label_of,
+    batch_metrics,
+    finish_step,
+    latent_batch,
+    rank_share,
+)
 
 
 class RewardFLStep:
@@ -126,17 +132,8 @@ class RewardFLStep:
         started = time.perf_counter()
         whole = latent_batch(trajectories, self.any_label)
         check_window(whole)
-        versions = whole.versions.numpy()
-        metrics: dict[str, float] = {
-            "reward_mean": float(whole.rewards.mean()),
-            "reward_std": float(whole.rewards.std(unbiased=False)),
-            "sequences": float(len(trajectories)),
-            "recorded_steps": float(len(whole.steps)),
-        }
-        if versions.size:
-            metrics["staleness_mean"] = float(trainer_version - versions.mean())
-            metrics["staleness_max"] = float(trainer_version - versions.min())
-        current = torch.from_numpy((versions == trainer_version).all(axis=1))
+        metrics = batch_metrics(whole, trainer_version)
+        current = torch.from_numpy((whole.versions.numpy() == trainer_version).all(axis=1))
         self.update_metrics = []
         minibatches = split_rows(len(trajectories), self.config.batching.minibatches_per_step)
         for epoch in range(self.config.batching.epochs_per_step):
@@ -145,12 +142,7 @@ class RewardFLStep:
                 self.update_metrics.append(
                     self._update(whole, rows, current if first else None, metrics)
                 )
-        metrics.update(average(self.update_metrics))
-        metrics["optimizer_steps"] = float(len(self.update_metrics))
-        metrics["step_seconds"] = time.perf_counter() - started
-        if self.learner.sharded:  # rank 0's copy of the new weights, to publish
-            self.learner.gather()
-        return metrics
+        return finish_step(self.learner, metrics, self.update_metrics, started)
 
     def _update(
         self,
