@@ -246,7 +246,7 @@ def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
         say=bar.write,
         client=config.client,
     ).start()
-    shown = 0
+    shown = judged = 0
     try:
         while True:
             stack.check(expected_to_finish=("trainer", "orchestrator"))
@@ -266,8 +266,10 @@ def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
                 bar.set_postfix(postfix)
             if trainer.process.poll() == 0 and orchestrator.process.poll() is not None:
                 return
-            if _quality_left_the_band(config, run_dir, evals, say=bar.write):
-                return
+            if len(evals) > judged:  # a new evaluation: early stopping on its quality
+                judged = len(evals)
+                if _quality_left_the_band(config, run_dir, evals, rows, say=bar.write):
+                    return
             if trainer.process.poll() == 0 and evals and evals[-1]["policy_version"] >= total:
                 return
             time.sleep(0.5)
@@ -281,12 +283,16 @@ QUALITY_RESULT = "quality_band.json"
 
 
 def _quality_left_the_band(
-    config: RunConfig, run_dir: Path, evals: list[dict[str, Any]], say: Any = print
+    config: RunConfig,
+    run_dir: Path,
+    evals: list[dict[str, Any]],
+    steps: list[dict[str, Any]],
+    say: Any = print,
 ) -> bool:
     """Early stopping on sample quality (orchestrator.images.quality_band): writes what
-    the run keeps (the last evaluation inside the band, with its checkpoint) to
-    metrics/quality_band.json whenever an evaluation comes in, and True once the last
-    `quality_patience` evaluations all left the band."""
+    the run keeps (the last evaluation inside the band, with the checkpoint of the step
+    that made its version, by the trainer's rows `steps`) to metrics/quality_band.json,
+    and True once the last `quality_patience` evaluations all left the band."""
     images = config.orchestrator.images
     if images.quality_band is None or not evals:
         return False
@@ -295,8 +301,12 @@ def _quality_left_the_band(
     stop, kept = quality_stop(evals, images.quality_band, images.quality_patience)
     result: dict[str, Any] = {"band": images.quality_band, "stopped_at": None, "kept": None}
     if kept is not None:
-        folder = run_dir / "checkpoints" / f"step_{kept['policy_version']:06d}"
-        result["kept"] = {**kept, "checkpoint": str(folder) if kept["policy_version"] else None}
+        version = kept["policy_version"]
+        # Versions equal steps until a trainer restart moves them ahead (ARCHITECTURE.md,
+        # invariant 6): the trainer's rows say which step made the version.
+        step = next((r["step"] for r in steps if r.get("policy_version") == version), version)
+        folder = run_dir / "checkpoints" / f"step_{int(step):06d}"
+        result["kept"] = {**kept, "checkpoint": str(folder) if version else None}
     if stop:
         result["stopped_at"] = evals[-1]["policy_version"]
         last = evals[-1]

@@ -193,8 +193,9 @@ def test_early_stopping_on_sample_quality_keeps_the_last_evaluation_inside_the_b
         row.update(frechet=2.0 * row["frechet_ratio"], diversity=row["diversity_ratio"])
     said: list[str] = []
     # One evaluation outside is not yet `quality_patience` 2 of them.
-    assert not _quality_left_the_band(config, tmp_path, rows[:3], say=said.append)
-    assert _quality_left_the_band(config, tmp_path, rows, say=said.append)
+    steps = [{"step": 10, "policy_version": 10}, {"step": 20, "policy_version": 20}]
+    assert not _quality_left_the_band(config, tmp_path, rows[:3], steps, say=said.append)
+    assert _quality_left_the_band(config, tmp_path, rows, steps, say=said.append)
     assert said == [
         "sample quality left the band at version 30 (Frechet x1.10, diversity x0.70; band "
         "0.2): stopping the run"
