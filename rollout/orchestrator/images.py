@@ -47,28 +47,20 @@ from rollwire.services.core.wire import Trajectory, array_from_bytes
 log = logging.getLogger(__name__)
 
 
-def sampling_of(
-    config: ImageSamplingConfig, any_label: int = 10, grad_steps: int | None = None
-) -> SamplingSettings:
+def sampling_of(config: ImageSamplingConfig, grad_steps: int | None = None) -> SamplingSettings:
     """The training samples' settings: Flow-GRPO's (the SDE on the recorded window), or
     with `grad_steps` reward feedback learning's (the ODE, its last `grad_steps` steps
     recorded for the trainer to run again with gradients)."""
-    if grad_steps is not None:
-        return SamplingSettings(
-            steps=config.steps,
-            eta=0.0,
-            sde_window=(config.steps - grad_steps, config.steps),
-            shift=config.shift,
-            guidance=config.guidance,
-            any_label=any_label,
-        )
+    if grad_steps is None:
+        eta, window = config.sde_eta(), config.window()
+    else:
+        eta, window = 0.0, (config.steps - grad_steps, config.steps)
     return SamplingSettings(
         steps=config.steps,
-        eta=config.sde_eta(),
-        sde_window=config.window(),
+        eta=eta,
+        sde_window=window,
         shift=config.shift,
         guidance=config.guidance,
-        any_label=any_label,
     )
 
 

@@ -123,6 +123,11 @@ class Orchestrator:
         self.agentic = self.sampler.agentic
         self.images = isinstance(self.settings.dataset, ImageDataset)
         """An image run: groups come from a diffusion rollout-server (`images.py`)."""
+        reward_fl = config.reward_fl
+        self.image_sampling = sampling_of(
+            self.settings.images, grad_steps=reward_fl.grad_steps if reward_fl.enabled else None
+        )
+        """How an image run's training samples are drawn (Flow-GRPO's or RewardFL's)."""
         self.generated_images = 0
 
     async def run(self) -> None:
@@ -365,11 +370,9 @@ class Orchestrator:
         seeds = sample_seeds(
             self.sampler.servers.sampling_base, int(task.metadata["image_seed"]), self.rl.group_size
         )
-        reward_fl = self.config.reward_fl
-        settings = sampling_of(
-            self.settings.images, grad_steps=reward_fl.grad_steps if reward_fl.enabled else None
+        trajectories = await image_group(
+            self.sampler.servers, task, task.ordinal, self.image_sampling, seeds
         )
-        trajectories = await image_group(self.sampler.servers, task, task.ordinal, settings, seeds)
         if len(trajectories) < len(seeds):
             raise RuntimeError(f"{len(seeds) - len(trajectories)} images of the group were aborted")
         self.generated_images += len(trajectories)

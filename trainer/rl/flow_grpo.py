@@ -30,49 +30,27 @@ import numpy as np
 import torch
 
 from rollwire.diffusion.sampling import logprobs_of, step_distributions
-from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.config.algorithms import settings_of
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import split_rows
-from rollwire.trainer.learner import Learner, collective
+from rollwire.trainer.learner import collective
 from rollwire.trainer.math.algorithms import ADVANTAGE_ESTIMATORS
 from rollwire.trainer.math.losses import policy_objective
-from rollwire.trainer.models.flow_denoiser import Noised
 from rollwire.trainer.rl.latents import (
     LatentBatch,
-    any_label_of,
+    LatentStep,
     batch_metrics,
-    finish_step,
     latent_batch,
     rank_share,
 )
 
 
-class FlowGRPOStep:
+class FlowGRPOStep(LatentStep):
     """See the module docstring. Build one on the learner (it attaches itself, like
     `RLStep`): `train_step` is what the trainer loop calls. A batch holds whole groups of
     `rl.group_size` samples, adjacent."""
 
-    def __init__(self, learner: Learner, config: TrainerConfig, rl: RLSection) -> None:
-        self.learner, self.config, self.rl = learner, config, rl
-        self.group_size = rl.group_size
-        self.any_label = any_label_of(learner.model_path)
-        learner.total_updates = rl.max_steps * self.updates_per_step
-        self._reference: Any = learner.frozen_reference() if config.algorithm.kl.coef > 0 else None
-        self.update_metrics: list[dict[str, float]] = []
-        """The metrics of each optimizer update of the last step, in order."""
-        learner.attach(self, "flow_grpo")
-
-    @property
-    def updates_per_step(self) -> int:
-        batching = self.config.batching
-        return batching.minibatches_per_step * batching.epochs_per_step
-
-    def _velocity(self, model: Any = None):
-        def velocity(x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.learner.forward(Noised(x, t, labels), model).float()
-
-        return velocity
+    name = "flow_grpo"
 
     def step_distributions(
         self, batch: LatentBatch, model: Any = None
@@ -81,7 +59,7 @@ class FlowGRPOStep:
         trained one by default), with gradients when they are on."""
         device = self.learner.device
         return step_distributions(
-            self._velocity(model),
+            self.velocity(model),
             batch.latents.to(device),
             batch.labels.to(device),
             batch.steps,
@@ -100,7 +78,7 @@ class FlowGRPOStep:
                 f"trainer.algorithm.advantage.type {settings.type!r}"
             )
         return ADVANTAGE_ESTIMATORS[settings.type](
-            rewards=rewards, group_size=self.group_size, **settings_of(settings)
+            rewards=rewards, group_size=self.rl.group_size, **settings_of(settings)
         )
 
     @collective
@@ -148,7 +126,7 @@ class FlowGRPOStep:
                 self.update_metrics.append(
                     self._update(batch, rows, advantages, behaviour, proximal, current, metrics)
                 )
-        return finish_step(learner, metrics, self.update_metrics, started)
+        return self.finish(metrics, started)
 
     def _update(
         self,
@@ -224,10 +202,6 @@ class FlowGRPOStep:
         if backend is not None and backend.world_size > 1:
             gap = backend.reduce_metrics({"mismatch": gap}, "max")["mismatch"]
         return {"mismatch_abs_max": gap} if gap >= 0 else {}
-
-    def step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """`train_step` outside a run (benchmarks, tests): the version is the updates so far."""
-        return self.train_step(trajectories, self.learner.optimizer_steps)
 
     def kl(self, batch: LatentBatch, distributions: list) -> torch.Tensor:
         """[B] each sample's mean over its recorded steps of KL(step policy || the

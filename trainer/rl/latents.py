@@ -5,8 +5,9 @@
 recorded steps) into a `LatentBatch`; `any_label_of(folder)` is a model folder's
 unconditional label; `rank_share(rows, rank, ranks)` is one rank's part of a
 minibatch on a sharded backend (every rank runs the step on the same batch and takes
-its own rows, so its passes stay collective). Flow-GRPO (`flow_grpo.py`) and reward feedback learning
-(`reward_fl.py`) both start here.
+its own rows, so its passes stay collective); `batch_metrics` is what a step reports
+of its batch. Flow-GRPO (`flow_grpo.py`) and reward feedback learning (`reward_fl.py`)
+are both a `LatentStep`.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import numpy as np
 import torch
 
 from rollwire.diffusion.data import ANY
-from rollwire.diffusion.sampling import SamplingSettings
+from rollwire.diffusion.sampling import SamplingSettings, Velocity
 from rollwire.diffusion.trajectories import SAMPLING_KEYS, scoring_of
+from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import split_rows
-from rollwire.trainer.models.flow_denoiser import MARKER
+from rollwire.trainer.learner import Learner
+from rollwire.trainer.models.flow_denoiser import MARKER, Noised
 from rollwire.trainer.rl.update import average
 
 
@@ -145,14 +148,51 @@ def batch_metrics(batch: LatentBatch, trainer_version: int) -> dict[str, float]:
     return metrics
 
 
-def finish_step(
-    learner: Any, metrics: dict[str, float], updates: list[dict[str, float]], started: float
-) -> dict[str, float]:
-    """A diffusion step's metrics with its updates' averaged in, their count and the
-    step's seconds; on a sharded backend, rank 0 gathers the new weights to publish."""
-    metrics.update(average(updates))
-    metrics["optimizer_steps"] = float(len(updates))
-    metrics["step_seconds"] = time.perf_counter() - started
-    if learner.sharded:
-        learner.gather()
-    return metrics
+class LatentStep:
+    """What Flow-GRPO's and reward feedback learning's steps share: built on a learner,
+    it attaches itself under `name` (its `@collective train_step` runs on every rank),
+    sets the schedule's length, freezes the starting model as the KL's reference when
+    `trainer.algorithm.kl.coef` > 0, and keeps each update's metrics of the last step."""
+
+    name = ""
+    """The name the step attaches under."""
+
+    def __init__(self, learner: Learner, config: TrainerConfig, rl: RLSection) -> None:
+        self.learner, self.config, self.rl = learner, config, rl
+        self.any_label = any_label_of(learner.model_path)
+        learner.total_updates = rl.max_steps * self.updates_per_step
+        self.kl_coef = config.algorithm.kl.coef
+        self._reference: Any = learner.frozen_reference() if self.kl_coef > 0 else None
+        self.update_metrics: list[dict[str, float]] = []
+        """The metrics of each optimizer update of the last step, in order."""
+        learner.attach(self, self.name)
+
+    @property
+    def updates_per_step(self) -> int:
+        batching = self.config.batching
+        return batching.minibatches_per_step * batching.epochs_per_step
+
+    def velocity(self, model: Any = None) -> Velocity:
+        """The denoiser's velocity under `model` (the trained one by default), in float32."""
+
+        def velocity(x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.learner.forward(Noised(x, t, labels), model).float()
+
+        return velocity
+
+    def finish(self, metrics: dict[str, float], started: float) -> dict[str, float]:
+        """The step's metrics with its updates' averaged in, their count and the step's
+        seconds; on a sharded backend, rank 0 gathers the new weights to publish."""
+        metrics.update(average(self.update_metrics))
+        metrics["optimizer_steps"] = float(len(self.update_metrics))
+        metrics["step_seconds"] = time.perf_counter() - started
+        if self.learner.sharded:
+            self.learner.gather()
+        return metrics
+
+    def step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """`train_step` outside a run (benchmarks, tests): the version is the updates so far."""
+        return self.train_step(trajectories, self.learner.optimizer_steps)
+
+    def train_step(self, trajectories: list[Trajectory], trainer_version: int) -> dict[str, float]:
+        raise NotImplementedError

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -41,47 +40,29 @@ from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import split_rows
 from rollwire.trainer.learner import Learner, collective
-from rollwire.trainer.models.flow_denoiser import Noised
 from rollwire.trainer.rl.latents import (
     LatentBatch,
-    any_label_of,
+    LatentStep,
     batch_metrics,
-    finish_step,
     latent_batch,
     rank_share,
 )
 
 
-class RewardFLStep:
+class RewardFLStep(LatentStep):
     """See the module docstring. Build one on the learner (it attaches itself):
     `train_step` is what the trainer loop calls."""
 
-    def __init__(self, learner: Learner, config: TrainerConfig, rl: RLSection) -> None:
-        self.learner, self.config = learner, config
-        self.any_label = any_label_of(learner.model_path)
-        learner.total_updates = rl.max_steps * self.updates_per_step
-        self.kl_coef = config.algorithm.kl.coef
-        self._reference: Any = learner.frozen_reference() if self.kl_coef > 0 else None
-        self._rewards: dict[str, DifferentiableReward] = {}
-        self.update_metrics: list[dict[str, float]] = []
-        """The metrics of each optimizer update of the last step, in order."""
-        learner.attach(self, "reward_fl")
+    name = "reward_fl"
 
-    @property
-    def updates_per_step(self) -> int:
-        batching = self.config.batching
-        return batching.minibatches_per_step * batching.epochs_per_step
+    def __init__(self, learner: Learner, config: TrainerConfig, rl: RLSection) -> None:
+        super().__init__(learner, config, rl)
+        self._rewards: dict[str, DifferentiableReward] = {}
 
     def reward_of(self, domain: str) -> DifferentiableReward:
         if domain not in self._rewards:
             self._rewards[domain] = differentiable_reward(domain)
         return self._rewards[domain]
-
-    def _velocity(self, batch: LatentBatch, model: Any = None):
-        def velocity(x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return self.learner.forward(Noised(x, t, labels), model).float()
-
-        return guided(velocity, batch.settings.guidance, self.any_label)
 
     def run_window(self, batch: LatentBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The recorded steps run again from the window's first latent with the trained
@@ -91,8 +72,13 @@ class RewardFLStep:
         grid = time_grid(batch.settings.steps, batch.settings.shift)
         labels = batch.labels.to(device)
         x = batch.latents[:, 0].to(device)
-        field = self._velocity(batch)
-        reference = None if self._reference is None else self._velocity(batch, self._reference)
+        guidance = batch.settings.guidance
+        field = guided(self.velocity(), guidance, self.any_label)
+        reference = (
+            None
+            if self._reference is None
+            else guided(self.velocity(self._reference), guidance, self.any_label)
+        )
         gaps = []
         for index in batch.steps:
             t, t_next = grid[index], grid[index + 1]
@@ -142,7 +128,7 @@ class RewardFLStep:
                 self.update_metrics.append(
                     self._update(whole, rows, current if first else None, metrics)
                 )
-        return finish_step(self.learner, metrics, self.update_metrics, started)
+        return self.finish(metrics, started)
 
     def _update(
         self,
@@ -190,10 +176,6 @@ class RewardFLStep:
             out = backend.reduce_metrics(out, "sum")
         out.update(learner.optimizer_update())
         return out
-
-    def step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """`train_step` outside a run (tests): the version is the updates so far."""
-        return self.train_step(trajectories, self.learner.optimizer_steps)
 
 
 def check_window(batch: LatentBatch) -> None:
