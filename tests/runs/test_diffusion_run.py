@@ -17,12 +17,17 @@ from tests.helpers.runs import assert_no_process_left, jsonl, rollwire_train
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "diffusion_flow_grpo.yaml"
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """A barely trained digits model both runs start from (the rollout-server and the
+    trainer read it; neither writes into it)."""
+    folder = tmp_path_factory.mktemp("digits") / "model"
+    return build_digits_model(folder, DigitsSpec(steps=2, batch_size=8), progress=False)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_a_diffusion_run_goes_through_every_process(tmp_path) -> None:
-    model = build_digits_model(
-        tmp_path / "model", DigitsSpec(steps=2, batch_size=8), progress=False
-    )
+def test_a_diffusion_run_goes_through_every_process(tmp_path, model) -> None:
     run_dir, result = rollwire_train(
         tmp_path,
         f"rollout_server.model_path={model}",
@@ -78,13 +83,10 @@ def test_a_diffusion_run_goes_through_every_process(tmp_path) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_reward_feedback_learning_goes_through_every_process(tmp_path) -> None:
+def test_reward_feedback_learning_goes_through_every_process(tmp_path, model) -> None:
     """`examples/diffusion_reward_fl.yaml`: ODE samples whose last steps the trainer runs
     again with the reward's gradient; the engine's image is the trainer's, and the
     early stop's result names a kept evaluation."""
-    model = build_digits_model(
-        tmp_path / "model", DigitsSpec(steps=2, batch_size=8), progress=False
-    )
     run_dir, result = rollwire_train(
         tmp_path,
         f"rollout_server.model_path={model}",
