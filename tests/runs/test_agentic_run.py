@@ -105,8 +105,8 @@ def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
     0.99 at versions 5 / 10, and 0.13 -> 0.93 / 0.94."""
     run_dir, result = rollwire_train(
         tmp_path,
-        "rl.max_steps=10",
-        "orchestrator.eval_every=5",
+        "rl.max_steps=6",
+        "orchestrator.eval_every=3",
         config=REPO / "examples" / "agentic.yaml",
         timeout=840,
     )
@@ -114,7 +114,7 @@ def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
     evals = jsonl(run_dir / "metrics" / "eval.jsonl")
     curve = [(e["policy_version"], e["eval_reward"]) for e in evals]
     print(f"held-out greedy success by version: {curve}")
-    assert [version for version, _ in curve] == [0, 5, 10]
+    assert [version for version, _ in curve] == [0, 3, 6]
     start = curve[0][1]
     assert max(reward for _, reward in curve[1:]) >= start + 0.4, curve
     assert curve[-1][1] >= start + 0.3, curve
