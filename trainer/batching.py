@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from rollwire.services.core.images import ImageRef
 from rollwire.services.core.wire import Trajectory
 
 
@@ -35,6 +36,7 @@ class TokenBatch:
     top_logprobs: torch.Tensor | None = None  # [B, T-1, K], its logprobs of those
     documents: torch.Tensor | None = None  # [B, T], packed rows: each token's example, -1 pad
     positions: torch.Tensor | None = None  # [B, T], packed rows: positions within an example
+    images: list[list[ImageRef]] | None = None  # each row's images (a vision-language model)
 
     @property
     def lengths(self) -> list[int]:
@@ -54,7 +56,9 @@ class TokenBatch:
         cut = {}
         for field in fields(self):
             tensor = getattr(self, field.name)
-            if tensor is not None:
+            if field.name == "images":
+                tensor = None if tensor is None else [tensor[row] for row in rows]
+            elif tensor is not None:
                 full = ("input_ids", "attention", "documents", "positions")
                 columns = width if field.name in full else width - 1
                 tensor = tensor[index, :columns]
@@ -99,6 +103,9 @@ def collate(trajectories: list[Trajectory], pad_token_id: int) -> TokenBatch:
         behaviour_logprobs=as_tensor(behaviour[:, 1:].copy()),
         policy_versions=as_tensor(versions[:, 1:].copy()),
         teacher_logprobs=teacher,
+        images=[list(t.images) for t in trajectories]
+        if any(t.images for t in trajectories)
+        else None,
     )
 
 

@@ -144,6 +144,7 @@ class Learner:
         self.threads = config.threads
         self.config = config
         self.family = family or CausalLM()
+        self.family.ranks_in_step = config.backend != "local"
         self.model_path = Path(model_path)
         if config.backend == "local":
             # float32 whatever trainer.precision says: these are the master weights. With

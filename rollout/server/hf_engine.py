@@ -20,6 +20,13 @@ tokens already generated are kept. Every token is tagged with the version that
 produced it, so one response can hold tokens of two versions (a partial
 rollout), and its logprobs are those of the weights that chose each token.
 With `interruptible=False` an update waits for the batch in flight to end.
+
+A vision-language model folder (`rollwire.services.core.vision`) takes requests with
+images: each is checked against its prompt's placeholders and processed once when it
+arrives (a bad image is a RequestError naming what is wrong), its pixels go into every
+forward that computes its prompt (a new batch, a join, a re-layout after new weights),
+and its rows get the model's three-dimensional rotary positions there; decoding steps
+go on from the last position as text does.
 """
 
 from __future__ import annotations
@@ -48,6 +55,14 @@ from rollwire.rollout.server.engine import (
 )
 from rollwire.rollout.server.requests import InFlight
 from rollwire.rollout.server.sampling import SamplingBatch, SamplingSpec
+from rollwire.services.core.images import ImageError, ImageLimits, ImageRef
+from rollwire.services.core.vision import (
+    Features,
+    VisionSide,
+    is_vision_model,
+    mrope_positions,
+    suppress,
+)
 
 __all__ = ["ContextTooLong", "Generation", "HFEngine", "RequestError"]
 
@@ -62,6 +77,8 @@ class _Pending:
     future: asyncio.Future[Generation]
     enqueued: float = field(default_factory=time.monotonic)
     aborted: threading.Event = field(default_factory=threading.Event)
+    features: Features | None = None
+    """The processed images of the prompt (a vision-language model); None without images."""
 
 
 class HFEngine:
@@ -80,11 +97,13 @@ class HFEngine:
         initial_version: int = 0,
         interruptible: bool = True,
         seed: int | None = None,
+        image_limits: ImageLimits | None = None,
     ) -> None:
         """`seed` (rollout_server.seed) starts the generator requests without a seed of
         their own draw from (unset: torch's global one); a request with a seed draws from
-        a generator of its own, whatever it is batched with."""
-        from transformers import AutoModelForCausalLM
+        a generator of its own, whatever it is batched with. `image_limits`: what a
+        request's image may be (a vision-language model; `image_inputs`)."""
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         from rollwire.services.core.tiny import quiet_transformers
 
@@ -97,15 +116,14 @@ class HFEngine:
             )
         self.model_path = path
         self._generator = None if seed is None else torch.Generator().manual_seed(seed)
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-            .to(device)
-            .eval()
-        )
+        self.vision = VisionSide(path, image_limits) if is_vision_model(path) else None
+        auto = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+        self.model = auto.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
         self.device = torch.device(device)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
-        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        self.pad_token_id = int(self.model.config.pad_token_id or 0)
+        text_config = getattr(self.model.config, "text_config", self.model.config)
+        self.max_context = int(getattr(text_config, "max_position_embeddings", 1 << 30))
+        self.pad_token_id = int(getattr(text_config, "pad_token_id", None) or 0)
         self.max_batch_size = max_batch_size
         self.batch_wait_seconds = batch_wait_seconds
         self.batch_max_wait_seconds = max(batch_max_wait_seconds, batch_wait_seconds)
@@ -195,15 +213,24 @@ class HFEngine:
         validate_request(prompt_ids, spec, self.vocab_size, self.max_context)
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], spec: SamplingSpec
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        spec: SamplingSpec,
+        images: list[ImageRef] = (),
     ) -> Generation:
-        """Generates one continuation; waits in the queue with other requests for a batch."""
+        """Generates one continuation; waits in the queue with other requests for a batch.
+        `images`: those the prompt's placeholders stand for (a vision-language model)."""
         if self._closed:
             raise RuntimeError("the engine is shutting down")
         self.validate(prompt_ids, spec)
+        features = await self.image_features(prompt_ids, images)
         loop = asyncio.get_running_loop()
         with self._inflight.hold(
-            request_id, lambda: _Pending(request_id, list(prompt_ids), spec, loop.create_future())
+            request_id,
+            lambda: _Pending(
+                request_id, list(prompt_ids), spec, loop.create_future(), features=features
+            ),
         ) as pending:
             try:
                 self._intake.append(pending)
@@ -212,6 +239,20 @@ class HFEngine:
             except asyncio.CancelledError:  # the caller went away (deadline, hang-up): stop it
                 self._stop([pending])
                 raise
+
+    async def image_features(self, token_ids: list[int], images: list[ImageRef]) -> Features | None:
+        """The processed `images` of a request (off the event loop), checked against the
+        placeholders in `token_ids`; RequestError for a bad image or a model without images."""
+        if self.vision is None:
+            if images:
+                raise RequestError(
+                    f"{self.model_path} is not a vision-language model: it takes no images"
+                )
+            return None
+        try:
+            return await asyncio.to_thread(self.vision.check, token_ids, list(images))
+        except ImageError as error:
+            raise RequestError(str(error)) from None
 
     def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int:
         """Marks requests aborted; they return with finish reason "abort" and their tokens so far."""
@@ -301,6 +342,8 @@ class HFEngine:
             logits = self.model(
                 input_ids=ids.to(self.device), attention_mask=attention.to(self.device)
             ).logits
+            if self.vision is not None:
+                logits = suppress(logits, self.vision.suppressed)
             logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
             for row, (tokens, start) in enumerate(chunk):
                 # Position t - 1 predicts token t.
@@ -447,12 +490,15 @@ class HFEngine:
                 cache = None
                 aborts_seen = -1
             self.running = layout.live
+            inputs = {"position_ids": step_positions.to(self.device)}
+            if cache is None:  # a prompt's forward: its images, and their positions
+                inputs, step_positions = self._prompt_inputs(rows, step_ids, attention, inputs)
             out = self.model(
                 input_ids=step_ids.to(self.device),
                 attention_mask=attention.to(self.device),
-                position_ids=step_positions.to(self.device),
                 past_key_values=cache,
                 use_cache=True,
+                **inputs,
                 **self._last_logits_only,
             )
             cache = out.past_key_values
@@ -460,7 +506,7 @@ class HFEngine:
                 aborts_seen = self._aborts
                 for index in layout.aborted():
                     self._finish(rows[index], layout.version)
-            tokens, chosen = layout.sampler.sample(out.logits[:, -1, :].cpu())
+            tokens, chosen = layout.sampler.sample(self._next_logits(out.logits[:, -1, :]))
             for index in layout.advance(tokens, chosen):
                 self._finish(rows[index], layout.version)
             step_ids = tokens[:, None]
@@ -502,13 +548,18 @@ class HFEngine:
         prefixes = [row.sequence[:-1] for row in joining]
         longest = max(len(prefix) for prefix in prefixes)
         width = max(held, longest)
+        following = torch.tensor([[len(prefix)] for prefix in prefixes], dtype=positions.dtype)
         if longest:
             ids, mask = self._left_padded(prefixes)
+            inputs, prefix_positions = self._prompt_inputs(
+                joining, ids, mask, {"position_ids": (mask.cumsum(dim=1) - 1).clamp(min=0)}
+            )
+            following = prefix_positions[:, -1:] + 1
             out = self.model(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
-                position_ids=((mask.cumsum(dim=1) - 1).clamp(min=0)).to(self.device),
                 use_cache=True,
+                **inputs,
                 **self._last_logits_only,
             )
             added = out.past_key_values
@@ -534,11 +585,37 @@ class HFEngine:
             ]
         )
         step_ids = torch.cat([step_ids, torch.tensor([[row.sequence[-1]] for row in joining])])
-        positions = torch.cat(
-            [positions, torch.tensor([[len(prefix)] for prefix in prefixes], dtype=positions.dtype)]
-        )
+        positions = torch.cat([positions, following])
         rows.extend(joining)
         return cache, step_ids, attention, positions
+
+    def _next_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The last position's logits on the CPU, a vision model's placeholders suppressed."""
+        if self.vision is not None:
+            logits = suppress(logits, self.vision.suppressed)
+        return logits.cpu()
+
+    def _prompt_inputs(
+        self, rows: list[_Row], ids: torch.Tensor, attention: torch.Tensor, inputs: dict
+    ) -> tuple[dict, torch.Tensor]:
+        """The model inputs of a forward over `rows`' left-padded prompts `ids`: `inputs`
+        as they are for text, and for rows with images their pixels and the model's
+        three-dimensional positions; and each token's position as the next decoding step
+        goes on from (the last column: where the next token's position follows)."""
+        features = [row.pending.features for row in rows if row.pending.features is not None]
+        if not features:
+            return inputs, inputs["position_ids"].cpu()
+        assert self.vision is not None
+        grid = torch.cat([f.grid for f in features])
+        positions = mrope_positions(self.model, ids, attention, grid, self.vision.image_token)
+        pixels = torch.cat([f.pixel_values for f in features]).to(self.device, self.model.dtype)
+        vision = {
+            "position_ids": positions.to(self.device),
+            "pixel_values": pixels,
+            "image_grid_thw": grid.to(self.device),
+        }
+        # A prompt ends in text: its last position is the same in all three dimensions.
+        return vision, positions.amax(dim=0)
 
     def _finish(self, row: _Row, version: int) -> None:
         self.generated_tokens += len(row.tokens)

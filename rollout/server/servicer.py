@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -27,6 +28,7 @@ from rollwire.rollout.server.weights import (
     WeightStreamError,
 )
 from rollwire.services.core.config import RolloutServerConfig
+from rollwire.services.core.images import ImageError, ImageLimits, ImageRef, of_protos
 from rollwire.services.core.metrics import COUNTERS, GAUGES
 from rollwire.services.core.server import Registration, reject
 from rollwire.services.core.tokenizer import tokenizer_digest
@@ -114,12 +116,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         prompt: list[int],
         spec: SamplingSpec,
         context: grpc.aio.ServicerContext,
+        images: list[ImageRef] = (),
     ) -> rollout_pb2.GenerateResponse:
         await self._wait_for_weights(context)
         await self._start()
         try:
+            if images and not hasattr(self.engine, "image_features"):
+                raise RequestError(f"the {self.engine.name} engine takes no images")
             with self.watchdog.watch("request", request_id, self.watch_seconds):
-                result = await self.engine.generate(request_id, prompt, spec)
+                if images:
+                    result = await self.engine.generate(request_id, prompt, spec, images)
+                else:
+                    result = await self.engine.generate(request_id, prompt, spec)
         except ContextTooLong as error:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "context", str(error))
         except RequestError as error:
@@ -145,9 +153,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GenerateResponse:
         spec = sampling_spec(request.sampling)
+        images = await self._images(request.images, context)
         return await self._generate(
-            request.request_id, list(request.prompt_token_ids), spec, context
+            request.request_id, list(request.prompt_token_ids), spec, context, images
         )
+
+    async def _images(self, messages: Any, context: grpc.aio.ServicerContext) -> list[ImageRef]:
+        try:
+            return of_protos(messages)
+        except ImageError as error:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_image", str(error))
 
     async def GenerateGroup(
         self, request: rollout_pb2.GenerateGroupRequest, context: grpc.aio.ServicerContext
@@ -160,6 +175,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 "num_samples must lie in [1, 1024]",
             )
         prompt, spec = list(request.prompt_token_ids), sampling_spec(request.sampling)
+        images = await self._images(request.images, context)
         # Seeded groups: sample i draws from seed + i, so samples differ and repeat by index.
         specs = [
             spec if spec.seed is None else dataclasses.replace(spec, seed=spec.seed + i)
@@ -167,7 +183,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         ]
         samples = await asyncio.gather(
             *(
-                self._generate(f"{request.request_id}/{i}", prompt, specs[i], context)
+                self._generate(f"{request.request_id}/{i}", prompt, specs[i], context, images)
                 for i in range(request.num_samples)
             )
         )
@@ -379,8 +395,9 @@ IN_PROCESS_ENGINES = {
 }
 
 
-def build_engine(config: RolloutServerConfig) -> Engine:
-    """The engine named in the config, loaded and ready."""
+def build_engine(config: RolloutServerConfig, image_limits: ImageLimits | None = None) -> Engine:
+    """The engine named in the config, loaded and ready; `image_limits` (`image_inputs`):
+    what a request's image may be, for an engine serving a vision-language model."""
     import torch
 
     torch.set_num_threads(config.threads)
@@ -434,13 +451,20 @@ def build_engine(config: RolloutServerConfig) -> Engine:
         device=config.device,
         interruptible=config.interruptible,
         seed=config.seed,
+        image_limits=image_limits,
     )
 
 
-def registrations(config: RolloutServerConfig, watch_seconds: float = 300.0) -> list[Registration]:
+def registrations(
+    config: RolloutServerConfig,
+    watch_seconds: float = 300.0,
+    image_limits: ImageLimits | None = None,
+) -> list[Registration]:
     """What `rollwire rollout-server` hosts."""
     servicer = RolloutServicer(
-        build_engine(config), await_weights=config.await_weights, watch_seconds=watch_seconds
+        build_engine(config, image_limits),
+        await_weights=config.await_weights,
+        watch_seconds=watch_seconds,
     )
     return [
         Registration(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE_NAME)

@@ -79,8 +79,9 @@ def _serve(command: str, args: argparse.Namespace) -> int:
         # The engine's own generator: rollout_server.seed mixed with run.seed.
         section.seed = stream_seed(config.run.seed, "engine", section.seed)
         watch = config.telemetry.watchdog_seconds
+        limits = config.image_inputs.limits()
         return run_service(
-            command, config, section.server, lambda: module.registrations(section, watch)
+            command, config, section.server, lambda: module.registrations(section, watch, limits)
         )
     if command == "reward-server":  # a judge on a rollout-server is called as a client
         return run_service(

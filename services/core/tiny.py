@@ -42,6 +42,12 @@ class TinySpec:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 256
     seed: int = 0
+    vision: int = 0
+    """1: a vision-language model of the Qwen2-VL shape instead (`build_tiny_vlm`): a
+    one-block vision tower and the same text sizes, heads of hidden_size / heads."""
+    image_size: int = 56
+    """A vision model's images are resized to image_size x image_size (a multiple of 28),
+    (image_size / 28)^2 image tokens each."""
 
 
 def quiet_transformers() -> None:
@@ -75,6 +81,8 @@ def build_tiny_model(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if spec.vision:
+        return build_tiny_vlm(folder, spec, keep_existing)
     quiet_transformers()
     folder = Path(folder)
     tokenizer = build_tokenizer()
@@ -127,3 +135,90 @@ def ensure_tiny_model(
     if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
         return folder
     return build_tiny_model(folder, spec, keep_existing)
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+def build_tiny_vlm(folder: str | Path, spec: TinySpec, keep_existing: bool = False) -> Path:
+    """A freshly initialised Qwen2-VL-shaped model (`spec.vision`), the character tokenizer
+    with the three vision tokens added, and a Pillow image processor that makes every image
+    `spec.image_size` pixels square (the processor that also wants torchvision is not
+    needed: the tokenizer and the image processor are saved apart)."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    if spec.image_size % 28:
+        raise ValueError(
+            f"run.tiny_model.image_size must be a multiple of 28, not {spec.image_size}"
+        )
+    quiet_transformers()
+    folder = Path(folder)
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=True) for t in VISION_TOKENS])
+    start, pad, end = (tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+    head = spec.hidden_size // spec.num_attention_heads
+    quarter = head // 2 // 4  # M-RoPE splits a head's rotary pairs over time, height, width
+    sections = [
+        quarter,
+        (head // 2 - quarter) // 2,
+        head // 2 - quarter - (head // 2 - quarter) // 2,
+    ]
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": -(-len(tokenizer) // 8) * 8,
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": spec.num_hidden_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads,
+            "max_position_embeddings": spec.max_position_embeddings,
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": sections,
+                "rope_theta": 10000.0,
+            },
+            "tie_word_embeddings": spec.tie_word_embeddings,
+            "bos_token_id": tokenizer.eos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": spec.hidden_size,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        image_token_id=pad,
+        video_token_id=pad,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    pixels = spec.image_size * spec.image_size
+    processor = Qwen2VLImageProcessorPil(
+        min_pixels=pixels, max_pixels=pixels, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(spec.seed)
+    try:
+        model = Qwen2VLForConditionalGeneration(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    keep = BUILD_MARKER if keep_existing else None
+    with staged_directory(folder, keep_if_present=keep) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        processor.save_pretrained(staging)
+        (staging / BUILD_MARKER).write_text(json.dumps(asdict(spec)))
+    return folder

@@ -21,6 +21,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from rollwire.services.core.images import ImageError, ImageRef, of_wire, to_wire
+
 SCHEMA_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
@@ -153,6 +155,11 @@ class Trajectory:
     index in `token_ids`, 1 in `loss_mask`, its log-probability and the policy version
     that took it), and `tensors` holds `latents` (float32 [R + 1, C, H, W], before each
     step and after the last) and `label` (int64 [1], what the sample was conditioned on)."""
+    images: list[ImageRef] = field(default_factory=list)
+    """The images a vision-language episode showed the model, in the order of their
+    placeholders, each by value or by reference with its `offset` (the index of its first
+    placeholder token): what the trainer's forward needs beside the token ids. Empty for
+    a text episode (and left out of its frame)."""
 
     @property
     def num_tokens(self) -> int:
@@ -202,7 +209,7 @@ _TOKEN_ARRAYS = {
 _STRING_FIELDS = ("trajectory_id", "group_id", "task_id", "source", "domain", "finish_reason")
 _INT_FIELDS = ("sample_index", "prompt_ordinal")
 _TRAJECTORY_KEYS = frozenset(f.name for f in fields(Trajectory))
-_OPTIONAL_KEYS = frozenset({"teacher_logprobs", "kind", "tensors"})
+_OPTIONAL_KEYS = frozenset({"teacher_logprobs", "kind", "tensors", "images"})
 """Fields a frame may leave out (frames written before they existed): their defaults."""
 _DEFAULT_KIND = "tokens"
 """The kind of a frame that names none. Encoding leaves it out, so a token trajectory's
@@ -244,6 +251,8 @@ def _trajectory_body(trajectory: Trajectory) -> dict[str, Any]:
         }
     if trajectory.kind != _DEFAULT_KIND:
         body["kind"] = str(trajectory.kind)
+    if trajectory.images:
+        body["images"] = [to_wire(image) for image in trajectory.images]
     return body
 
 
@@ -341,6 +350,7 @@ class _Checked:
     trace: dict[str, str]
     kind: str
     tensors: dict[str, np.ndarray]
+    images: list[ImageRef]
 
 
 MAX_TENSORS = 16
@@ -358,6 +368,31 @@ def _tensors(value: Any, where: str) -> dict[str, np.ndarray]:
         if type(name) is not str or not name:
             raise WireError(f"{where}.tensors: names must be non-empty strings")
         out[name] = decode_array(array, f"{where}.tensors[{name!r}]", copy=False)
+    return out
+
+
+MAX_IMAGES = 64
+"""Images one trajectory may carry."""
+
+
+def _images(value: Any, where: str, tokens: int) -> list[ImageRef]:
+    """A body's `images`, each a valid image whose offset lies in the episode, in order."""
+    if value is None:
+        return []
+    if type(value) is not list or len(value) > MAX_IMAGES:
+        raise WireError(f"{where}.images: expected a list of at most {MAX_IMAGES} images")
+    out = []
+    for index, item in enumerate(value):
+        try:
+            image = of_wire(item)
+        except ImageError as error:
+            raise WireError(f"{where}.images[{index}]: {error}") from None
+        if not 0 <= image.offset < tokens or (out and image.offset <= out[-1].offset):
+            raise WireError(
+                f"{where}.images[{index}]: offset {image.offset} is not inside the episode's "
+                f"{tokens} tokens after the image before it"
+            )
+        out.append(image)
     return out
 
 
@@ -430,7 +465,8 @@ def _check_body(body: Any, where: str) -> _Checked:
     for name in ("reward_components", "timings"):
         if not _finite_floats(body[name]):  # the usual case in one pass; else the full check
             _float_map(body[name], f"{where}.{name}")
-    return _Checked(arrays, oldest, step_rewards, turn_ids, teacher, trace, kind, tensors)
+    images = _images(body.get("images"), where, tokens)
+    return _Checked(arrays, oldest, step_rewards, turn_ids, teacher, trace, kind, tensors, images)
 
 
 def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
@@ -449,6 +485,7 @@ def _trajectory_from_body(body: Any, where: str = "trajectory") -> Trajectory:
         teacher_logprobs=np.zeros(0, np.float32) if teacher is None else teacher.copy(),
         tensors={name: array.copy() for name, array in checked.tensors.items()},
         kind=checked.kind,
+        images=checked.images,
     )
 
 

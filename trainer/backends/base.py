@@ -153,7 +153,9 @@ def load_master_model(
     float32 (the master weights, whatever the precision), on the CPU and in training
     mode; with non-reentrant activation checkpointing when asked (no need for inputs
     that require grad, exact gradients). `value_head`: a critic (`ModelFamily.load`)."""
-    model = (family or CausalLM()).load(Path(model_path), value_head=value_head)
+    family = family or CausalLM()
+    model = family.load(Path(model_path), value_head=value_head)
+    family.freeze(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()

@@ -94,12 +94,13 @@ class DeepSpeedBackend(TrainBackend):
             "betas": optimizer.betas,
             "eps": optimizer.eps,
         }
+        trained = [p for p in model.parameters() if p.requires_grad]  # trainer.freeze
         if config.offload_optimizer and env.device.type == "cuda":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            inner = DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **settings)
+            inner = DeepSpeedCPUAdam(trained, adamw_mode=True, **settings)
         else:
-            inner = torch.optim.AdamW(model.parameters(), **settings)
+            inner = torch.optim.AdamW(trained, **settings)
         # DeepSpeed reads these even in a group it did not make (one process, no torchrun).
         names = {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank}
         for key, value in names.items():

@@ -81,7 +81,7 @@ class FSDP2Backend(TrainBackend):
                 self.sharded_layers += 1
         fully_shard(model, mesh=mesh, mp_policy=policy)  # moves every shard to the device
         self.model = model
-        self.optimizer = optimizer.build(model.parameters())
+        self.optimizer = optimizer.build([p for p in model.parameters() if p.requires_grad])
 
     @property
     def module(self) -> torch.nn.Module:

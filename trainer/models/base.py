@@ -27,6 +27,14 @@ class ModelFamily(ABC):
     """peft's `TaskType` name for LoRA on this family (e.g. `CAUSAL_LM`); empty for a model
     peft wraps without a task (a diffusers UNet)."""
 
+    frozen: tuple[str, ...] = ()
+    """Module prefixes whose parameters do not train (`trainer.freeze`), applied by
+    `freeze` when the master weights are loaded."""
+
+    ranks_in_step: bool = False
+    """Set by the learner on a sharded backend: every rank's forward must run the same
+    modules, whatever its micro-batch holds (see models/vision_lm.py)."""
+
     weights_stem: str = "model"
     """The stem of a saved folder's safetensors files as the family's `from_pretrained`
     looks for them (`model.safetensors`, or `model-00001-of-00002.safetensors` and
@@ -63,6 +71,22 @@ class ModelFamily(ABC):
     def pad_token_id(self, config: Any) -> int:
         """The id padding positions hold (never attended to, never in a loss)."""
         return int(getattr(config, "pad_token_id", None) or 0)
+
+    def freeze(self, model: torch.nn.Module) -> None:
+        """Stops the parameters under `frozen`'s prefixes from training; ValueError for a
+        prefix that names none (a typo would otherwise train everything silently)."""
+        names = [name for name, _ in model.named_parameters()]
+        for prefix in self.frozen:
+            hits = [name for name in names if name == prefix or name.startswith(prefix + ".")]
+            if not hits:
+                tops = sorted({name.rsplit(".", 2)[0] for name in names})[:8]
+                raise ValueError(
+                    f"trainer.freeze: {prefix!r} names no parameter of the model (some of its "
+                    f"modules: {', '.join(tops)})"
+                )
+        for name, param in model.named_parameters():
+            if any(name == p or name.startswith(p + ".") for p in self.frozen):
+                param.requires_grad_(False)
 
     def wire_name(self, name: str) -> str:
         """A parameter's name as the rollout-servers load it (the same by default)."""

@@ -127,10 +127,10 @@ def pipeline_learner(
     step; rank 0's number: the other ranks get it from rank 0). `family`: `module:Class`
     (a pipeline entry's)."""
     from rollwire.trainer.learner import Learner, seed_initialisation
-    from rollwire.trainer.pipelines.table import load
+    from rollwire.trainer.models import family_for
 
     seed_initialisation(config.run.seed)
-    learner = Learner(model_path, config.trainer, load(family)())
+    learner = Learner(model_path, config.trainer, family_for(family, model_path, config))
     learner.total_updates = int(learner.backend.broadcast_object(steps))
     return learner
 

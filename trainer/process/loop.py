@@ -52,10 +52,11 @@ log = logging.getLogger(__name__)
 
 def policy_of(config: RunConfig, model_path: Path) -> Policy:
     """The policy of `config`'s pipeline (`pipeline_of`): its model family and its step."""
+    from rollwire.trainer.models import family_for
+
     pipeline = pipeline_of(config)
-    return Policy(
-        model_path, config.trainer, config.rl, load(pipeline.family)(), load(pipeline.step)
-    )
+    family = family_for(pipeline.family, model_path, config)
+    return Policy(model_path, config.trainer, config.rl, family, load(pipeline.step))
 
 
 async def resume(

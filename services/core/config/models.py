@@ -102,6 +102,7 @@ __all__ = [
     "EnvServerConfig",
     "FileDataset",
     "ImageDataset",
+    "ImageInputsConfig",
     "ImageSamplingConfig",
     "JudgeConfig",
     "KLConfig",
@@ -246,6 +247,33 @@ class RunSection(StrictModel):
     openai engines and fsdp2/deepspeed ranks keep the threads they started with."""
 
 
+class ImageInputsConfig(StrictModel):
+    """What an image in a prompt, an observation or a trajectory may be, for every service
+    that opens one (`rollwire.services.core.images`): past a limit it is refused with an
+    error naming it, and the service keeps serving."""
+
+    max_bytes: int = Field(4 << 20, ge=1)
+    """Largest encoded image, given by value or read from a file."""
+    max_pixels: int = Field(4096 * 4096, ge=1)
+    """Largest width x height (checked before the pixels are decoded)."""
+    formats: list[Literal["png", "jpeg", "webp", "gif", "bmp"]] = [
+        "png",
+        "jpeg",
+        "webp",
+        "gif",
+        "bmp",
+    ]
+    """Formats an image may be in (its bytes decide, not its name)."""
+    roots: list[str] = []
+    """Folders a referenced image (a path or file:// URI) may lie in; empty: any local
+    path. Nothing is read from the network."""
+
+    def limits(self) -> Any:
+        from rollwire.services.core.images import ImageLimits
+
+        return ImageLimits(self.max_bytes, self.max_pixels, tuple(self.formats), tuple(self.roots))
+
+
 class RunConfig(PipelineSections):
     """A whole run: every service reads this file and uses its own section (the
     pipelines' sections come from `PipelineSections`)."""
@@ -274,6 +302,8 @@ class RunConfig(PipelineSections):
     """The orchestrator."""
     endpoints: EndpointsConfig = EndpointsConfig()
     """Addresses of the services, for the ones that call others."""
+    image_inputs: ImageInputsConfig = ImageInputsConfig()
+    """Limits on images (a vision-language model's prompts and observations)."""
 
     @model_validator(mode="after")
     def _on_policy_distillation_has_a_teacher(self) -> RunConfig:

@@ -327,6 +327,10 @@ class TrainerConfig(StrictModel):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (Hugging Face
     `gradient_checkpointing_enable`): less memory, about one more forward of time."""
+    freeze: list[str] = []
+    """Module prefixes whose parameters do not train, by their names in the loaded model
+    (e.g. `model.visual`: a vision-language model's vision tower); each must name some.
+    The optimizer holds only the others; checkpoints and published weights keep them all."""
     lora: LoraConfig | None = None
     """Train LoRA adapters instead of all the weights (`local` backend only). The rollout-servers
     get the merged weights; a checkpoint holds the adapters (`adapter/`) and the merged

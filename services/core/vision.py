@@ -1,0 +1,151 @@
+"""A vision-language model's image side, the same in the orchestrator, the engines and the trainer.
+
+A model folder is a vision-language one when its config has a `vision_config` (the
+Qwen2-VL and Qwen2.5-VL shape: an image is `<|vision_start|>`, one `<|image_pad|>` per
+merged patch, `<|vision_end|>`, and its pixels go beside the token ids). `VisionSide`
+reads the folder's image processor and placeholder ids once and then:
+
+- `prompt_ids(images, text_ids)`: the placeholders of each image (as many pad tokens as
+  the model reads it as) before the text, and where each image starts;
+- `features(images)`: the processor's `pixel_values` and `image_grid_thw` for the forward;
+- `check(token_ids, images)`: the pad tokens and the images agree (a clear ImageError if
+  not), before any forward is run on them.
+
+`mrope_positions` gives the three-dimensional rotary positions such a model takes, for
+right- or left-padded rows, from the model's own `get_rope_index`.
+
+The placeholder tokens are never generated: a sampled `<|image_pad|>` would stand for
+pixels nobody has. The engines and the trainer both apply `suppress` to the logits, so
+the policy they agree on is the model's distribution over every other token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollwire.services.core.images import ImageError, ImageLimits, ImageRef, open_image
+
+
+def is_vision_model(folder: str | Path) -> bool:
+    """Whether the model folder holds a vision-language model (its config has a vision part)."""
+    config = Path(folder) / "config.json"
+    try:
+        return "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass
+class Features:
+    """An image list's processor output: `pixel_values` [patches, dim], `grid` [N, 3]."""
+
+    pixel_values: Any
+    grid: Any
+
+    @property
+    def count(self) -> int:
+        return int(self.grid.shape[0])
+
+
+class VisionSide:
+    """The image processor and placeholder ids of a vision-language model folder."""
+
+    def __init__(self, folder: str | Path, limits: ImageLimits | None = None) -> None:
+        from transformers import AutoImageProcessor
+
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        if "vision_config" not in config:
+            raise ValueError(f"{folder} is not a vision-language model (no vision_config)")
+        self.image_token = int(config["image_token_id"])
+        self.start = int(config["vision_start_token_id"])
+        self.end = int(config["vision_end_token_id"])
+        self.processor = AutoImageProcessor.from_pretrained(folder)
+        self.merge = int(getattr(self.processor, "merge_size", 1) or 1)
+        self.limits = limits or ImageLimits()
+        self.suppressed = sorted(
+            {
+                self.image_token,
+                self.start,
+                self.end,
+                int(config.get("video_token_id", self.image_token)),
+            }
+        )
+        """Token ids the model never generates (`suppress`)."""
+
+    def features(self, images: list[ImageRef]) -> Features:
+        """The pixels of `images` as the model's forward takes them."""
+        opened = [open_image(image, self.limits) for image in images]
+        out = self.processor(images=opened, return_tensors="pt")
+        return Features(out["pixel_values"], out["image_grid_thw"])
+
+    def token_counts(self, features: Features) -> list[int]:
+        """How many pad tokens the model reads each image as."""
+        return [int(row.prod()) // self.merge**2 for row in features.grid]
+
+    def placeholders(self, count: int) -> list[int]:
+        """One image's tokens: start, `count` pad tokens, end."""
+        return [self.start, *[self.image_token] * count, self.end]
+
+    def prompt_ids(
+        self, images: list[ImageRef], text_ids: list[int], prefix: list[int] = ()
+    ) -> tuple[list[int], list[ImageRef]]:
+        """`prefix`, each image's placeholders, then `text_ids`; and the images with their
+        offsets (the index of each one's first pad token)."""
+        ids = list(prefix)
+        placed = []
+        if images:
+            for image, count in zip(images, self.token_counts(self.features(images)), strict=True):
+                placed.append(image.with_offset(len(ids) + 1))
+                ids.extend(self.placeholders(count))
+        return ids + list(text_ids), placed
+
+    def check(self, token_ids: list[int], images: list[ImageRef]) -> Features | None:
+        """The features of `images` if the token ids hold exactly their pad tokens;
+        ImageError otherwise (also for pad tokens without images). None: no images."""
+        pads = sum(1 for token in token_ids if token == self.image_token)
+        if not images:
+            if pads:
+                raise ImageError(f"the tokens hold {pads} image pad tokens but no image was given")
+            return None
+        features = self.features(images)
+        wanted = sum(self.token_counts(features))
+        if pads != wanted:
+            raise ImageError(
+                f"the tokens hold {pads} image pad tokens, but the {len(images)} image(s) "
+                f"given make {wanted}: each image's placeholders must be made for it "
+                "(VisionSide.prompt_ids)"
+            )
+        return features
+
+
+SUPPRESSED_LOGIT = -1.0e9
+"""The logit a suppressed token gets: finite (no inf or nan in any product with a zero
+mask), and far enough below every other that its probability is exactly 0 in float32."""
+
+
+def suppress(logits: Any, token_ids: list[int]) -> Any:
+    """`logits` [..., V] with the `token_ids` columns set to SUPPRESSED_LOGIT (a copy)."""
+    import torch
+
+    index = torch.tensor(token_ids, device=logits.device)
+    return logits.index_fill(-1, index, SUPPRESSED_LOGIT)
+
+
+def mrope_positions(model: Any, input_ids: Any, attention: Any, grid: Any, image_token: int) -> Any:
+    """[3, B, T] rotary positions of a Qwen2-VL-shaped model for padded rows (padding
+    positions 0), by the model's own `get_rope_index`; `grid` None: text-only rows."""
+    import torch
+
+    inner = getattr(model, "model", model)
+    while not hasattr(inner, "get_rope_index") and hasattr(inner, "model"):
+        inner = inner.model  # a peft wrapper, or the base model of one
+    types = (input_ids == image_token).int()
+    mask = attention.to(input_ids.device)
+    positions, _ = inner.get_rope_index(
+        input_ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask
+    )
+    return torch.where(mask.bool()[None], positions, torch.zeros_like(positions))

@@ -1,0 +1,96 @@
+"""Images by value and by reference: every bad one is a clear ImageError (the services
+turn it into INVALID_ARGUMENT), and trajectories carry them through the wire intact."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rollwire.services.core.images import (
+    ImageError,
+    ImageLimits,
+    ImageRef,
+    encode_png,
+    open_image,
+)
+from rollwire.services.core.wire import Trajectory, WireError, decode_trajectory, encode
+
+
+def _png(size: int = 8) -> ImageRef:
+    return encode_png(Image.fromarray(np.arange(size * size, dtype=np.uint8).reshape(size, size)))
+
+
+def test_an_image_opens_by_value_and_by_reference(tmp_path) -> None:
+    image = _png()
+    path = tmp_path / "digit.png"
+    path.write_bytes(image.data)
+    by_value = open_image(image, ImageLimits())
+    for ref in (ImageRef.of_file(path), ImageRef(uri=f"file://{path}")):
+        opened = open_image(ref, ImageLimits(roots=(str(tmp_path),)))
+        assert opened.mode == "RGB" and np.array_equal(np.asarray(opened), np.asarray(by_value))
+
+
+def test_every_bad_image_says_what_is_wrong(tmp_path) -> None:
+    image = _png(64)
+    jpeg = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(jpeg, format="JPEG")
+    outside = tmp_path / "elsewhere" / "a.png"
+    outside.parent.mkdir()
+    outside.write_bytes(image.data)
+    allowed = tmp_path / "images"
+    allowed.mkdir()
+    cases = [
+        (ImageRef(data=b"\x89PNG not really", format="png"), ImageLimits(), "not an image"),
+        (ImageRef(data=image.data[:60], format="png"), ImageLimits(), "does not decode"),
+        (image, ImageLimits(max_bytes=100), "over image_inputs.max_bytes"),
+        (image, ImageLimits(max_pixels=64 * 63), "64x64 pixels, over image_inputs.max_pixels"),
+        (image, ImageLimits(formats=("jpeg",)), "is png; image_inputs.formats allows jpeg"),
+        (ImageRef(data=jpeg.getvalue(), format="png"), ImageLimits(), "says it is png"),
+        (ImageRef(uri=str(tmp_path / "missing.png")), ImageLimits(), "No such file"),
+        (ImageRef(uri="https://example.com/a.png"), ImageLimits(), "never fetched"),
+        (ImageRef(uri="s3://bucket/a.png"), ImageLimits(), "unknown scheme"),
+        (ImageRef.of_file(outside), ImageLimits(roots=(str(allowed),)), "outside the folders"),
+        (ImageRef.of_file(outside), ImageLimits(max_bytes=100), "over image_inputs.max_bytes"),
+    ]
+    for ref, limits, message in cases:
+        with pytest.raises(ImageError, match=message.replace(".", r"\.")):
+            open_image(ref, limits)
+    with pytest.raises(ImageError, match="either by value"):
+        ImageRef(data=b"x", uri="/a.png")
+    with pytest.raises(ImageError, match="either by value"):
+        ImageRef()
+
+
+def _trajectory(images: list[ImageRef], tokens: int = 8) -> Trajectory:
+    return Trajectory(
+        trajectory_id="t",
+        group_id="g",
+        task_id="x",
+        sample_index=0,
+        prompt_ordinal=0,
+        source="s",
+        domain="d",
+        token_ids=np.arange(tokens, dtype=np.int32),
+        loss_mask=np.array([0] * (tokens - 2) + [1, 1], np.uint8),
+        behaviour_logprobs=np.zeros(tokens, np.float32),
+        policy_versions=np.array([-1] * (tokens - 2) + [0, 0], np.int64),
+        reward=1.0,
+        images=images,
+    )
+
+
+def test_trajectories_carry_images_through_the_wire_and_refuse_broken_ones() -> None:
+    value, reference = _png().with_offset(1), ImageRef(uri="/data/a.png", offset=4)
+    trajectory = _trajectory([value, reference])
+    assert decode_trajectory(encode(trajectory)) == trajectory
+    # A text trajectory's frame has no images field at all.
+    assert b"images" not in encode(_trajectory([]))
+    for images, message in (
+        ([ImageRef(uri="/a.png", offset=8)], "not inside the episode"),
+        ([reference, value], "not inside the episode"),  # out of order
+    ):
+        with pytest.raises(WireError, match=message):
+            decode_trajectory(encode(_trajectory(images)))
