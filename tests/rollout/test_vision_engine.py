@@ -23,8 +23,8 @@ from rollwire.services.core.vision import VisionSide
 from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import collate
 from rollwire.trainer.models.vision_lm import VisionLM
-from tests.conftest import digit_images
 from tests.helpers.servers import serve_engine
+from tests.helpers.vision import digit_images
 
 
 def _prompts(path, count: int) -> list[tuple[list[int], list[ImageRef]]]:
@@ -38,7 +38,7 @@ def _prompts(path, count: int) -> list[tuple[list[int], list[ImageRef]]]:
 
 
 def _trajectory(prompt: list[int], images: list[ImageRef], generated) -> Trajectory:
-    tokens, n = list(generated.token_ids), len(prompt) + len(generated.token_ids)
+    tokens = list(generated.token_ids)
     return Trajectory(
         trajectory_id="t",
         group_id="g",

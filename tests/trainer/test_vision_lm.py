@@ -1,0 +1,103 @@
+"""The vision-language family in the trainer: chosen by the model folder, frozen by prefix,
+its checkpoints loading with `from_pretrained` (processor included), and its steps on two
+sharded ranks, one with images and one without, equal to one process's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollwire.services.core.config import RunConfig
+from rollwire.trainer.learner import Learner
+from rollwire.trainer.models import CAUSAL_LM, CausalLM, family_for
+from rollwire.trainer.models.vision_lm import VisionLM
+
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "vision_worker.py"
+
+
+def _run(model: Path, out: Path, *options: str, ranks: int = 0) -> list[dict]:
+    args = [str(WORKER), "--model", str(model), "--out", str(out), *options]
+    if ranks:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        args = [*launcher, "--nproc-per-node", str(ranks), *args]
+    else:
+        args = [sys.executable, *args]
+    done = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out / "steps.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def local(tiny_vlm_path, tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("vision-local")
+    return out, _run(tiny_vlm_path, out)
+
+
+def test_the_family_follows_the_model_folder_and_freezes_by_prefix(
+    tiny_vlm_path, tiny_model_path
+) -> None:
+    assert isinstance(family_for(CAUSAL_LM, tiny_vlm_path), VisionLM)
+    assert type(family_for(CAUSAL_LM, tiny_model_path)) is CausalLM
+    config = RunConfig.model_validate({"trainer": {"freeze": ["model.visual"]}})
+    learner = Learner(tiny_vlm_path, config.trainer, family_for(CAUSAL_LM, tiny_vlm_path, config))
+    trained = {n for n, p in learner.model.named_parameters() if p.requires_grad}
+    assert trained and not any(name.startswith("model.visual.") for name in trained)
+    assert any(name.startswith("model.language_model.") for name in trained)
+    typo = RunConfig.model_validate({"trainer": {"freeze": ["model.vision"]}})
+    with pytest.raises(ValueError, match="'model.vision' names no parameter"):
+        Learner(tiny_vlm_path, typo.trainer, family_for(CAUSAL_LM, tiny_vlm_path, typo))
+
+
+def test_a_trained_vision_model_loads_with_from_pretrained(local, tiny_vlm_path) -> None:
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    out, steps = local
+    assert steps[1]["norm"] < steps[0]["norm"]  # two steps on one batch: it learns it
+    folder = out / "checkpoint"
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    start = AutoModelForImageTextToText.from_pretrained(tiny_vlm_path)
+    assert type(AutoImageProcessor.from_pretrained(folder)).__name__.startswith("Qwen2VL")
+    assert AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids("<|image_pad|>") == (
+        model.config.image_token_id
+    )
+    weights, before = model.state_dict(), start.state_dict()
+    # trainer.freeze kept the patch embedding as it was; the rest moved.
+    frozen = "model.visual.patch_embed.proj.weight"
+    assert torch.equal(weights[frozen], before[frozen])
+    moved = [n for n in weights if n != frozen and not torch.equal(weights[n], before[n])]
+    assert any(n.startswith("model.visual.blocks") for n in moved)
+    assert any(n.startswith("model.language_model") for n in moved)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"])
+def test_two_ranks_one_with_images_one_without_step_like_one_process(
+    backend, local, tiny_vlm_path, tmp_path
+) -> None:
+    """Rank 0's micro-batch shows digits, rank 1's is text: without the blank image on
+    rank 1 the ranks wait on each other's vision tower (measured: gloo's connection reset).
+    ZeRO-3 for DeepSpeed: it gathers parameters in the forward, as fsdp2 does."""
+    reference_out, reference = local
+    ours = _run(tiny_vlm_path, tmp_path, "--backend", backend, ranks=2)
+    for mine, theirs in zip(ours, reference, strict=True):
+        assert mine["norm"] == pytest.approx(theirs["norm"], rel=1e-5)
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
+    b = load_file(str(reference_out / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
