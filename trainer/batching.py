@@ -119,15 +119,19 @@ def supervised_batch(
     pad_token_id: int,
     pack_tokens: int | None = None,
     top: list[TopK] | None = None,
+    images: list[list[ImageRef]] | None = None,
 ) -> TokenBatch:
     """(token ids, loss mask) sequences as a right-padded batch: the mask moves to the
     targets (target t is token t + 1), behaviour logprobs and versions are 0. `top`:
-    each sequence's teacher top-k, moved to the targets the same way.
+    each sequence's teacher top-k, moved to the targets the same way; `images`: each
+    sequence's images (a vision-language model; not packed).
 
     `pack_tokens`: sequences share rows of at most that many tokens (`pack`, first fit),
     each row's `documents` and `positions` say where each one starts, and the update
     passes give them block-diagonal attention (no sequence sees another); the first
     token of each later sequence is not a target of the one before it."""
+    if images is not None and pack_tokens:
+        raise ValueError("sequences with images are not packed (leave sft.pack_tokens unset)")
     lengths = [len(ids) for ids, _ in sequences]
     groups = pack(lengths, pack_tokens) if pack_tokens else [[i] for i in range(len(lengths))]
     length = max(sum(lengths[i] for i in group) for group in groups)
@@ -168,6 +172,8 @@ def supervised_batch(
     if top:
         batch.top_ids = as_tensor(top_ids[:, 1:].copy())
         batch.top_logprobs = as_tensor(top_logprobs[:, 1:].copy())
+    if images is not None and any(images):
+        batch.images = [list(row) for row in images]
     return batch
 
 

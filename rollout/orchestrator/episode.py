@@ -17,6 +17,7 @@ import numpy as np
 
 from rollwire.proto.v1 import rollout_pb2
 from rollwire.services.core.datasets import Task
+from rollwire.services.core.images import ImageRef
 from rollwire.services.core.wire import Trajectory
 
 
@@ -29,10 +30,14 @@ class EpisodeTokens:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
+    images: list[ImageRef] = field(default_factory=list)
+    """The images shown so far, each with its offset in `ids`."""
 
-    def context(self, ids: list[int]) -> None:
+    def context(self, ids: list[int], images: Sequence[ImageRef] = ()) -> None:
         """Appends tokens the policy did not generate (the prompt, an observation):
-        no loss on them, no logprob, no policy version, no turn."""
+        no loss on them, no logprob, no policy version, no turn. `images`: those the
+        tokens show, their offsets counted within `ids`."""
+        self.images += [image.with_offset(len(self.ids) + image.offset) for image in images]
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -97,4 +102,5 @@ def trajectory_from_episode(
         turn_keys=list(turn_keys or []),
         finish_reason=finish_reason,
         timings=timings,
+        images=list(tokens.images),
     )

@@ -349,7 +349,7 @@ class Orchestrator:
         trajectories = []
         for index, (output, result) in enumerate(zip(outputs, answers.scores, strict=True)):
             tokens = EpisodeTokens()
-            tokens.context(answers.prompt_ids)
+            tokens.context(answers.prompt_ids, answers.images)
             tokens.generated(output, turn=0)
             trajectory = trajectory_from_episode(
                 task,

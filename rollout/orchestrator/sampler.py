@@ -21,6 +21,7 @@ from rollwire.rollout.orchestrator.agent import ChatTurns
 from rollwire.rollout.orchestrator.servers import Servers
 from rollwire.services.core.config import EnvDataset, RunConfig
 from rollwire.services.core.datasets import Task, load_tasks
+from rollwire.services.core.images import ImageRef
 
 
 @dataclass
@@ -28,6 +29,8 @@ class Answers:
     """Responses to one prompt, scored, in sample order."""
 
     prompt_ids: list[int]
+    images: list[ImageRef]
+    """The images the prompt shows, with their offsets in `prompt_ids`."""
     outputs: list[rollout_pb2.GenerateResponse]
     texts: list[str]
     """Each response's text as the reward-server scored it (`Sampler.decode`)."""
@@ -48,6 +51,7 @@ class Sampler:
         # None for an image run (nothing is tokenized): no stop token.
         self.eos = -1 if tokenizer is None else int(tokenizer.eos_token_id)
         self.servers = Servers(config, self.eos)
+        self.vision = _vision_side(config) if tokenizer is not None else None
         self.agentic = isinstance(self.settings.dataset, EnvDataset)
         self.pool = None
         self.episodes = None  # the EpisodeRunner, once the env-servers have answered
@@ -91,12 +95,31 @@ class Sampler:
 
     def encode_prompt(self, task: Task) -> list[int]:
         """The prompt's token ids, through the chat template when it is on."""
+        return self.prompt_of(task)[0]
+
+    def prompt_of(self, task: Task) -> tuple[list[int], list[ImageRef]]:
+        """The prompt's token ids, through the chat template when it is on, and the
+        images it shows with their offsets: each image's placeholders (as many as the
+        model reads it as) go before the text."""
         text = task.prompt(self.settings.prompt_template)
         if self.settings.use_chat_template:
+            if task.images:
+                raise ValueError(
+                    f"task {task.task_id} shows images: orchestrator.use_chat_template is not "
+                    "taken with images yet (the placeholders go before the plain prompt)"
+                )
             # The same rendering as an episode's first turn: the template's text, then its
             # tokens (apply_chat_template(tokenize=True) returns a mapping in transformers 5).
-            return ChatTurns(self.tokenizer, system_prompt=None).first(text)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return ChatTurns(self.tokenizer, system_prompt=None).first(text), []
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not task.images:
+            return ids, []
+        if self.vision is None:
+            raise ValueError(
+                f"task {task.task_id} shows images, but the served model is not a "
+                "vision-language one"
+            )
+        return self.vision.prompt_ids(list(task.images), ids)
 
     def decode(self, token_ids: list[int]) -> str:
         """A response's text, without its stop token."""
@@ -110,13 +133,16 @@ class Sampler:
         training temperature, scored; seeded from `ordinal` when `orchestrator.sampling_seed`
         is set, unseeded without one."""
         started = time.perf_counter()
-        prompt_ids = self.encode_prompt(task)
-        outputs = await self.servers.generate_group(prompt_ids, ordinal, samples=samples)
+        prompt_ids, images = self.prompt_of(task)
+        outputs = await self.servers.generate_group(
+            prompt_ids, ordinal, samples=samples, images=images
+        )
         generated = time.perf_counter()
         texts = [self.decode(list(output.token_ids)) for output in outputs]
         scores = await self.servers.score(task, texts)
         return Answers(
             prompt_ids,
+            images,
             outputs,
             texts,
             list(scores),
@@ -131,8 +157,8 @@ class Sampler:
         evaluation measures."""
         if self.agentic:
             return (await self.episodes.run(task, 0, temperature=0.0)).reward
-        prompt_ids = self.encode_prompt(task)
-        output = await self.servers.generate(prompt_ids, self.settings.max_new_tokens, 0.0)
+        prompt_ids, images = self.prompt_of(task)
+        output = await self.servers.generate(prompt_ids, self.settings.max_new_tokens, 0.0, images)
         (result,) = await self.servers.score(task, [self.decode(list(output.token_ids))])
         return result.reward
 
@@ -172,6 +198,11 @@ class Sampler:
         counts: answers, kept, their mean reward. `top_k`:
         each kept row also carries its token ids and, per answer token, the served
         model's top_k tokens and logprobs (token-level distillation data)."""
+        if any(task.images for task in tasks[:1]):
+            raise ValueError(
+                "distillation data from image prompts is not written yet: its rows would "
+                "lose their images"
+            )
         limit = asyncio.Semaphore(self.settings.max_concurrent_groups)
 
         async def answer(index: int, task: Task) -> tuple[list[dict[str, Any]], list[float]]:
@@ -225,3 +256,15 @@ class Sampler:
         if self.pool is not None:
             await self.pool.aclose()
         await self.servers.close()
+
+
+def _vision_side(config: RunConfig) -> Any:
+    """The served model's image side when it is a vision-language model (the orchestrator
+    reads the same folder as its tokenizer), else None."""
+    from rollwire.services.core.tiny import default_model_path
+    from rollwire.services.core.vision import VisionSide, is_vision_model
+
+    path = config.rollout_server.model_path or default_model_path()
+    if not is_vision_model(path):
+        return None
+    return VisionSide(path, config.image_inputs.limits())

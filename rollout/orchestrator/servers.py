@@ -23,7 +23,7 @@ import itertools
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,6 +33,7 @@ from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_
 from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.datasets import Task
+from rollwire.services.core.images import ImageRef, to_proto
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.retry import RetryPolicy, call_with_retries, grpc_codes
 from rollwire.services.core.seeds import stream_seed
@@ -199,14 +200,19 @@ class Servers:
         return min(healthy, key=lambda server: server.in_flight / server.parallel_items)
 
     async def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, temperature: float
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        images: Sequence[ImageRef] = (),
     ) -> rollout_pb2.GenerateResponse:
-        """One response to `prompt_ids`, of at most `max_new_tokens`: a single-turn
-        evaluation's, or one turn of an episode."""
+        """One response to `prompt_ids` (showing `images`), of at most `max_new_tokens`:
+        a single-turn evaluation's, or one turn of an episode."""
         request = rollout_pb2.GenerateRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,
             sampling=self._sampling(temperature, max_new_tokens),
+            images=[to_proto(image, rollout_pb2.Image) for image in images],
         )
         stub = self.rollout[next(self._next_rollout)]
         return await self._call(
@@ -215,11 +221,15 @@ class Servers:
         )
 
     async def generate_group(
-        self, prompt_ids: list[int], ordinal: int | None = None, samples: int | None = None
+        self,
+        prompt_ids: list[int],
+        ordinal: int | None = None,
+        samples: int | None = None,
+        images: Sequence[ImageRef] = (),
     ) -> list[rollout_pb2.GenerateResponse]:
-        """`samples` (`rl.group_size` by default) samples of one prompt, in one call,
-        batched on one rollout-server; seeded from the prompt's ordinal when
-        `orchestrator.sampling_seed` is set."""
+        """`samples` (`rl.group_size` by default) samples of one prompt (showing
+        `images`), in one call, batched on one rollout-server; seeded from the prompt's
+        ordinal when `orchestrator.sampling_seed` is set."""
         sampling = self._sampling(self.rl.temperature, self.settings.max_new_tokens)
         if self.sampling_base is not None and ordinal is not None:
             sampling.seed = sample_seed(self.sampling_base, ordinal)
@@ -228,6 +238,7 @@ class Servers:
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             num_samples=samples or self.rl.group_size,
+            images=[to_proto(image, rollout_pb2.Image) for image in images],
         )
         stub = self.rollout[next(self._next_rollout)]
         reply = await self._call(

@@ -319,6 +319,13 @@ class HFEngine:
         if self._closed:
             raise RuntimeError("the engine is shutting down")
         validate_scoring(sequences, top_k, self.vocab_size, self.max_context)
+        if self.vision is not None and any(
+            token in self.vision.suppressed for ids, _ in sequences for token in ids
+        ):
+            raise RequestError(
+                "ScoreTokens takes no images yet: a sequence holds image placeholder tokens, "
+                "and scoring them without their pixels would give wrong logprobs"
+            )
         return await asyncio.get_running_loop().run_in_executor(
             self._worker, self._score, sequences, top_k
         )

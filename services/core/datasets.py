@@ -10,18 +10,20 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rollwire.services.core.config.models import (
     DatasetConfig,
+    DigitsDataset,
     EnvDataset,
     FileDataset,
     ImageDataset,
     MixtureDataset,
     ReasoningGymDataset,
 )
+from rollwire.services.core.images import ImageRef
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class Task:
     domain: str
     source: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: tuple[ImageRef, ...] = ()
+    """What the prompt shows (a vision-language model): placed before its text."""
 
     def prompt(self, template: str) -> str:
         """The prompt text: `template` formatted with the question and metadata fields."""
@@ -145,6 +149,73 @@ class ImageTasks(SeededTasks):
         )
 
 
+DIGITS_TRAIN = 1500
+"""Images 0-1499 of scikit-learn's digits train; the other 297 are held out."""
+
+
+class DigitsTasks(Sequence[Task]):
+    """scikit-learn's 8x8 digits as image questions (`DigitsDataset`): the split's images
+    in an order the seed fixes, each a PNG by value; the reference is its digit."""
+
+    def __init__(self, config: DigitsDataset) -> None:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        split = (
+            range(DIGITS_TRAIN)
+            if config.split == "train"
+            else range(DIGITS_TRAIN, len(digits.target))
+        )
+        self._indices = list(split)
+        if config.seed:
+            random.Random(config.seed).shuffle(self._indices)
+        self._pixels, self._labels, self._config = digits.images, digits.target, config
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, index: int) -> Task:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        import numpy as np
+        from PIL import Image
+
+        from rollwire.services.core.images import encode_png
+
+        config, digit = self._config, self._indices[index]
+        pixels = (self._pixels[digit] * (255 / 16)).round().astype(np.uint8)
+        return Task(
+            index,
+            f"digits/{digit}",
+            config.question,
+            str(int(self._labels[digit])),
+            config.domain,
+            "digits",
+            _with_answer_format({"digit_index": digit}, config.answer_format),
+            (encode_png(Image.fromarray(pixels)),),
+        )
+
+
+def _row_images(value: Any, folder: Path, where: str) -> tuple[ImageRef, ...]:
+    """A file row's images: paths (relative to the file's folder), URIs or {data, format}."""
+    import base64
+
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: images must be a list")
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            uri = item if "://" in item or Path(item).is_absolute() else str(folder / item)
+            out.append(ImageRef(uri=uri))
+        elif isinstance(item, dict) and "data" in item:
+            out.append(ImageRef(data=base64.b64decode(item["data"]), format=item.get("format", "")))
+        elif isinstance(item, dict) and "uri" in item:
+            out.append(ImageRef(uri=str(item["uri"])))
+        else:
+            raise ValueError(f"{where}: an image is a path, a URI, or {{data, format}}")
+    return tuple(out)
+
+
 class MixtureTasks(Sequence[Task]):
     """Datasets interleaved by weight: each round of sum(weights) positions holds `weight`
     tasks of each part, spread evenly (smooth weighted round robin), so the shares hold
@@ -178,15 +249,7 @@ class MixtureTasks(Sequence[Task]):
         part, occurrence = self._round[position]
         tasks, weight = self._parts[part]
         task = tasks[round_ * weight + occurrence]
-        return Task(
-            index,
-            f"p{part}:{task.task_id}",
-            task.question,
-            task.reference,
-            task.domain,
-            task.source,
-            task.metadata,
-        )
+        return replace(task, ordinal=index, task_id=f"p{part}:{task.task_id}")
 
 
 def load_tasks(
@@ -201,6 +264,8 @@ def load_tasks(
         return EnvTasks(config)
     if isinstance(config, ImageDataset):
         return ImageTasks(config)
+    if isinstance(config, DigitsDataset):
+        return DigitsTasks(config)
     rows = list(read_rows(config.path))
     tasks = []
     for index, row in enumerate(rows):
@@ -208,9 +273,13 @@ def load_tasks(
             raise ValueError(
                 f"{config.path} row {index}: needs fields {config.prompt_field!r} and {config.answer_field!r}"
             )
-        metadata = {
-            k: v for k, v in row.items() if k not in (config.prompt_field, config.answer_field)
-        }
+        fields = (config.prompt_field, config.answer_field, config.images_field)
+        metadata = {k: v for k, v in row.items() if k not in fields}
+        images = ()
+        if row.get(config.images_field) is not None:
+            images = _row_images(
+                row[config.images_field], config.path.parent, f"{config.path} row {index}"
+            )
         tasks.append(
             Task(
                 index,
@@ -222,6 +291,7 @@ def load_tasks(
                 _with_answer_format(
                     json.loads(json.dumps(metadata, default=str)), config.answer_format
                 ),
+                images,
             )
         )
     if not tasks:
@@ -235,6 +305,11 @@ def task_key(task: Task) -> tuple[str, ...]:
     tasks (the same few prompts over and over) the prompt and the seed."""
     if "image_seed" in task.metadata:
         return ("image", task.question, str(task.metadata["image_seed"]))
+    if "digit_index" in task.metadata:
+        return ("digit", str(task.metadata["digit_index"]))
+    if task.images:  # one question about many images: the images tell them apart
+        shown = tuple(image.uri or image.data.hex() for image in task.images)
+        return ("question", " ".join(task.question.lower().split()), *shown)
     if task.question:
         return ("question", " ".join(task.question.lower().split()))
     meta = task.metadata
@@ -267,16 +342,7 @@ class Excluding(Sequence[Task]):
     def __getitem__(self, index: int) -> Task:  # type: ignore[override]
         if not 0 <= index < len(self):
             raise IndexError(index)
-        task = self._tasks[self._kept[index]]
-        return Task(
-            index,
-            task.task_id,
-            task.question,
-            task.reference,
-            task.domain,
-            task.source,
-            task.metadata,
-        )
+        return replace(self._tasks[self._kept[index]], ordinal=index)
 
 
 def training_tasks(
@@ -344,14 +410,8 @@ def task_at(tasks: Sequence[Task], ordinal: int) -> Task:
     each pass (epoch) with ordinals that keep increasing."""
     epoch, index = divmod(ordinal, len(tasks))
     task = tasks[index]
-    return Task(
-        task.ordinal + epoch * len(tasks),
-        f"{task.task_id}@{epoch}",
-        task.question,
-        task.reference,
-        task.domain,
-        task.source,
-        task.metadata,
+    return replace(
+        task, ordinal=task.ordinal + epoch * len(tasks), task_id=f"{task.task_id}@{epoch}"
     )
 
 

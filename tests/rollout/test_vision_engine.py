@@ -73,6 +73,10 @@ async def test_generation_with_images_agrees_with_the_trainer(tiny_vlm_path) -> 
         tasks += [start(i) for i in range(3, 6)]
         outputs = await asyncio.gather(*tasks)
         assert engine.joined_rows >= 1, "no request joined a running batch"
+        # Scoring has no pixels to go with placeholders: refused, not silently wrong.
+        ids = prompts[1][0]
+        with pytest.raises(RequestError, match="ScoreTokens takes no images yet"):
+            await engine.score([([*ids, 5], len(ids))], 0)
     finally:
         await engine.close()
     family = VisionLM()

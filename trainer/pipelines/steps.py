@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rollwire.services.core.images import ImageRef
 from rollwire.trainer.batching import TopK, micro_batches, supervised_batch
 from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.math.algorithms import token_logprobs
@@ -42,6 +43,7 @@ class SupervisedStep:
         pack_tokens: int | None = None,
         loss: str = "nll",
         top: list[TopK] | None = None,
+        images: list[list[ImageRef]] | None = None,
     ) -> dict[str, float]:
         """One optimizer update of supervised fine-tuning on (token ids, loss mask)
         sequences: the mean over their masked tokens of the negative log-likelihood
@@ -51,8 +53,9 @@ class SupervisedStep:
         norm, rate. `pack_tokens`: pack the sequences into rows of at most that many
         tokens (`supervised_batch`); the loss is the same. Nothing is published: on a
         sharded backend `named_weights` keeps the last RL step's copy (a checkpoint
-        consolidates the shards itself)."""
-        return self._supervised(sequences, True, pack_tokens, loss, top)
+        consolidates the shards itself). `images`: each sequence's images (a
+        vision-language model)."""
+        return self._supervised(sequences, True, pack_tokens, loss, top, images)
 
     def loss(
         self,
@@ -60,9 +63,10 @@ class SupervisedStep:
         pack_tokens: int | None = None,
         loss: str = "nll",
         top: list[TopK] | None = None,
+        images: list[list[ImageRef]] | None = None,
     ) -> dict[str, float]:
         """The same loss without an update (an evaluation; collective like a step)."""
-        return self._supervised(sequences, False, pack_tokens, loss, top)
+        return self._supervised(sequences, False, pack_tokens, loss, top, images)
 
     @collective
     def _supervised(
@@ -72,12 +76,13 @@ class SupervisedStep:
         pack_tokens: int | None = None,
         loss: str = "nll",
         top: list[TopK] | None = None,
+        images: list[list[ImageRef]] | None = None,
     ) -> dict[str, float]:
         started = time.perf_counter()
         if loss != "nll" and top is None:
             raise ValueError(f"loss {loss} needs the teacher's top-k of every sequence")
         learner = self.learner
-        batch = supervised_batch(sequences, learner.pad_token_id, pack_tokens, top)
+        batch = supervised_batch(sequences, learner.pad_token_id, pack_tokens, top, images)
         total = max(batch.tokens, 1.0)
         backend, ranks = learner.backend, learner.backend.world_size
         parts = learner.plan([batch], self._parts)[0]

@@ -28,7 +28,8 @@ def _is_int(text: str) -> bool:
     return text.lstrip("-").isdigit()
 
 
-Example = tuple[list[int], list[int]]
+Example = tuple[list[int], list[int]] | tuple[list[int], list[int], list]
+"""(token ids, loss mask), and for a vision-language model the sequence's images."""
 """Token ids and, per token, 1 where the model is taught it (the policy's part)."""
 
 
@@ -46,22 +47,33 @@ def warm_up(
     progress: bool = True,
     off_by_one_rate: float = 0.0,
 ) -> Path:
-    """Trains on prompt -> response_template.format(answer=...) + eos; loss on the response only."""
+    """Trains on prompt -> response_template.format(answer=...) + eos; loss on the response
+    only. A task's images (a vision-language model) go before its prompt text, as the
+    orchestrator places them."""
     from transformers import AutoTokenizer
+
+    from rollwire.services.core.vision import VisionSide, is_vision_model
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     eos = int(tokenizer.eos_token_id)
+    side = VisionSide(model_path) if is_vision_model(model_path) else None
 
     def batch(rng: random.Random, size: int) -> list[Example]:
         examples = []
         for task in rng.sample(tasks, size):
             prompt = tokenizer(task.prompt(prompt_template), add_special_tokens=False)["input_ids"]
+            images: list = []
+            if task.images:
+                if side is None:
+                    raise ValueError(f"task {task.task_id} has images; {model_path} takes none")
+                prompt, images = side.prompt_ids(list(task.images), prompt)
             answer = task.reference
             if off_by_one_rate and rng.random() < off_by_one_rate and _is_int(answer):
                 answer = str(int(answer) + 1)
             text = response_template.format(answer=answer)
             response = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
-            examples.append((list(prompt) + response, [0] * len(prompt) + [1] * len(response)))
+            example = (list(prompt) + response, [0] * len(prompt) + [1] * len(response))
+            examples.append((*example, images) if side is not None else example)
         return examples
 
     return warm_up_on(
@@ -108,7 +120,9 @@ def warm_up_on(
         threads=threads,
         checkpointing=CheckpointingConfig(every=0, resume=False),
     )
-    learner = Learner(model_path, trainer, total_updates=steps)
+    from rollwire.trainer.models import CAUSAL_LM, family_for
+
+    learner = Learner(model_path, trainer, family_for(CAUSAL_LM, model_path), total_updates=steps)
     supervised = SupervisedStep(learner)
     rng = random.Random(seed)
     bar = None
@@ -119,7 +133,9 @@ def warm_up_on(
     started = time.perf_counter()
     try:
         for _step in range(steps):
-            metrics = supervised.step(batch(rng, batch_size))
+            examples = batch(rng, batch_size)
+            images = [list(e[2]) for e in examples] if any(len(e) > 2 for e in examples) else None
+            metrics = supervised.step([(e[0], e[1]) for e in examples], images=images)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")

@@ -89,6 +89,9 @@ class RLStep:
             "sequences": float(len(trajectories)),
             "sequences_with_signal": float(len(keep)),
         }
+        shown = sum(len(t.images) for t in trajectories)
+        if shown:  # a vision-language batch: how many images its forward passes take
+            metrics["images"] = float(shown)
         if per_turn is not None:
             step_parts = [turns - advantages[i] for i, turns in enumerate(per_turn)]
             nonempty = [part for part in step_parts if part.numel()]

@@ -54,6 +54,28 @@ class FileDataset(StrictModel):
     """Reward domain to score with (see `rollwire reward-server` ListScorers)."""
     answer_format: AnswerFormat = "tag"
     """Where the scorer finds the answer: `tag`, `boxed`, `last_number` or `whole`."""
+    images_field: str = "images"
+    """Column holding a row's images (a vision-language model), shown before its prompt:
+    a list of paths (relative ones from the file's folder), `file://` URIs, or
+    `{data: <base64>, format: png}` objects. Rows without it are text."""
+
+
+class DigitsDataset(StrictModel):
+    """Which digit an image shows, for a vision-language model: scikit-learn's 1,797
+    handwritten 8x8 digits (shipped with it: nothing is downloaded), as PNG images the
+    model's processor scales up. The `train` split is images 0-1499, `held_out` the
+    other 297, so evaluation never shows an image training saw."""
+
+    type: Literal["digits"] = "digits"
+    split: Literal["train", "held_out"] = "train"
+    question: str = "Which digit is this?"
+    """The prompt's text (the `question` of `orchestrator.prompt_template`)."""
+    domain: str = "math"
+    """Reward domain scoring the answer against the digit."""
+    answer_format: AnswerFormat = "tag"
+    """Where the scorer finds the answer: `tag`, `boxed`, `last_number` or `whole`."""
+    seed: int = 0
+    """Order of the split's images (0: as the set lists them)."""
 
 
 class EnvDataset(StrictModel):
@@ -160,7 +182,9 @@ def _dataset_type(value: Any) -> str | None:
 
 
 SingleDataset = Annotated[
-    Annotated[ReasoningGymDataset, Tag("reasoning_gym")] | Annotated[FileDataset, Tag("file")],
+    Annotated[ReasoningGymDataset, Tag("reasoning_gym")]
+    | Annotated[FileDataset, Tag("file")]
+    | Annotated[DigitsDataset, Tag("digits")],
     Discriminator(_dataset_type),
 ]
 
@@ -205,6 +229,7 @@ def scored_domains(dataset: Any) -> set[str]:
 DatasetConfig = Annotated[
     Annotated[ReasoningGymDataset, Tag("reasoning_gym")]
     | Annotated[FileDataset, Tag("file")]
+    | Annotated[DigitsDataset, Tag("digits")]
     | Annotated[EnvDataset, Tag("env")]
     | Annotated[ImageDataset, Tag("images")]
     | Annotated[MixtureDataset, Tag("mixture")],

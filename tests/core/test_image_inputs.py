@@ -94,3 +94,47 @@ def test_trajectories_carry_images_through_the_wire_and_refuse_broken_ones() -> 
     ):
         with pytest.raises(WireError, match=message):
             decode_trajectory(encode(_trajectory(images)))
+
+
+def test_image_datasets_show_images_and_keep_the_held_out_ones_apart(tmp_path) -> None:
+    import base64
+    import json
+
+    from rollwire.services.core.config import DigitsDataset, FileDataset
+    from rollwire.services.core.datasets import load_tasks, task_at, task_key, training_tasks
+
+    train, held = load_tasks(DigitsDataset()), load_tasks(DigitsDataset(split="held_out"))
+    assert (len(train), len(held)) == (1500, 297)
+    first = train[0]
+    assert first.reference == "0" and open_image(first.images[0], ImageLimits()).size == (8, 8)
+    assert not {task_key(t) for t in train} & {task_key(t) for t in held}
+    kept = training_tasks(DigitsDataset(), DigitsDataset(split="held_out"))
+    assert len(kept) == 1500 and kept[7].images == train[7].images
+    # A run's stream of prompts (a second epoch here) shows each task's images too.
+    assert task_at(kept, 1507).images == train[7].images
+    shuffled = load_tasks(DigitsDataset(seed=3))
+    assert [t.reference for t in shuffled][:20] != [t.reference for t in train][:20]
+
+    image = _png()
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "a.png").write_bytes(image.data)
+    rows = [
+        {"prompt": "What is shown?", "answer": "1", "images": ["pics/a.png"]},
+        {
+            "prompt": "What is shown?",
+            "answer": "2",
+            "images": [{"data": base64.b64encode(image.data).decode(), "format": "png"}],
+        },
+        {"prompt": "Text only", "answer": "3"},
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tasks = load_tasks(FileDataset(path=path))
+    assert tasks[0].images == (ImageRef(uri=str(tmp_path / "pics" / "a.png")),)
+    assert tasks[1].images == (image,) and tasks[2].images == ()
+    assert "images" not in tasks[0].metadata
+    # One question about two different images: two tasks, not one.
+    assert task_key(tasks[0]) != task_key(tasks[1])
+    path.write_text(json.dumps({"prompt": "p", "answer": "1", "images": [3]}) + "\n")
+    with pytest.raises(ValueError, match="row 0: an image is a path, a URI"):
+        load_tasks(FileDataset(path=path))

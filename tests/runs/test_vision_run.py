@@ -1,0 +1,34 @@
+"""A vision-language RL run through every process: images go from the dataset through the
+orchestrator, the rollout-server and the buffer to the trainer, which redoes the engine's
+forward on them exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.runs import REPO, assert_no_process_left, jsonl, rollwire_train
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_short_vision_run_through_every_process(tmp_path) -> None:
+    run_dir, result = rollwire_train(
+        tmp_path,
+        "warmup.steps=30",
+        "rl.max_steps=3",
+        "rl.groups_per_step=8",
+        "orchestrator.eval_every=3",
+        config=REPO / "examples" / "vlm_rlvr.yaml",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [row["step"] for row in steps] == [1, 2, 3]
+    # One image a sequence, each one there in the trainer's batch.
+    assert all(row["sequences"] == row["images"] == 64 for row in steps), steps
+    # The trainer's logprobs of the sampled tokens, pixels included, are the engine's.
+    checked = [row for row in steps if row.get("mismatch_tokens", 0) > 0]
+    assert checked and all(row["mismatch_abs_max"] <= 1e-5 for row in checked), checked
+    evals = jsonl(run_dir / "metrics" / "eval.jsonl")
+    assert [e["policy_version"] for e in evals] == [0, 3]
+    assert all(e["tasks"] == 297 for e in evals)  # the held-out images, none trained on
+    assert_no_process_left(run_dir)
