@@ -99,27 +99,27 @@ class Sampler:
 
     def prompt_of(self, task: Task) -> tuple[list[int], list[ImageRef]]:
         """The prompt's token ids, through the chat template when it is on, and the
-        images it shows with their offsets: each image's placeholders (as many as the
-        model reads it as) go before the text."""
+        images it shows with their offsets: each image's placeholder goes at the start of
+        the prompt's text (inside the user turn, as a chat template writes it), made as
+        many pad tokens as the model reads the image as."""
         text = task.prompt(self.settings.prompt_template)
-        if self.settings.use_chat_template:
-            if task.images:
+        if task.images:
+            if self.vision is None:
                 raise ValueError(
-                    f"task {task.task_id} shows images: orchestrator.use_chat_template is not "
-                    "taken with images yet (the placeholders go before the plain prompt)"
+                    f"task {task.task_id} shows images, but the served model is not a "
+                    "vision-language one"
                 )
+            text = self.vision.marker(self.tokenizer, len(task.images)) + text
+        if self.settings.use_chat_template:
             # The same rendering as an episode's first turn: the template's text, then its
             # tokens (apply_chat_template(tokenize=True) returns a mapping in transformers 5).
-            return ChatTurns(self.tokenizer, system_prompt=None).first(text), []
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            ids = ChatTurns(self.tokenizer, system_prompt=None).first(text)
+        else:
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not task.images:
             return ids, []
-        if self.vision is None:
-            raise ValueError(
-                f"task {task.task_id} shows images, but the served model is not a "
-                "vision-language one"
-            )
-        return self.vision.prompt_ids(list(task.images), ids)
+        ids, _, placed = self.vision.expand(ids, list(task.images))
+        return ids, placed
 
     def decode(self, token_ids: list[int]) -> str:
         """A response's text, without its stop token."""

@@ -23,7 +23,7 @@ from rollwire.services.core.config.models import (
     MixtureDataset,
     ReasoningGymDataset,
 )
-from rollwire.services.core.images import ImageRef
+from rollwire.services.core.images import ImageRef, images_of
 
 
 @dataclass(frozen=True)
@@ -196,26 +196,6 @@ class DigitsTasks(Sequence[Task]):
         )
 
 
-def _row_images(value: Any, folder: Path, where: str) -> tuple[ImageRef, ...]:
-    """A file row's images: paths (relative to the file's folder), URIs or {data, format}."""
-    import base64
-
-    if not isinstance(value, list):
-        raise ValueError(f"{where}: images must be a list")
-    out = []
-    for item in value:
-        if isinstance(item, str):
-            uri = item if "://" in item or Path(item).is_absolute() else str(folder / item)
-            out.append(ImageRef(uri=uri))
-        elif isinstance(item, dict) and "data" in item:
-            out.append(ImageRef(data=base64.b64decode(item["data"]), format=item.get("format", "")))
-        elif isinstance(item, dict) and "uri" in item:
-            out.append(ImageRef(uri=str(item["uri"])))
-        else:
-            raise ValueError(f"{where}: an image is a path, a URI, or {{data, format}}")
-    return tuple(out)
-
-
 class MixtureTasks(Sequence[Task]):
     """Datasets interleaved by weight: each round of sum(weights) positions holds `weight`
     tasks of each part, spread evenly (smooth weighted round robin), so the shares hold
@@ -277,7 +257,7 @@ def load_tasks(
         metadata = {k: v for k, v in row.items() if k not in fields}
         images = ()
         if row.get(config.images_field) is not None:
-            images = _row_images(
+            images = images_of(
                 row[config.images_field], config.path.parent, f"{config.path} row {index}"
             )
         tasks.append(

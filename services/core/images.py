@@ -149,6 +149,27 @@ def open_image(ref: ImageRef, limits: ImageLimits) -> Any:
         raise ImageError(f"{ref.describe()} does not decode: {error}") from None
 
 
+def images_of(value: Any, folder: Path, where: str) -> tuple[ImageRef, ...]:
+    """A data row's `images` column: paths (relative ones from `folder`, the file's),
+    URIs, or {data: <base64>, format} mappings; ValueError naming `where` otherwise."""
+    import base64
+
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: images must be a list")
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            uri = item if "://" in item or Path(item).is_absolute() else str(folder / item)
+            out.append(ImageRef(uri=uri))
+        elif isinstance(item, dict) and "data" in item:
+            out.append(ImageRef(data=base64.b64decode(item["data"]), format=item.get("format", "")))
+        elif isinstance(item, dict) and "uri" in item:
+            out.append(ImageRef(uri=str(item["uri"])))
+        else:
+            raise ValueError(f"{where}: an image is a path, a URI, or {{data, format}}")
+    return tuple(out)
+
+
 # ------------------------------------------------------------------ wire and proto
 
 

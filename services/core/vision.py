@@ -90,6 +90,40 @@ class VisionSide:
         """One image's tokens: start, `count` pad tokens, end."""
         return [self.start, *[self.image_token] * count, self.end]
 
+    def marker(self, tokenizer: Any, count: int) -> str:
+        """The text that stands for `count` images before their expansion (`expand`): one
+        `<|vision_start|><|image_pad|><|vision_end|>` each, as a chat template writes them."""
+        one = "".join(tokenizer.convert_ids_to_tokens([self.start, self.image_token, self.end]))
+        return one * count
+
+    def expand(
+        self, ids: list[int], images: list[ImageRef], mask: list[int] | None = None
+    ) -> tuple[list[int], list[int], list[ImageRef]]:
+        """`ids` rendered with one pad token per image (`marker`), each pad made as many as
+        the model reads its image as; `mask` grows with 0s there. Returns the ids, the
+        mask and the images with their offsets. ImageError if the pads and images differ."""
+        mask = [0] * len(ids) if mask is None else mask
+        pads = [i for i, token in enumerate(ids) if token == self.image_token]
+        if len(pads) != len(images):
+            raise ImageError(
+                f"the text holds {len(pads)} image placeholders for {len(images)} image(s)"
+            )
+        if not images:
+            return list(ids), list(mask), []
+        counts = self.token_counts(self.features(images))
+        out_ids: list[int] = []
+        out_mask: list[int] = []
+        placed = []
+        last = 0
+        for pad, image, count in zip(pads, images, counts, strict=True):
+            out_ids += ids[last:pad]
+            out_mask += mask[last:pad]
+            placed.append(image.with_offset(len(out_ids)))
+            out_ids += [self.image_token] * count
+            out_mask += [0] * count
+            last = pad + 1
+        return out_ids + list(ids[last:]), out_mask + list(mask[last:]), placed
+
     def prompt_ids(
         self, images: list[ImageRef], text_ids: list[int], prefix: list[int] = ()
     ) -> tuple[list[int], list[ImageRef]]:

@@ -101,3 +101,68 @@ def test_two_ranks_one_with_images_one_without_step_like_one_process(
     b = load_file(str(reference_out / "checkpoint" / "model.safetensors"))
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(400)
+def test_sft_on_image_rows_then_the_model_reads_held_out_digits(tmp_path) -> None:
+    """`rollwire sft` on rows showing digits (by path in `messages` rows, by base64 in
+    `prompt`/`completion` rows) makes the untrained tiny vision model read them: `rollwire
+    eval` on the 297 held-out digits, which no row shows, scores well above chance
+    (measured 0.697; chance is 0.1)."""
+    import base64
+
+    from tests.helpers.runs import jsonl, rollwire
+    from tests.helpers.vision import digit_images
+
+    (tmp_path / "pics").mkdir()
+    rows = []
+    for i, (image, label) in enumerate(digit_images(1200)):
+        answer = f"<answer>{label}</answer>"
+        if i % 2:
+            (tmp_path / "pics" / f"{i}.png").write_bytes(image.data)
+            rows.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": "Which digit is this?"},
+                        {"role": "assistant", "content": answer},
+                    ],
+                    "images": [f"pics/{i}.png"],
+                }
+            )
+        else:
+            data = base64.b64encode(image.data).decode()
+            rows.append(
+                {
+                    "prompt": "Which digit is this?",
+                    "completion": answer,
+                    "images": [{"data": data, "format": "png"}],
+                }
+            )
+    data = tmp_path / "digits.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "sft"
+    common = [
+        "run.tiny_model={vision: 1}",
+        f"run.output_dir={run}",
+        "orchestrator.eval_dataset={type: digits, split: held_out}",
+        "orchestrator.prompt_template='{question}'",
+        "orchestrator.max_new_tokens=8",
+    ]
+    rollwire(
+        tmp_path,
+        "sft",
+        *common,
+        f"sft.data={data}",
+        "sft.epochs=8",
+        "sft.eval_every=50",
+        "trainer.optimizer.learning_rate=0.003",
+    )
+    evals = [row["eval_loss"] for row in jsonl(run / "metrics" / "sft.jsonl") if "eval_loss" in row]
+    assert evals[-1] < 0.3 * evals[0], evals
+    final = run / "final"
+    assert (final / "preprocessor_config.json").exists()
+    rollwire(tmp_path, "eval", *common, extra=["--checkpoint", str(final)])
+    accuracy = json.loads((run / "evals" / "final" / "eval.json").read_text())["greedy_reward"]
+    print(f"held-out digits read after SFT on 1200 rows with images: {accuracy}")
+    assert accuracy >= 0.5, accuracy

@@ -31,7 +31,10 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from rollwire.services.core.images import ImageError, ImageRef, images_of
 
 Message = dict[str, str]
 ROLES = ("system", "user", "assistant", "tool")
@@ -43,6 +46,8 @@ class Rendered:
 
     ids: list[int]
     mask: list[int]
+    images: tuple[ImageRef, ...] = ()
+    """The images the sequence shows, each with the offset of its placeholders."""
 
     @property
     def trained(self) -> int:
@@ -197,16 +202,35 @@ def supervised_examples(
     max_length: int,
     truncate: bool = True,
     chat_template: bool | None = None,
+    vision: Any = None,
+    folder: Path | None = None,
 ) -> tuple[list[Rendered], Counts]:
     """Renders every row (`conversation_of`, `render`); longer ones are cut to
-    `max_length` tokens when `truncate`, else left out; returns them and the counts."""
+    `max_length` tokens when `truncate`, else left out; returns them and the counts.
+
+    A row's `images` (paths from `folder`, URIs or base64 data: `images_of`) are shown
+    at the start of its first user message, as a chat template writes them, each
+    placeholder then made as many pad tokens as `vision` (the model's `VisionSide`)
+    reads the image as; a sequence is never cut inside them (too long: left out)."""
     counts, examples = Counts(), []
     for number, row in enumerate(rows):
         counts.rows += 1
         where = f"row {number}"
-        rendered = render(tokenizer, conversation_of(row, where), chat_template, where)
+        messages = conversation_of(row, where)
+        images = _row_images(row, vision, folder, where)
+        if images:
+            first = next(i for i, m in enumerate(messages) if m["role"] != "system")
+            marker = vision.marker(tokenizer, len(images))
+            messages[first] = {**messages[first], "content": marker + messages[first]["content"]}
+        rendered = render(tokenizer, messages, chat_template, where)
+        if images:
+            try:
+                ids, mask, placed = vision.expand(rendered.ids, list(images), rendered.mask)
+            except ImageError as error:
+                raise ValueError(f"{where}: {error}") from None
+            rendered = Rendered(ids, mask, tuple(placed))
         cut = len(rendered.ids) > max_length
-        if cut and not truncate:
+        if cut and (not truncate or images):
             counts.too_long += 1
             continue
         if cut:
@@ -218,6 +242,14 @@ def supervised_examples(
         counts.kept += 1
         counts.truncated += int(cut)
     return examples, counts
+
+
+def _row_images(row: dict[str, Any], vision: Any, folder: Path | None, where: str) -> tuple:
+    if row.get("images") in (None, []):
+        return ()
+    if vision is None:
+        raise ValueError(f"{where} shows images, but the model is not a vision-language one")
+    return images_of(row["images"], folder or Path("."), f"{where}.images")
 
 
 def preference_examples(

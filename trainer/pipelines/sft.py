@@ -24,7 +24,8 @@ from rollwire.trainer.pipelines.common import (
 )
 
 Sequences = list[tuple]
-"""(token ids, loss mask), or with a KL loss (token ids, loss mask, teacher top-k)."""
+"""(token ids, loss mask), or with a KL loss (token ids, loss mask, teacher top-k), or
+with images (token ids, loss mask, None, images)."""
 
 
 def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, dict[str, Any]]:
@@ -33,10 +34,13 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
 
     from rollwire.services.core.datasets import read_rows
     from rollwire.services.core.tokenizer import tokenizer_digest
+    from rollwire.services.core.vision import VisionSide, is_vision_model
     from rollwire.trainer.pipelines.data import distill_examples, supervised_examples
 
     sft = config.sft
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    limits = config.image_inputs.limits()
+    vision = VisionSide(model_path, limits) if is_vision_model(model_path) else None
 
     def build(path: Path) -> tuple[Sequences, Any]:
         if sft.loss != "nll":
@@ -45,25 +49,37 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
             )
             return [(e.ids, e.mask, (e.top_ids, e.top_logprobs)) for e in distilled], counts
         examples, counts = supervised_examples(
-            read_rows(path), tokenizer, sft.max_length, sft.truncate, sft.chat_template
+            read_rows(path),
+            tokenizer,
+            sft.max_length,
+            sft.truncate,
+            sft.chat_template,
+            vision,
+            path if path.is_dir() else path.parent,
         )
+        if any(e.images for e in examples):
+            if sft.packing:
+                raise ValueError("sft.packing is not taken with images (each row is its own)")
+            return [(e.ids, e.mask, None, list(e.images)) for e in examples], counts
         return [(e.ids, e.mask) for e in examples], counts
 
     return split_data("sft", sft, build, "sequences")
 
 
-def _step_args(items: Sequences) -> tuple[list, list | None]:
-    """A step's (token ids, mask) sequences, and their teacher top-k when they have it."""
+def _step_args(items: Sequences) -> tuple[list, list | None, list | None]:
+    """A step's (token ids, mask) sequences, their teacher top-k when they have it, and
+    their images when they show some."""
     top = [item[2] for item in items] if items and len(items[0]) > 2 else None
-    return [item[:2] for item in items], top
+    images = [item[3] for item in items] if items and len(items[0]) > 3 else None
+    return [item[:2] for item in items], None if images else top, images
 
 
 def _evaluate(step: Any, held: Sequences, batch_size: int, pack: int | None, loss: str) -> float:
     """The token-mean loss over every held-out sequence."""
     loss_sum, tokens = 0.0, 0.0
     for start in range(0, len(held), batch_size):
-        sequences, top = _step_args(held[start : start + batch_size])
-        out = step.loss(sequences, pack, loss, top)
+        sequences, top, images = _step_args(held[start : start + batch_size])
+        out = step.loss(sequences, pack, loss, top, images)
         loss_sum += out["loss"] * out["tokens"]
         tokens += out["tokens"]
     return loss_sum / max(tokens, 1.0)
@@ -91,8 +107,8 @@ def _lead(
     pack = sft.max_length if sft.packing else None
 
     def step(rows: list[int]) -> dict[str, float]:
-        sequences, top = _step_args([train[i] for i in rows])
-        return supervised.step(sequences, pack, sft.loss, top)
+        sequences, top, images = _step_args([train[i] for i in rows])
+        return supervised.step(sequences, pack, sft.loss, top, images)
 
     final, path, seconds = train_steps(
         config,
