@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from rollwire.services.core.files import cache_dir, staged_directory
 
@@ -78,7 +79,6 @@ def build_tiny_model(
 ) -> Path:
     """Writes a freshly initialised model and its tokenizer to `folder` (replaced if present;
     with `keep_existing`, one that another process finished meanwhile is kept)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if spec.vision:
@@ -101,18 +101,7 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(spec.seed)
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    keep = BUILD_MARKER if keep_existing else None
-    with staged_directory(folder, keep_if_present=keep) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / BUILD_MARKER).write_text(json.dumps(asdict(spec)))
-    return folder
+    return _save_built(folder, spec, keep_existing, lambda: LlamaForCausalLM(config), tokenizer)
 
 
 def tiny_model_of(overrides: dict[str, int]) -> Path:
@@ -145,7 +134,6 @@ def build_tiny_vlm(folder: str | Path, spec: TinySpec, keep_existing: bool = Fal
     with the three vision tokens added, and a Pillow image processor that makes every image
     `spec.image_size` pixels square (the processor that also wants torchvision is not
     needed: the tokenizer and the image processor are saved apart)."""
-    import torch
     from tokenizers import AddedToken
     from transformers import (
         Qwen2VLConfig,
@@ -209,16 +197,32 @@ def build_tiny_vlm(folder: str | Path, spec: TinySpec, keep_existing: bool = Fal
     processor = Qwen2VLImageProcessorPil(
         min_pixels=pixels, max_pixels=pixels, patch_size=14, merge_size=2, temporal_patch_size=2
     )
+    return _save_built(
+        folder,
+        spec,
+        keep_existing,
+        lambda: Qwen2VLForConditionalGeneration(config),
+        tokenizer,
+        processor,
+    )
+
+
+def _save_built(folder: Path, spec: TinySpec, keep_existing: bool, make: Any, *beside: Any) -> Path:
+    """`make()` initialised from `spec.seed` (torch's global generator left as it was),
+    saved whole into `folder` with `beside` (a tokenizer, a processor) and the build
+    marker; with `keep_existing`, a folder another process finished meanwhile is kept."""
+    import torch
+
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(spec.seed)
     try:
-        model = Qwen2VLForConditionalGeneration(config)
+        model = make()
     finally:
         torch.random.set_rng_state(generator_state)
     keep = BUILD_MARKER if keep_existing else None
     with staged_directory(folder, keep_if_present=keep) as staging:
         model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        processor.save_pretrained(staging)
+        for part in beside:
+            part.save_pretrained(staging)
         (staging / BUILD_MARKER).write_text(json.dumps(asdict(spec)))
     return folder

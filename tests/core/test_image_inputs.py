@@ -17,6 +17,7 @@ from rollwire.services.core.images import (
     open_image,
 )
 from rollwire.services.core.wire import Trajectory, WireError, decode_trajectory, encode
+from tests.helpers.trajectories import sequence
 
 
 def _png(size: int = 8) -> ImageRef:
@@ -65,21 +66,7 @@ def test_every_bad_image_says_what_is_wrong(tmp_path) -> None:
 
 
 def _trajectory(images: list[ImageRef], tokens: int = 8) -> Trajectory:
-    return Trajectory(
-        trajectory_id="t",
-        group_id="g",
-        task_id="x",
-        sample_index=0,
-        prompt_ordinal=0,
-        source="s",
-        domain="d",
-        token_ids=np.arange(tokens, dtype=np.int32),
-        loss_mask=np.array([0] * (tokens - 2) + [1, 1], np.uint8),
-        behaviour_logprobs=np.zeros(tokens, np.float32),
-        policy_versions=np.array([-1] * (tokens - 2) + [0, 0], np.int64),
-        reward=1.0,
-        images=images,
-    )
+    return sequence(list(range(tokens - 2)), [6, 7], images=images, reward=1.0)
 
 
 def test_trajectories_carry_images_through_the_wire_and_refuse_broken_ones() -> None:

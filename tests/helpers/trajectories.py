@@ -93,3 +93,36 @@ def latent_trajectory(group: str, index: int, versions: tuple[int, ...] = (0, 0,
         settings=SamplingSettings(steps=10, eta=0.7, sde_window=(2, 2 + steps)),
         reward=0.0,
     )
+
+
+def sequence(
+    prompt: list[int],
+    generated: list[int],
+    *,
+    logprobs: list[float] | None = None,
+    versions: list[int] | None = None,
+    images: list | None = None,
+    reward: float = 0.0,
+    index: int = 0,
+) -> Trajectory:
+    """A prompt and what was generated after it as one trajectory (logprobs 0 and version
+    0 unless given), showing `images` (a vision-language prompt)."""
+    return Trajectory(
+        trajectory_id=f"t{index}",
+        group_id="g",
+        task_id="x",
+        sample_index=index,
+        prompt_ordinal=0,
+        source="test",
+        domain="test",
+        token_ids=np.array(prompt + generated, np.int32),
+        loss_mask=np.array([0] * len(prompt) + [1] * len(generated), np.uint8),
+        behaviour_logprobs=np.array(
+            [0.0] * len(prompt) + list(logprobs or [0.0] * len(generated)), np.float32
+        ),
+        policy_versions=np.array(
+            [-1] * len(prompt) + list(versions or [0] * len(generated)), np.int64
+        ),
+        reward=reward,
+        images=list(images or []),
+    )

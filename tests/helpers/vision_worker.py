@@ -10,7 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.helpers
@@ -20,8 +19,8 @@ def _batch(model: Path, with_images: bool):
     from transformers import AutoTokenizer
 
     from rollwire.services.core.vision import VisionSide
-    from rollwire.services.core.wire import Trajectory
     from rollwire.trainer.batching import collate
+    from tests.helpers.trajectories import sequence
     from tests.helpers.vision import digit_images
 
     side, tokenizer = VisionSide(model), AutoTokenizer.from_pretrained(model)
@@ -31,24 +30,7 @@ def _batch(model: Path, with_images: bool):
             [image] if with_images else [], tokenizer("Digit? ")["input_ids"]
         )
         answer = tokenizer(f"{label}{' ' * i}")["input_ids"] + [tokenizer.eos_token_id]
-        n = len(prompt) + len(answer)
-        rows.append(
-            Trajectory(
-                trajectory_id=f"t{i}",
-                group_id="g",
-                task_id="x",
-                sample_index=i,
-                prompt_ordinal=0,
-                source="s",
-                domain="d",
-                token_ids=np.array(prompt + answer, np.int32),
-                loss_mask=np.array([0] * len(prompt) + [1] * len(answer), np.uint8),
-                behaviour_logprobs=np.zeros(n, np.float32),
-                policy_versions=np.array([-1] * len(prompt) + [0] * len(answer), np.int64),
-                reward=1.0,
-                images=placed,
-            )
-        )
+        rows.append(sequence(prompt, answer, images=placed, reward=1.0, index=i))
     return collate(rows, 0)
 
 

@@ -8,7 +8,6 @@ import asyncio
 
 import grpc
 import grpc.aio
-import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -24,6 +23,7 @@ from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import collate
 from rollwire.trainer.models.vision_lm import VisionLM
 from tests.helpers.servers import serve_engine
+from tests.helpers.trajectories import sequence
 from tests.helpers.vision import digit_images
 
 
@@ -38,20 +38,11 @@ def _prompts(path, count: int) -> list[tuple[list[int], list[ImageRef]]]:
 
 
 def _trajectory(prompt: list[int], images: list[ImageRef], generated) -> Trajectory:
-    tokens = list(generated.token_ids)
-    return Trajectory(
-        trajectory_id="t",
-        group_id="g",
-        task_id="x",
-        sample_index=0,
-        prompt_ordinal=0,
-        source="s",
-        domain="d",
-        token_ids=np.array(prompt + tokens, np.int32),
-        loss_mask=np.array([0] * len(prompt) + [1] * len(tokens), np.uint8),
-        behaviour_logprobs=np.array([0.0] * len(prompt) + list(generated.logprobs), np.float32),
-        policy_versions=np.array([-1] * len(prompt) + list(generated.policy_versions), np.int64),
-        reward=0.0,
+    return sequence(
+        prompt,
+        list(generated.token_ids),
+        logprobs=list(generated.logprobs),
+        versions=list(generated.policy_versions),
         images=images,
     )
 
