@@ -285,12 +285,14 @@ class ReceiveWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., group_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
-    __slots__ = ("token_ids", "start")
+    __slots__ = ("token_ids", "start", "images")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
 class ScoreTokensRequest(_message.Message):
     __slots__ = ("request_id", "sequences", "top_k")

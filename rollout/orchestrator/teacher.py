@@ -19,6 +19,7 @@ from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.orchestrator.servers import call_server, server_retries
 from rollwire.services.core.client import open_channel, wait_for_serving
 from rollwire.services.core.config import RunConfig
+from rollwire.services.core.images import to_proto
 from rollwire.services.core.wire import Trajectory
 
 
@@ -75,7 +76,9 @@ class Teacher:
                 rows.append((index, int(generated[0])))
                 sequences.append(
                     rollout_pb2.TokenSequence(
-                        token_ids=trajectory.token_ids.tolist(), start=int(generated[0])
+                        token_ids=trajectory.token_ids.tolist(),
+                        start=int(generated[0]),
+                        images=[to_proto(i, rollout_pb2.Image) for i in trajectory.images],
                     )
                 )
         if not sequences:

@@ -311,30 +311,37 @@ class HFEngine:
         return True
 
     async def score(
-        self, sequences: list[tuple[list[int], int]], top_k: int
+        self,
+        sequences: list[tuple[list[int], int]],
+        top_k: int,
+        images: list[list[ImageRef]] | None = None,
     ) -> tuple[list[Scores], int]:
         """Each (token ids, start) sequence's logprobs from `start` on (and top-k), with
         the version that scored them: one forward per `max_batch_size` sequences, on the
-        worker thread, so between two generation batches and never across a weight swap."""
+        worker thread, so between two generation batches and never across a weight swap.
+        `images`: each sequence's, for the placeholders it holds (a vision-language model)."""
         if self._closed:
             raise RuntimeError("the engine is shutting down")
         validate_scoring(sequences, top_k, self.vocab_size, self.max_context)
-        if self.vision is not None and any(
-            token in self.vision.suppressed for ids, _ in sequences for token in ids
-        ):
-            raise RequestError(
-                "ScoreTokens takes no images yet: a sequence holds image placeholder tokens, "
-                "and scoring them without their pixels would give wrong logprobs"
-            )
+        images = images or [[] for _ in sequences]
+        if len(images) != len(sequences):
+            raise RequestError(f"{len(images)} image lists for {len(sequences)} sequences")
+        features = [
+            await self.image_features(ids, shown)
+            for (ids, _), shown in zip(sequences, images, strict=True)
+        ]
         return await asyncio.get_running_loop().run_in_executor(
-            self._worker, self._score, sequences, top_k
+            self._worker, self._score, sequences, top_k, features
         )
 
     # ------------------------------------------------------------ worker side
 
     @torch.inference_mode()
     def _score(
-        self, sequences: list[tuple[list[int], int]], top_k: int
+        self,
+        sequences: list[tuple[list[int], int]],
+        top_k: int,
+        features: list[Features | None],
     ) -> tuple[list[Scores], int]:
         version = self._version
         out: list[Scores] = []
@@ -346,8 +353,22 @@ class HFEngine:
             for row, (tokens, _) in enumerate(chunk):
                 ids[row, : len(tokens)] = torch.tensor(tokens)
                 attention[row, : len(tokens)] = 1
+            shown = [f for f in features[first : first + self.max_batch_size] if f is not None]
+            inputs = {}
+            if shown:
+                assert self.vision is not None
+                grid = torch.cat([f.grid for f in shown])
+                inputs = {
+                    "position_ids": mrope_positions(
+                        self.model, ids, attention, grid, self.vision.image_token
+                    ).to(self.device),
+                    "pixel_values": torch.cat([f.pixel_values for f in shown]).to(
+                        self.device, self.model.dtype
+                    ),
+                    "image_grid_thw": grid.to(self.device),
+                }
             logits = self.model(
-                input_ids=ids.to(self.device), attention_mask=attention.to(self.device)
+                input_ids=ids.to(self.device), attention_mask=attention.to(self.device), **inputs
             ).logits
             if self.vision is not None:
                 logits = suppress(logits, self.vision.suppressed)

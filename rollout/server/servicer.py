@@ -318,8 +318,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await self._start()
         sequences = [(list(s.token_ids), int(s.start)) for s in request.sequences]
         try:
+            images = [of_protos(s.images) for s in request.sequences]
+        except ImageError as error:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_image", str(error))
+        try:
             with self.watchdog.watch("score", request.request_id, self.watch_seconds):
-                scores, version = await self.engine.score(sequences, int(request.top_k))
+                if any(images):
+                    if not hasattr(self.engine, "image_features"):
+                        raise RequestError(f"the {self.engine.name} engine takes no images")
+                    scores, version = await self.engine.score(sequences, int(request.top_k), images)
+                else:
+                    scores, version = await self.engine.score(sequences, int(request.top_k))
         except ContextTooLong as error:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "context", str(error))
         except RequestError as error:

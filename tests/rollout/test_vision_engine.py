@@ -1,6 +1,6 @@
 """The HF engine with a vision-language model: images in its batches (new, joined and
-laid out again after new weights) give the logprobs the trainer's forward gives, and a bad
-image is refused to its caller while the server keeps serving."""
+laid out again after new weights) and in ScoreTokens give the logprobs the trainer's
+forward gives, and a bad image is refused to its caller while the server keeps serving."""
 
 from __future__ import annotations
 
@@ -64,9 +64,19 @@ async def test_generation_with_images_agrees_with_the_trainer(tiny_vlm_path) -> 
         tasks += [start(i) for i in range(3, 6)]
         outputs = await asyncio.gather(*tasks)
         assert engine.joined_rows >= 1, "no request joined a running batch"
-        # Scoring has no pixels to go with placeholders: refused, not silently wrong.
+        # A teacher's ScoreTokens of the same sequences with their images (on-policy
+        # distillation between two vision models) gives the same logprobs.
+        sequences = [
+            (ids + list(out.token_ids), len(ids))
+            for (ids, _), out in zip(prompts, outputs, strict=True)
+        ]
+        scores, _ = await engine.score(sequences, 2, [images for _, images in prompts])
+        for out, scored in zip(outputs, scores, strict=True):
+            assert (
+                max(abs(a - b) for a, b in zip(out.logprobs, scored.logprobs, strict=True)) <= 1e-5
+            )
         ids = prompts[1][0]
-        with pytest.raises(RequestError, match="ScoreTokens takes no images yet"):
+        with pytest.raises(RequestError, match="image pad tokens but no image"):
             await engine.score([([*ids, 5], len(ids))], 0)
     finally:
         await engine.close()

@@ -32,3 +32,33 @@ def test_a_short_vision_run_through_every_process(tmp_path) -> None:
     assert [e["policy_version"] for e in evals] == [0, 3]
     assert all(e["tasks"] == 297 for e in evals)  # the held-out images, none trained on
     assert_no_process_left(run_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_on_policy_distillation_between_two_vision_models_sends_the_teacher_the_images(
+    tmp_path,
+) -> None:
+    """The teacher-server scores each sampled answer with its image (ScoreTokens carries
+    it): with the student's own weights as the teacher, the first step's divergence is 0
+    to float precision, where a teacher scoring the placeholders without their pixels
+    would disagree."""
+    from rollwire.services.core.tiny import tiny_model_of
+
+    model = tiny_model_of({"vision": 1})
+    run_dir, result = rollwire_train(
+        tmp_path,
+        f"trainer.model_path={model}",
+        f"distill.teacher_model_path={model}",
+        "trainer.algorithm.advantage={type: on_policy_distill}",
+        "rl.max_steps=2",
+        "rl.groups_per_step=4",
+        "orchestrator.eval_dataset=null",
+        config=REPO / "examples" / "vlm_rlvr.yaml",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [row["step"] for row in steps] == [1, 2]
+    assert abs(steps[0]["teacher_kl"]) <= 1e-5, steps[0]
+    assert steps[0]["images"] == 32
+    assert "rollout_scored_tokens" in (run_dir / "logs" / "teacher-server.log").read_text()
