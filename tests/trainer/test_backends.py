@@ -4,7 +4,8 @@ fsdp2 and DeepSpeed ZeRO on two CPU ranks against the same step in one local pro
 The multiproc tests run tests/helpers/backend_worker.py under `torchrun --standalone` (a free
 port) in a process group of their own, killed by that group on a timeout. DeepSpeed's
 first start on a machine compiles a shared-memory op (about a minute; cached under
-~/.cache/torch_extensions afterwards), so its first test may take that much longer.
+~/.cache/torch_extensions afterwards; deploy/install.sh compiles it ahead), so without
+that its first test may take that much longer.
 
 Tolerances, float32: loss and weights within 1e-5 absolute, gradient norm within 1e-5
 relative (seen on the tiny model: loss 1.2e-7, norm 2.6e-7 relative, weights 5.4e-7 for
