@@ -198,14 +198,14 @@ class Sampler:
         counts: answers, kept, their mean reward. `top_k`:
         each kept row also carries its token ids and, per answer token, the served
         model's top_k tokens and logprobs (token-level distillation data)."""
-        if any(task.images for task in tasks[:1]):
-            raise ValueError(
-                "distillation data from image prompts is not written yet: its rows would "
-                "lose their images"
-            )
         limit = asyncio.Semaphore(self.settings.max_concurrent_groups)
 
         async def answer(index: int, task: Task) -> tuple[list[dict[str, Any]], list[float]]:
+            if task.images:
+                raise ValueError(
+                    f"task {task.task_id} shows images: distillation data from image prompts "
+                    "is not written yet (its rows would lose their images)"
+                )
             async with limit:
                 # Seeded from the prompt's place (orchestrator.sampling_seed): the same
                 # teacher answers the same prompts alike, run after run.

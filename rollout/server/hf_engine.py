@@ -60,7 +60,6 @@ from rollwire.services.core.vision import (
     Features,
     VisionSide,
     is_vision_model,
-    mrope_positions,
     suppress,
 )
 
@@ -354,22 +353,12 @@ class HFEngine:
                 ids[row, : len(tokens)] = torch.tensor(tokens)
                 attention[row, : len(tokens)] = 1
             shown = [f for f in features[first : first + self.max_batch_size] if f is not None]
+            ids, attention = ids.to(self.device), attention.to(self.device)
             inputs = {}
             if shown:
                 assert self.vision is not None
-                grid = torch.cat([f.grid for f in shown])
-                inputs = {
-                    "position_ids": mrope_positions(
-                        self.model, ids, attention, grid, self.vision.image_token
-                    ).to(self.device),
-                    "pixel_values": torch.cat([f.pixel_values for f in shown]).to(
-                        self.device, self.model.dtype
-                    ),
-                    "image_grid_thw": grid.to(self.device),
-                }
-            logits = self.model(
-                input_ids=ids.to(self.device), attention_mask=attention.to(self.device), **inputs
-            ).logits
+                inputs = self.vision.forward_inputs(self.model, ids, attention, shown)
+            logits = self.model(input_ids=ids, attention_mask=attention, **inputs).logits
             if self.vision is not None:
                 logits = suppress(logits, self.vision.suppressed)
             logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
@@ -518,9 +507,12 @@ class HFEngine:
                 cache = None
                 aborts_seen = -1
             self.running = layout.live
-            inputs = {"position_ids": step_positions.to(self.device)}
             if cache is None:  # a prompt's forward: its images, and their positions
-                inputs, step_positions = self._prompt_inputs(rows, step_ids, attention, inputs)
+                inputs, step_positions = self._prompt_inputs(
+                    rows, step_ids, attention, step_positions
+                )
+            else:
+                inputs = {"position_ids": step_positions.to(self.device)}
             out = self.model(
                 input_ids=step_ids.to(self.device),
                 attention_mask=attention.to(self.device),
@@ -580,7 +572,7 @@ class HFEngine:
         if longest:
             ids, mask = self._left_padded(prefixes)
             inputs, prefix_positions = self._prompt_inputs(
-                joining, ids, mask, {"position_ids": (mask.cumsum(dim=1) - 1).clamp(min=0)}
+                joining, ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
             )
             following = prefix_positions[:, -1:] + 1
             out = self.model(
@@ -624,26 +616,21 @@ class HFEngine:
         return logits.cpu()
 
     def _prompt_inputs(
-        self, rows: list[_Row], ids: torch.Tensor, attention: torch.Tensor, inputs: dict
+        self, rows: list[_Row], ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor
     ) -> tuple[dict, torch.Tensor]:
-        """The model inputs of a forward over `rows`' left-padded prompts `ids`: `inputs`
-        as they are for text, and for rows with images their pixels and the model's
+        """The model inputs of a forward over `rows`' left-padded prompts `ids`: the text
+        `positions`, or for rows with images their pixels and the model's
         three-dimensional positions; and each token's position as the next decoding step
         goes on from (the last column: where the next token's position follows)."""
         features = [row.pending.features for row in rows if row.pending.features is not None]
         if not features:
-            return inputs, inputs["position_ids"].cpu()
+            return {"position_ids": positions.to(self.device)}, positions
         assert self.vision is not None
-        grid = torch.cat([f.grid for f in features])
-        positions = mrope_positions(self.model, ids, attention, grid, self.vision.image_token)
-        pixels = torch.cat([f.pixel_values for f in features]).to(self.device, self.model.dtype)
-        vision = {
-            "position_ids": positions.to(self.device),
-            "pixel_values": pixels,
-            "image_grid_thw": grid.to(self.device),
-        }
+        vision = self.vision.forward_inputs(
+            self.model, ids.to(self.device), attention.to(self.device), features
+        )
         # A prompt ends in text: its last position is the same in all three dimensions.
-        return vision, positions.amax(dim=0)
+        return vision, vision["position_ids"].amax(dim=0).cpu()
 
     def _finish(self, row: _Row, version: int) -> None:
         self.generated_tokens += len(row.tokens)

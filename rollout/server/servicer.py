@@ -121,13 +121,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await self._wait_for_weights(context)
         await self._start()
         try:
-            if images and not hasattr(self.engine, "image_features"):
-                raise RequestError(f"the {self.engine.name} engine takes no images")
+            shown = self._image_args(images)
             with self.watchdog.watch("request", request_id, self.watch_seconds):
-                if images:
-                    result = await self.engine.generate(request_id, prompt, spec, images)
-                else:
-                    result = await self.engine.generate(request_id, prompt, spec)
+                result = await self.engine.generate(request_id, prompt, spec, *shown)
         except ContextTooLong as error:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "context", str(error))
         except RequestError as error:
@@ -159,10 +155,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
 
     async def _images(self, messages: Any, context: grpc.aio.ServicerContext) -> list[ImageRef]:
+        """A request's `Image` messages; INVALID_ARGUMENT for one that is neither bytes
+        nor a reference."""
         try:
             return of_protos(messages)
         except ImageError as error:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_image", str(error))
+
+    def _image_args(self, images: list) -> tuple:
+        """What an engine call gets for `images` (one list, or one per sequence): nothing
+        when there are none, as every engine is called; the images for an engine that
+        takes them; RequestError for one that takes none."""
+        if not any(images):
+            return ()
+        if not hasattr(self.engine, "image_features"):
+            raise RequestError(f"the {self.engine.name} engine takes no images")
+        return (images,)
 
     async def GenerateGroup(
         self, request: rollout_pb2.GenerateGroupRequest, context: grpc.aio.ServicerContext
@@ -317,18 +325,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await self._wait_for_weights(context)
         await self._start()
         sequences = [(list(s.token_ids), int(s.start)) for s in request.sequences]
+        images = [await self._images(s.images, context) for s in request.sequences]
         try:
-            images = [of_protos(s.images) for s in request.sequences]
-        except ImageError as error:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_image", str(error))
-        try:
+            shown = self._image_args(images)
             with self.watchdog.watch("score", request.request_id, self.watch_seconds):
-                if any(images):
-                    if not hasattr(self.engine, "image_features"):
-                        raise RequestError(f"the {self.engine.name} engine takes no images")
-                    scores, version = await self.engine.score(sequences, int(request.top_k), images)
-                else:
-                    scores, version = await self.engine.score(sequences, int(request.top_k))
+                scores, version = await self.engine.score(sequences, int(request.top_k), *shown)
         except ContextTooLong as error:
             await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "context", str(error))
         except RequestError as error:

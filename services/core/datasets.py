@@ -7,6 +7,7 @@ prompts), which later accounting (exactly-once training) keys on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterator, Sequence
@@ -288,7 +289,7 @@ def task_key(task: Task) -> tuple[str, ...]:
     if "digit_index" in task.metadata:
         return ("digit", str(task.metadata["digit_index"]))
     if task.images:  # one question about many images: the images tell them apart
-        shown = tuple(image.uri or image.data.hex() for image in task.images)
+        shown = tuple(image.uri or hashlib.sha256(image.data).hexdigest() for image in task.images)
         return ("question", " ".join(task.question.lower().split()), *shown)
     if task.question:
         return ("question", " ".join(task.question.lower().split()))

@@ -7,7 +7,9 @@ reads the folder's image processor and placeholder ids once and then:
 
 - `prompt_ids(images, text_ids)`: the placeholders of each image (as many pad tokens as
   the model reads it as) before the text, and where each image starts;
-- `features(images)`: the processor's `pixel_values` and `image_grid_thw` for the forward;
+- `features(images)`: the processor's `pixel_values` and `image_grid_thw` for the forward,
+  each image processed once and kept (`CACHED_IMAGES`): a group's samples share their
+  prompt's image, and the trainer's passes and epochs see the same images again;
 - `check(token_ids, images)`: the pad tokens and the images agree (a clear ImageError if
   not), before any forward is run on them.
 
@@ -22,6 +24,8 @@ the policy they agree on is the model's distribution over every other token.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,16 +42,16 @@ def is_vision_model(folder: str | Path) -> bool:
         return False
 
 
+CACHED_IMAGES = 4096
+"""Processed images a `VisionSide` keeps, the least recently used let go first."""
+
+
 @dataclass
 class Features:
     """An image list's processor output: `pixel_values` [patches, dim], `grid` [N, 3]."""
 
     pixel_values: Any
     grid: Any
-
-    @property
-    def count(self) -> int:
-        return int(self.grid.shape[0])
 
 
 class VisionSide:
@@ -75,20 +79,36 @@ class VisionSide:
             }
         )
         """Token ids the model never generates (`suppress`)."""
+        self._processed: OrderedDict[tuple[bytes, str], tuple[Any, Any]] = OrderedDict()
+        self._lock = threading.Lock()  # the engine processes requests' images on threads
 
     def features(self, images: list[ImageRef]) -> Features:
-        """The pixels of `images` as the model's forward takes them."""
-        opened = [open_image(image, self.limits) for image in images]
-        out = self.processor(images=opened, return_tensors="pt")
-        return Features(out["pixel_values"], out["image_grid_thw"])
+        """The pixels of `images` as the model's forward takes them, in order (each image
+        processed once, by its bytes or its reference, then kept)."""
+        import torch
+
+        keys = [(image.data, image.uri) for image in images]
+        with self._lock:
+            missing = {k: i for k, i in zip(keys, images, strict=True) if k not in self._processed}
+        if missing:
+            opened = [open_image(image, self.limits) for image in missing.values()]
+            out = self.processor(images=opened, return_tensors="pt")
+            sizes = [int(row.prod()) for row in out["image_grid_thw"]]
+            pixels = torch.split(out["pixel_values"], sizes)
+            with self._lock:
+                for key, part, grid in zip(missing, pixels, out["image_grid_thw"], strict=True):
+                    self._processed[key] = (part, grid)
+                    if len(self._processed) > CACHED_IMAGES:
+                        self._processed.popitem(last=False)
+        with self._lock:
+            parts = [self._processed[key] for key in keys]
+            for key in keys:
+                self._processed.move_to_end(key)
+        return Features(torch.cat([p for p, _ in parts]), torch.stack([g for _, g in parts]))
 
     def token_counts(self, features: Features) -> list[int]:
         """How many pad tokens the model reads each image as."""
         return [int(row.prod()) // self.merge**2 for row in features.grid]
-
-    def placeholders(self, count: int) -> list[int]:
-        """One image's tokens: start, `count` pad tokens, end."""
-        return [self.start, *[self.image_token] * count, self.end]
 
     def marker(self, tokenizer: Any, count: int) -> str:
         """The text that stands for `count` images before their expansion (`expand`): one
@@ -125,17 +145,13 @@ class VisionSide:
         return out_ids + list(ids[last:]), out_mask + list(mask[last:]), placed
 
     def prompt_ids(
-        self, images: list[ImageRef], text_ids: list[int], prefix: list[int] = ()
+        self, images: list[ImageRef], text_ids: list[int]
     ) -> tuple[list[int], list[ImageRef]]:
-        """`prefix`, each image's placeholders, then `text_ids`; and the images with their
-        offsets (the index of each one's first pad token)."""
-        ids = list(prefix)
-        placed = []
-        if images:
-            for image, count in zip(images, self.token_counts(self.features(images)), strict=True):
-                placed.append(image.with_offset(len(ids) + 1))
-                ids.extend(self.placeholders(count))
-        return ids + list(text_ids), placed
+        """Each image's placeholders, then `text_ids`; and the images with their offsets
+        (what the marker before a plain prompt's text expands to)."""
+        one = [self.start, self.image_token, self.end]
+        ids, _, placed = self.expand(one * len(images) + list(text_ids), images)
+        return ids, placed
 
     def check(self, token_ids: list[int], images: list[ImageRef]) -> Features | None:
         """The features of `images` if the token ids hold exactly their pad tokens;
@@ -154,6 +170,19 @@ class VisionSide:
                 "(VisionSide.prompt_ids)"
             )
         return features
+
+    def forward_inputs(self, model: Any, ids: Any, attention: Any, shown: list[Features]) -> dict:
+        """What a forward over padded rows `ids` takes beside them when their images are
+        `shown` (in row order): the model's three-dimensional positions, the pixels and
+        the grid, on the rows' device (the model casts the pixels to its own dtype)."""
+        import torch
+
+        grid = torch.cat([f.grid for f in shown]).to(ids.device)
+        return {
+            "position_ids": mrope_positions(model, ids, attention, grid, self.image_token),
+            "pixel_values": torch.cat([f.pixel_values for f in shown]).to(ids.device),
+            "image_grid_thw": grid,
+        }
 
 
 SUPPRESSED_LOGIT = -1.0e9

@@ -50,7 +50,8 @@ def main() -> None:
     torch.set_num_threads(1)
     from rollwire.services.core.config import RunConfig
     from rollwire.trainer.learner import Learner
-    from rollwire.trainer.models import CAUSAL_LM, family_for
+    from rollwire.trainer.models import family_for
+    from rollwire.trainer.pipelines.table import CAUSAL_LM
 
     trainer = {"backend": args.backend, "freeze": ["model.visual.patch_embed"]}
     if args.backend == "deepspeed":

@@ -15,8 +15,9 @@ import torch
 
 from rollwire.services.core.config import RunConfig
 from rollwire.trainer.learner import Learner
-from rollwire.trainer.models import CAUSAL_LM, CausalLM, family_for
+from rollwire.trainer.models import CausalLM, family_for
 from rollwire.trainer.models.vision_lm import VisionLM
+from rollwire.trainer.pipelines.table import CAUSAL_LM
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "vision_worker.py"
 

@@ -18,8 +18,6 @@ from rollwire.trainer.models.causal_lm import CausalLM
 
 __all__ = ["CausalLM", "ModelFamily", "family_for"]
 
-CAUSAL_LM = "rollwire.trainer.models.causal_lm:CausalLM"
-
 
 def family_for(spec: str, model_path: str | Path, config: Any = None) -> ModelFamily:
     """The family a pipeline entry names (`module:Class`) for the model at `model_path`:
@@ -30,13 +28,14 @@ def family_for(spec: str, model_path: str | Path, config: Any = None) -> ModelFa
 
     from rollwire.services.core.vision import is_vision_model
 
-    if spec == CAUSAL_LM and is_vision_model(model_path):
+    module, _, name = spec.partition(":")
+    kind = getattr(importlib.import_module(module), name)
+    if kind is CausalLM and is_vision_model(model_path):
         from rollwire.trainer.models.vision_lm import VisionLM
 
         family: ModelFamily = VisionLM(config.image_inputs.limits() if config else None)
     else:
-        module, _, name = spec.partition(":")
-        family = getattr(importlib.import_module(module), name)()
+        family = kind()
     if config is not None:
         family.frozen = tuple(config.trainer.freeze)
     return family

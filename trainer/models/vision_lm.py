@@ -4,7 +4,7 @@ its tokenizer and image processor saved beside it.
 
 The forward is the causal LM's with the pixels: each row's images (`TokenBatch.images`,
 by value or by reference, opened under the run's `image_inputs` limits) go through the
-model's image processor once and are cached by their bytes or path, and the rows get the
+model's image processor once (`VisionSide.features` keeps them), and the rows get the
 three-dimensional rotary positions the model's own `get_rope_index` gives them; the image
 placeholder tokens are suppressed in the logits, as the engines suppress them. A row
 without images is a text row of the same model; rows with and without images mix in one
@@ -19,20 +19,16 @@ times 0: the vision tower runs on every rank, and its gradients exist (zeros) on
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rollwire.services.core.images import ImageLimits, ImageRef
-from rollwire.services.core.vision import Features, VisionSide, mrope_positions, suppress
+from rollwire.services.core.vision import VisionSide, mrope_positions, suppress
 from rollwire.trainer.batching import TokenBatch
 from rollwire.trainer.models.base import ModelFamily
 from rollwire.trainer.models.causal_lm import save_tokenizer
-
-CACHED_IMAGES = 4096
-"""Processed images kept in memory (an image is trained on over several passes and epochs)."""
 
 
 class VisionLM(ModelFamily):
@@ -45,9 +41,6 @@ class VisionLM(ModelFamily):
         self.limits = limits or ImageLimits()
         self.side: VisionSide | None = None
         self._blank_image: ImageRef | None = None
-        self._processed: OrderedDict[tuple[bytes, str], tuple[torch.Tensor, torch.Tensor]] = (
-            OrderedDict()
-        )
 
     def _attach(self, path: Path) -> None:
         if self.side is None:
@@ -77,24 +70,6 @@ class VisionLM(ModelFamily):
         model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
         return model.state_dict()
 
-    def features(self, images: list[ImageRef]) -> Features:
-        """The processed pixels of `images`, in order (each processed once, then cached)."""
-        assert self.side is not None, "the family's model was not loaded"
-        missing = [image for image in images if (image.data, image.uri) not in self._processed]
-        if missing:
-            fresh = self.side.features(missing)
-            counts = [int(row.prod()) for row in fresh.grid]
-            for image, pixels, grid in zip(
-                missing, torch.split(fresh.pixel_values, counts), fresh.grid, strict=True
-            ):
-                self._processed[(image.data, image.uri)] = (pixels, grid)
-                if len(self._processed) > CACHED_IMAGES:
-                    self._processed.popitem(last=False)
-        parts = [self._processed[(image.data, image.uri)] for image in images]
-        return Features(
-            torch.cat([pixels for pixels, _ in parts]), torch.stack([grid for _, grid in parts])
-        )
-
     def logits(self, model: Any, batch: TokenBatch, device: torch.device) -> torch.Tensor:
         """[B, T-1, V] next-token logits for `batch.targets`, in the compute dtype."""
         assert self.side is not None, "the family's model was not loaded"
@@ -107,40 +82,13 @@ class VisionLM(ModelFamily):
         blank = not images and self.ranks_in_step
         if blank:  # see the module docstring
             images = [self._blank()]
-            row = self.side.placeholders(self.side.token_counts(self.features(images))[0])
-            width = max(ids.shape[1], len(row))
-            ids, attention = (
-                torch.cat(
-                    [
-                        _pad_right(ids, width, 0),
-                        _pad_right(torch.tensor([row], device=device), width, 0),
-                    ]
-                ),
-                torch.cat(
-                    [
-                        _pad_right(attention, width, 0),
-                        _pad_right(
-                            torch.ones((1, len(row)), dtype=attention.dtype, device=device),
-                            width,
-                            0,
-                        ),
-                    ]
-                ),
-            )
-        inputs: dict[str, Any] = {}
-        grid = None
+            ids, attention = _with_row(ids, attention, self.side.prompt_ids(images, [])[0])
         if images:
-            features = self.features(images)
-            grid = features.grid.to(device)
-            inputs = {"pixel_values": features.pixel_values.to(device), "image_grid_thw": grid}
-        positions = mrope_positions(model, ids, attention, grid, self.side.image_token)
-        out = model(
-            input_ids=ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=False,
-            **inputs,
-        )
+            inputs = self.side.forward_inputs(model, ids, attention, [self.side.features(images)])
+        else:
+            token = self.side.image_token
+            inputs = {"position_ids": mrope_positions(model, ids, attention, None, token)}
+        out = model(input_ids=ids, attention_mask=attention, use_cache=False, **inputs)
         logits = suppress(out.logits[:, :-1], self.side.suppressed)
         if blank:
             width = batch.input_ids.shape[1] - 1
@@ -170,5 +118,15 @@ class VisionLM(ModelFamily):
         return int(getattr(text, "pad_token_id", None) or 0)
 
 
-def _pad_right(tensor: torch.Tensor, width: int, value: int) -> torch.Tensor:
-    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)
+def _with_row(
+    ids: torch.Tensor, attention: torch.Tensor, row: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ids` and `attention` with one more row, all right-padded to the wider of the two."""
+    new = torch.tensor([row], dtype=ids.dtype, device=ids.device)
+    width = max(ids.shape[1], new.shape[1])
+
+    def pad(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+
+    ones = torch.ones_like(new, dtype=attention.dtype)
+    return torch.cat([pad(ids), pad(new)]), torch.cat([pad(attention), pad(ones)])

@@ -69,9 +69,10 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
 def _step_args(items: Sequences) -> tuple[list, list | None, list | None]:
     """A step's (token ids, mask) sequences, their teacher top-k when they have it, and
     their images when they show some."""
-    top = [item[2] for item in items] if items and len(items[0]) > 2 else None
-    images = [item[3] for item in items] if items and len(items[0]) > 3 else None
-    return [item[:2] for item in items], None if images else top, images
+    width = len(items[0]) if items else 2
+    top = [item[2] for item in items] if width == 3 else None
+    images = [item[3] for item in items] if width == 4 else None
+    return [item[:2] for item in items], top, images
 
 
 def _evaluate(step: Any, held: Sequences, batch_size: int, pack: int | None, loss: str) -> float:

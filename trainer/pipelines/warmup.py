@@ -120,7 +120,8 @@ def warm_up_on(
         threads=threads,
         checkpointing=CheckpointingConfig(every=0, resume=False),
     )
-    from rollwire.trainer.models import CAUSAL_LM, family_for
+    from rollwire.trainer.models import family_for
+    from rollwire.trainer.pipelines.table import CAUSAL_LM
 
     learner = Learner(model_path, trainer, family_for(CAUSAL_LM, model_path), total_updates=steps)
     supervised = SupervisedStep(learner)

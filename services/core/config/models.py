@@ -80,6 +80,7 @@ from rollwire.services.core.config.trainer import (
     TrainerConfig,
     WeightsConfig,
 )
+from rollwire.services.core.images import FORMATS, ImageLimits
 
 __all__ = [
     "CHAIN_SUM_SMALL",
@@ -254,25 +255,17 @@ class ImageInputsConfig(StrictModel):
     that opens one (`rollwire.services.core.images`): past a limit it is refused with an
     error naming it, and the service keeps serving."""
 
-    max_bytes: int = Field(4 << 20, ge=1)
+    max_bytes: int = Field(ImageLimits.max_bytes, ge=1)
     """Largest encoded image, given by value or read from a file."""
-    max_pixels: int = Field(4096 * 4096, ge=1)
+    max_pixels: int = Field(ImageLimits.max_pixels, ge=1)
     """Largest width x height (checked before the pixels are decoded)."""
-    formats: list[Literal["png", "jpeg", "webp", "gif", "bmp"]] = [
-        "png",
-        "jpeg",
-        "webp",
-        "gif",
-        "bmp",
-    ]
-    """Formats an image may be in (its bytes decide, not its name)."""
+    formats: list[Literal[FORMATS]] = list(FORMATS)
+    """Formats an image may be in (its bytes decide, not its name): png, jpeg, webp, gif, bmp."""
     roots: list[str] = []
     """Folders a referenced image (a path or file:// URI) may lie in; empty: any local
     path. Nothing is read from the network."""
 
-    def limits(self) -> Any:
-        from rollwire.services.core.images import ImageLimits
-
+    def limits(self) -> ImageLimits:
         return ImageLimits(self.max_bytes, self.max_pixels, tuple(self.formats), tuple(self.roots))
 
 
