@@ -267,15 +267,27 @@ async def test_generation_updates_and_interruptions_against_vllm(vllm_server) ->
         # An update mid-generation interrupts: tokens so far kept, the rest on the new version.
         # On a fast machine the stream can finish before the pause lands; that outcome is
         # legal (every token on the old version) and the check tries again with a newer one.
+        # The race is narrowed from both sides: the new weights are made before the stream
+        # starts, and eight other long requests decode beside it, so each of its steps takes
+        # a batch's time (once, on a CI run, five updates all landed after the stream ended).
         old = {name: p.detach().clone() for name, p in model.named_parameters()}
         for version in range(2, 7):
+            newer = perturbed(model, seed=version)
+            company = [
+                asyncio.ensure_future(
+                    engine.generate(
+                        f"company{version}-{i}", [5 + i], SamplingSpec(max_new_tokens=240)
+                    )
+                )
+                for i in range(8)
+            ]
             mid = asyncio.ensure_future(
                 engine.generate("mid", [11, 12], SamplingSpec(max_new_tokens=240, seed=2))
             )
             await streaming(engine, "mid", mid)  # (if it already ended, the update lands after)
-            newer = perturbed(model, seed=version)
             await asyncio.wait_for(engine.update_weights(newer, version), 120)
             result = await asyncio.wait_for(mid, 120)
+            await asyncio.wait_for(asyncio.gather(*company), 120)
             assert len(result.token_ids) == 240 and result.finish_reason == "length"
             if version in result.policy_versions:
                 break
