@@ -3,6 +3,10 @@
     observation, info = env.reset(seed)
     observation, reward, terminated, truncated, info = env.step(action)
 
+An observation is a string, or an `Observation` when it shows pictures too (an env that
+draws its state for a vision-language policy): its text and its images, which the
+policy sees before the text.
+
 An env that cannot accept an action raises `InvalidAction` with a message the
 policy's author can act on; the env-server turns it into INVALID_ARGUMENT.
 
@@ -17,9 +21,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-StepResult = tuple[str, float, bool, bool, dict[str, Any]]
+from rollwire.services.core.images import ImageRef
+
+
+@dataclass(frozen=True)
+class Observation:
+    """An observation that shows pictures: its text and its images, in order (each an
+    encoded image by value, or a path the orchestrator can read)."""
+
+    text: str
+    images: tuple[ImageRef, ...] = ()
+
+
+def parts(observation: str | Observation) -> tuple[str, tuple[ImageRef, ...]]:
+    """An observation's text and images (none for a plain string)."""
+    if isinstance(observation, Observation):
+        return observation.text, observation.images
+    return observation, ()
+
+
+StepResult = tuple[str | Observation, float, bool, bool, dict[str, Any]]
 """(observation, reward, terminated, truncated, info)."""
-Act = Callable[[str, dict[str, Any]], str]
+Act = Callable[[str | Observation, dict[str, Any]], str]
 """One demonstrated episode's player: `act(observation, info) -> action`."""
 Demonstrator = Callable[..., Act]
 """`demonstrator(rng, **demo_kwargs) -> act`: a scripted player for a fresh episode, drawing
@@ -31,10 +54,10 @@ class InvalidAction(ValueError):
 
 
 class Env(abc.ABC):
-    """A text environment. Subclasses implement `reset` and `step`; `close` is optional."""
+    """An environment. Subclasses implement `reset` and `step`; `close` is optional."""
 
     @abc.abstractmethod
-    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+    def reset(self, seed: int | None = None) -> tuple[str | Observation, dict[str, Any]]:
         """Starts an episode; the same seed gives the same episode."""
 
     @abc.abstractmethod

@@ -260,6 +260,26 @@ class _Suite(Probe):
             )
         return f"{len(distinct)} distinct episodes over seeds {seeds[0]}..{seeds[-1]}"
 
+    async def image_observations(self) -> str:
+        """Every image the observations showed so far opens as the orchestrator opens it."""
+        if not self.images:
+            raise CheckSkipped("no observation showed an image")
+        try:
+            from rollwire.services.core.images import ImageError, ImageLimits, of_protos, open_image
+
+            limits = ImageLimits()
+            opened = [open_image(ref, limits) for ref in of_protos(self.images.values())]
+        except ImportError as error:
+            raise CheckSkipped(
+                f"images are opened with Pillow, which is missing: {error}"
+            ) from None
+        except ImageError as error:
+            raise CheckFailed(
+                f"an observation's image does not open: {error}{see('image-observations')}"
+            ) from None
+        sizes = sorted({f"{image.width}x{image.height}" for image in opened})
+        return f"{_count(len(opened), 'distinct image')} opened ({', '.join(sizes)} pixels)"
+
     async def step_contract(self) -> str:
         session_id, _ = await self.reset(seed=0)
         closed = False
@@ -454,6 +474,7 @@ CHECKS: tuple[tuple[str, Callable[[_Suite], Awaitable[str]]], ...] = (
     ("reset_determinism", _Suite.reset_determinism),
     ("seed_variation", _Suite.seed_variation),
     ("step_contract", _Suite.step_contract),
+    ("image_observations", _Suite.image_observations),
     ("unknown_env", _Suite.unknown_env),
     ("unknown_session", _Suite.unknown_session),
     ("bad_kwargs", _Suite.bad_kwargs),

@@ -10,6 +10,7 @@ neither needs the other's internals.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ DEFAULT_ACTIONS: tuple[str, ...] = (
     "no", "a", "b", "10", "90", "2", "100", "pass", "3", "hello",
 )  # fmt: skip
 UNKNOWN_ENV_ID = "rollwire-env-check-no-such-env"
+KEPT_IMAGES = 64
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,13 @@ class CheckSkipped(Exception):
     """The check could not be judged; the message says why."""
 
 
+def image_keys(images: Sequence[env_pb2.Image]) -> tuple[str, ...]:
+    """Each image as determinism compares it: a digest of its bytes, or its uri."""
+    return tuple(
+        hashlib.sha256(image.data).hexdigest()[:16] if image.data else image.uri for image in images
+    )
+
+
 def info_dict(struct: Any) -> dict[str, Any]:
     """An `info` Struct as the plain dict determinism is compared on."""
     return json_format.MessageToDict(struct)
@@ -84,6 +93,8 @@ class Reply:
     terminated: bool = False
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    images: tuple[str, ...] = ()
+    """Each image the observation shows, by its bytes' digest or its uri."""
 
     @property
     def done(self) -> bool:
@@ -100,6 +111,7 @@ class Reply:
             step.terminated,
             step.truncated,
             info_dict(step.info),
+            image_keys(step.images),
         )
 
     def brief(self) -> str:
@@ -107,7 +119,8 @@ class Reply:
         if self.code != "OK":
             return self.code
         text = self.observation if len(self.observation) <= 40 else self.observation[:37] + "..."
-        return f"{text!r} r={self.reward:g} term={self.terminated} trunc={self.truncated}"
+        shown = f" images={list(self.images)}" if self.images else ""
+        return f"{text!r}{shown} r={self.reward:g} term={self.terminated} trunc={self.truncated}"
 
 
 class Probe:
@@ -127,6 +140,8 @@ class Probe:
         # Transcripts of one session played alone, by seed: the reference that
         # determinism and concurrency are judged against.
         self.transcripts: dict[int, list[Reply]] = {}
+        self.images: dict[str, env_pb2.Image] = {}
+        """Distinct images the observations showed, by key (`image_keys`)."""
         self.accepted_action: str | None = None
         self.reset_refused = False
 
@@ -164,7 +179,10 @@ class Probe:
             raise CheckFailed(f"Reset of {self.env_id!r} failed: {describe_error(error)}") from None
         if not reply.session_id:
             raise CheckFailed("Reset answered an empty session_id")
-        return reply.session_id, Reply("OK", reply.observation, info=info_dict(reply.info))
+        self.keep_images(reply.images)
+        return reply.session_id, Reply(
+            "OK", reply.observation, info=info_dict(reply.info), images=image_keys(reply.images)
+        )
 
     def raw_step(self, session_id: str, action: str) -> Awaitable[env_pb2.StepResponse]:
         """A Step call as is, for checks that expect it to fail."""
@@ -185,7 +203,15 @@ class Probe:
             raise CheckFailed(f"Step {action[:40]!r} answered a non-finite reward {reply.reward}")
         if self.accepted_action is None:
             self.accepted_action = action
+        self.keep_images(reply.images)
         return Reply.from_step(reply)
+
+    def keep_images(self, images: Sequence[env_pb2.Image]) -> None:
+        """Keeps the first KEPT_IMAGES distinct images observations showed, for the check
+        that they open."""
+        for key, image in zip(image_keys(images), images, strict=True):
+            if len(self.images) < KEPT_IMAGES:
+                self.images.setdefault(key, image)
 
     async def close(self, session_id: str) -> bool:
         """Closes a session; whether the server knew it."""

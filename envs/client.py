@@ -41,11 +41,12 @@ import grpc
 import grpc.aio
 from opentelemetry import trace
 
-from rollwire.envs.base import EnvSpec, StepResult
+from rollwire.envs.base import EnvSpec, Observation, StepResult
 from rollwire.envs.host import EnvCallError, ResetResult, SessionHost
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.config import ClientConfig, EnvServerConfig
+from rollwire.services.core.images import of_protos
 from rollwire.services.core.structs import from_struct, to_struct
 
 __all__ = [
@@ -378,12 +379,19 @@ def _info(struct_holder: Any) -> dict[str, Any]:
     return from_struct(struct_holder.info) if struct_holder.HasField("info") else {}
 
 
+def _observation(reply: env_pb2.ResetResponse | env_pb2.StepResponse) -> str | Observation:
+    """A reply's observation: its text, or an Observation when it shows pictures."""
+    if reply.images:
+        return Observation(reply.observation, tuple(of_protos(reply.images)))
+    return reply.observation
+
+
 def _step_result(step: env_pb2.StepResponse) -> StepResult:
-    return step.observation, step.reward, step.terminated, step.truncated, _info(step)
+    return _observation(step), step.reward, step.terminated, step.truncated, _info(step)
 
 
 def _reset_result(reset: env_pb2.ResetResponse) -> ResetResult:
-    return reset.session_id, reset.observation, _info(reset)
+    return reset.session_id, _observation(reset), _info(reset)
 
 
 class _Stream:

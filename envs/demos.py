@@ -59,8 +59,10 @@ def demo_batches(
     demo_kwargs: dict[str, Any],
     max_turns: int,
     max_tokens: int,
-) -> Callable[[random.Random, int], list[tuple[list[int], list[int]]]]:
-    """A batch function for `rollwire.trainer.pipelines.warmup.warm_up_on`: scripted episodes as tokens.
+) -> Callable[[random.Random, int], list[tuple]]:
+    """A batch function for `rollwire.trainer.pipelines.warmup.warm_up_on`: scripted episodes
+    as (token ids, taught mask), and the images they show (with their offsets) when they
+    show any. `make_turns()` renders a fresh episode's turns as the agent loop does.
 
     Raises ValueError at once, not at the first batch, when `env_id` has no demonstrator.
     """
@@ -70,12 +72,12 @@ def demo_batches(
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def episode(rng: random.Random) -> tuple[list[int], list[int]]:
+    def episode(rng: random.Random) -> tuple:
         env = registry.make(env_id, **env_kwargs)
         act = play(rng, **demo_kwargs)
         observation, info = env.reset(rng.choice(seeds))
         turns = make_turns()
-        ids = turns.first(observation)
+        ids, images = turns.first(observation)
         taught = [0] * len(ids)
         try:
             for _ in range(max_turns):
@@ -88,16 +90,17 @@ def demo_batches(
                 observation, _, terminated, truncated, info = env.step(action)
                 if terminated or truncated:
                     break
-                following = turns.then(action, True, observation)
+                following, shown = turns.then(action, True, observation)
                 if len(ids) + len(following) > max_tokens:
                     break
+                images += [image.with_offset(len(ids) + image.offset) for image in shown]
                 ids += following
                 taught += [0] * len(following)
         finally:
             env.close()
-        return ids, taught
+        return (ids, taught, images) if images else (ids, taught)
 
-    def batch(rng: random.Random, size: int) -> list[tuple[list[int], list[int]]]:
+    def batch(rng: random.Random, size: int) -> list[tuple]:
         return [episode(rng) for _ in range(size)]
 
     return batch

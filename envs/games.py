@@ -149,8 +149,8 @@ def guess_the_number_demonstrator(rng: random.Random, bisect_rate: float = 0.3, 
     return act
 
 
-def _require_episode(started: bool, done: bool) -> None:
-    """The grid games' rule for `step`: only between `reset` and the episode's end."""
+def require_episode(started: bool, done: bool) -> None:
+    """The games' rule for `step`: only between `reset` and the episode's end."""
     if not started:
         raise InvalidAction("call reset before step")
     if done:
@@ -274,7 +274,7 @@ class FrozenLake(Env):
         return self.render(), info
 
     def step(self, action: str) -> StepResult:
-        _require_episode(self._position is not None, self._done)
+        require_episode(self._position is not None, self._done)
         intended = parse_move(action)
         self._turns += 1
         moved = intended
@@ -451,7 +451,7 @@ class Sokoban(Env):
         return self.render(), info
 
     def step(self, action: str) -> StepResult:
-        _require_episode(self._player is not None, self._done)
+        require_episode(self._player is not None, self._done)
         move = parse_move(action)
         self._turns += 1
         row_step, col_step = MOVES[move]

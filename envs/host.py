@@ -36,14 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollwire.envs import registry
-from rollwire.envs.base import Env, EnvSpec, InvalidAction, StepResult
+from rollwire.envs.base import Env, EnvSpec, InvalidAction, Observation, StepResult
 from rollwire.services.core.config import EnvServerConfig
+from rollwire.services.core.images import ImageRef
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.sandbox import SandboxUnavailable
 
 log = logging.getLogger(__name__)
 
-ResetResult = tuple[str, str, dict[str, Any]]
+ResetResult = tuple[str, str | Observation, dict[str, Any]]
 """(session_id, observation, info)."""
 
 
@@ -77,8 +78,16 @@ class Session:
 
 def _check_types(observation: Any, info: Any) -> None:
     """Catches an env that breaks the API here, with its name, rather than in the wire encoder."""
-    if type(observation) is not str and not isinstance(observation, str):
-        raise TypeError(f"observation must be str, got {type(observation).__name__}")
+    if isinstance(observation, Observation):
+        if not isinstance(observation.text, str):
+            raise TypeError(f"Observation.text must be str, got {type(observation.text).__name__}")
+        for image in observation.images:
+            if not isinstance(image, ImageRef) or not (image.data or image.uri):
+                raise TypeError(
+                    f"Observation.images must hold ImageRefs with data or a uri, got {image!r:.80}"
+                )
+    elif not isinstance(observation, str):
+        raise TypeError(f"observation must be str or Observation, got {type(observation).__name__}")
     if type(info) is not dict and not isinstance(info, dict):
         raise TypeError(f"info must be a dict, got {type(info).__name__}")
 

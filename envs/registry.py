@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from rollwire.envs.base import Demonstrator, Env, EnvSpec
 from rollwire.envs.games import FrozenLake, GuessTheNumber, Sokoban, guess_the_number_demonstrator
 from rollwire.envs.gem import GemEnv
+from rollwire.envs.pictures import DigitLock, digit_lock_demonstrator
 from rollwire.envs.tasks import ReasoningGymEnv
 from rollwire.envs.tools import ToolUse, tool_use_demonstrator
 
@@ -140,6 +141,12 @@ _BUILTINS: tuple[_Builtin, ...] = (
         "sokoban",
         Sokoban,
         "Push every box onto a target in a small seeded room; moves up/down/left/right.",
+    ),
+    _Builtin(
+        "digit_lock",
+        DigitLock,
+        "Open a lock's dials by naming the handwritten digit each one shows as a picture.",
+        demonstrator=digit_lock_demonstrator,
     ),
     _Builtin(
         "tool_use",

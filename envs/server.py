@@ -39,10 +39,11 @@ import grpc
 import grpc.aio
 from google.protobuf import struct_pb2
 
-from rollwire.envs.base import StepResult
+from rollwire.envs.base import Observation, StepResult, parts
 from rollwire.envs.host import EnvCallError, SessionHost
 from rollwire.proto.v1 import env_pb2, env_pb2_grpc
 from rollwire.services.core.config import EnvServerConfig
+from rollwire.services.core.images import to_proto
 from rollwire.services.core.metrics import COUNTERS, GAUGES
 from rollwire.services.core.server import Registration
 from rollwire.services.core.structs import from_struct
@@ -67,6 +68,15 @@ def fill_struct(struct: struct_pb2.Struct, data: dict[str, Any]) -> None:
     except (TypeError, ValueError, AttributeError):
         struct.Clear()
         struct.update(json.loads(json.dumps(data, default=str)))
+
+
+def _observe(
+    reply: env_pb2.ResetResponse | env_pb2.StepResponse, observation: str | Observation
+) -> None:
+    """Writes an observation, and the pictures it shows, into a Reset or Step reply."""
+    text, images = parts(observation)
+    reply.observation = text
+    reply.images.extend(to_proto(image) for image in images)
 
 
 def _status(code: str) -> grpc.StatusCode:
@@ -136,7 +146,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             )
         except EnvCallError as error:
             await context.abort(_status(error.code), error.message)
-        reply = env_pb2.ResetResponse(session_id=session_id, observation=observation)
+        reply = env_pb2.ResetResponse(session_id=session_id)
+        _observe(reply, observation)
         if info:
             fill_struct(reply.info, info)
         return reply
@@ -150,9 +161,8 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
             )
         except EnvCallError as error:
             await context.abort(_status(error.code), error.message)
-        reply = env_pb2.StepResponse(
-            observation=observation, reward=reward, terminated=terminated, truncated=truncated
-        )
+        reply = env_pb2.StepResponse(reward=reward, terminated=terminated, truncated=truncated)
+        _observe(reply, observation)
         if info:
             fill_struct(reply.info, info)
         return reply
@@ -330,7 +340,7 @@ class _MultiplexStream:
         reply = self._new_reply(call_id)
         reset = reply.reset
         reset.session_id = session_id
-        reset.observation = observation
+        _observe(reset, observation)
         if info:
             fill_struct(reset.info, info)
 
@@ -346,7 +356,7 @@ class _MultiplexStream:
         observation, reward, terminated, truncated, info = result
         step = self._new_reply(call_id).step
         step.SetInParent()  # an all-default step must still arrive as a step
-        step.observation = observation
+        _observe(step, observation)
         step.reward = reward
         step.terminated = terminated
         step.truncated = truncated

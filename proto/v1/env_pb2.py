@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollwire/proto/v1/env.proto\x12\x0brollwire.v1\x1a\x1cgoogle/protobuf/struct.proto\"T\n\x07\x45nvSpec\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12\x14\n\x0cgives_reward\x18\x04 \x01(\x08\"\x11\n\x0fListEnvsRequest\"6\n\x10ListEnvsResponse\x12\"\n\x04\x65nvs\x18\x01 \x03(\x0b\x32\x14.rollwire.v1.EnvSpec\"g\n\x0cResetRequest\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x11\n\x04seed\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12+\n\nenv_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\x07\n\x05_seed\"_\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bobservation\x18\x02 \x01(\t\x12%\n\x04info\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"\x81\x01\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x12\n\nterminated\x18\x03 \x01(\x08\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12%\n\x04info\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\" \n\rCloseResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\xa4\x01\n\x07\x45nvCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12*\n\x05reset\x18\x02 \x01(\x0b\x32\x19.rollwire.v1.ResetRequestH\x00\x12(\n\x04step\x18\x03 \x01(\x0b\x32\x18.rollwire.v1.StepRequestH\x00\x12*\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x19.rollwire.v1.CloseRequestH\x00\x42\x06\n\x04\x63\x61ll\"3\n\x0c\x45nvCallBatch\x12#\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x14.rollwire.v1.EnvCall\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd2\x01\n\x08\x45nvReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12+\n\x05reset\x18\x02 \x01(\x0b\x32\x1a.rollwire.v1.ResetResponseH\x00\x12)\n\x04step\x18\x03 \x01(\x0b\x32\x19.rollwire.v1.StepResponseH\x00\x12+\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x1a.rollwire.v1.CloseResponseH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.rollwire.v1.CallErrorH\x00\x42\x07\n\x05reply\"7\n\rEnvReplyBatch\x12&\n\x07replies\x18\x01 \x03(\x0b\x32\x15.rollwire.v1.EnvReply2\xda\x02\n\nEnvService\x12G\n\x08ListEnvs\x12\x1c.rollwire.v1.ListEnvsRequest\x1a\x1d.rollwire.v1.ListEnvsResponse\x12>\n\x05Reset\x12\x19.rollwire.v1.ResetRequest\x1a\x1a.rollwire.v1.ResetResponse\x12;\n\x04Step\x12\x18.rollwire.v1.StepRequest\x1a\x19.rollwire.v1.StepResponse\x12>\n\x05\x43lose\x12\x19.rollwire.v1.CloseRequest\x1a\x1a.rollwire.v1.CloseResponse\x12\x46\n\tMultiplex\x12\x19.rollwire.v1.EnvCallBatch\x1a\x1a.rollwire.v1.EnvReplyBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1brollwire/proto/v1/env.proto\x12\x0brollwire.v1\x1a\x1cgoogle/protobuf/struct.proto\"T\n\x07\x45nvSpec\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12\x14\n\x0cgives_reward\x18\x04 \x01(\x08\"2\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x0b\n\x03uri\x18\x03 \x01(\t\"\x11\n\x0fListEnvsRequest\"6\n\x10ListEnvsResponse\x12\"\n\x04\x65nvs\x18\x01 \x03(\x0b\x32\x14.rollwire.v1.EnvSpec\"g\n\x0cResetRequest\x12\x0e\n\x06\x65nv_id\x18\x01 \x01(\t\x12\x11\n\x04seed\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12+\n\nenv_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\x07\n\x05_seed\"\x83\x01\n\rResetResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bobservation\x18\x02 \x01(\t\x12%\n\x04info\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\"\n\x06images\x18\x04 \x03(\x0b\x32\x12.rollwire.v1.Image\"1\n\x0bStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\"\xa5\x01\n\x0cStepResponse\x12\x13\n\x0bobservation\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12\x12\n\nterminated\x18\x03 \x01(\x08\x12\x11\n\ttruncated\x18\x04 \x01(\x08\x12%\n\x04info\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\"\n\x06images\x18\x06 \x03(\x0b\x32\x12.rollwire.v1.Image\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\" \n\rCloseResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\xa4\x01\n\x07\x45nvCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12*\n\x05reset\x18\x02 \x01(\x0b\x32\x19.rollwire.v1.ResetRequestH\x00\x12(\n\x04step\x18\x03 \x01(\x0b\x32\x18.rollwire.v1.StepRequestH\x00\x12*\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x19.rollwire.v1.CloseRequestH\x00\x42\x06\n\x04\x63\x61ll\"3\n\x0c\x45nvCallBatch\x12#\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x14.rollwire.v1.EnvCall\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd2\x01\n\x08\x45nvReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12+\n\x05reset\x18\x02 \x01(\x0b\x32\x1a.rollwire.v1.ResetResponseH\x00\x12)\n\x04step\x18\x03 \x01(\x0b\x32\x19.rollwire.v1.StepResponseH\x00\x12+\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x1a.rollwire.v1.CloseResponseH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.rollwire.v1.CallErrorH\x00\x42\x07\n\x05reply\"7\n\rEnvReplyBatch\x12&\n\x07replies\x18\x01 \x03(\x0b\x32\x15.rollwire.v1.EnvReply2\xda\x02\n\nEnvService\x12G\n\x08ListEnvs\x12\x1c.rollwire.v1.ListEnvsRequest\x1a\x1d.rollwire.v1.ListEnvsResponse\x12>\n\x05Reset\x12\x19.rollwire.v1.ResetRequest\x1a\x1a.rollwire.v1.ResetResponse\x12;\n\x04Step\x12\x18.rollwire.v1.StepRequest\x1a\x19.rollwire.v1.StepResponse\x12>\n\x05\x43lose\x12\x19.rollwire.v1.CloseRequest\x1a\x1a.rollwire.v1.CloseResponse\x12\x46\n\tMultiplex\x12\x19.rollwire.v1.EnvCallBatch\x1a\x1a.rollwire.v1.EnvReplyBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENVSPEC']._serialized_start=74
   _globals['_ENVSPEC']._serialized_end=158
-  _globals['_LISTENVSREQUEST']._serialized_start=160
-  _globals['_LISTENVSREQUEST']._serialized_end=177
-  _globals['_LISTENVSRESPONSE']._serialized_start=179
-  _globals['_LISTENVSRESPONSE']._serialized_end=233
-  _globals['_RESETREQUEST']._serialized_start=235
-  _globals['_RESETREQUEST']._serialized_end=338
-  _globals['_RESETRESPONSE']._serialized_start=340
-  _globals['_RESETRESPONSE']._serialized_end=435
-  _globals['_STEPREQUEST']._serialized_start=437
-  _globals['_STEPREQUEST']._serialized_end=486
-  _globals['_STEPRESPONSE']._serialized_start=489
-  _globals['_STEPRESPONSE']._serialized_end=618
-  _globals['_CLOSEREQUEST']._serialized_start=620
-  _globals['_CLOSEREQUEST']._serialized_end=654
-  _globals['_CLOSERESPONSE']._serialized_start=656
-  _globals['_CLOSERESPONSE']._serialized_end=688
-  _globals['_ENVCALL']._serialized_start=691
-  _globals['_ENVCALL']._serialized_end=855
-  _globals['_ENVCALLBATCH']._serialized_start=857
-  _globals['_ENVCALLBATCH']._serialized_end=908
-  _globals['_CALLERROR']._serialized_start=910
-  _globals['_CALLERROR']._serialized_end=952
-  _globals['_ENVREPLY']._serialized_start=955
-  _globals['_ENVREPLY']._serialized_end=1165
-  _globals['_ENVREPLYBATCH']._serialized_start=1167
-  _globals['_ENVREPLYBATCH']._serialized_end=1222
-  _globals['_ENVSERVICE']._serialized_start=1225
-  _globals['_ENVSERVICE']._serialized_end=1571
+  _globals['_IMAGE']._serialized_start=160
+  _globals['_IMAGE']._serialized_end=210
+  _globals['_LISTENVSREQUEST']._serialized_start=212
+  _globals['_LISTENVSREQUEST']._serialized_end=229
+  _globals['_LISTENVSRESPONSE']._serialized_start=231
+  _globals['_LISTENVSRESPONSE']._serialized_end=285
+  _globals['_RESETREQUEST']._serialized_start=287
+  _globals['_RESETREQUEST']._serialized_end=390
+  _globals['_RESETRESPONSE']._serialized_start=393
+  _globals['_RESETRESPONSE']._serialized_end=524
+  _globals['_STEPREQUEST']._serialized_start=526
+  _globals['_STEPREQUEST']._serialized_end=575
+  _globals['_STEPRESPONSE']._serialized_start=578
+  _globals['_STEPRESPONSE']._serialized_end=743
+  _globals['_CLOSEREQUEST']._serialized_start=745
+  _globals['_CLOSEREQUEST']._serialized_end=779
+  _globals['_CLOSERESPONSE']._serialized_start=781
+  _globals['_CLOSERESPONSE']._serialized_end=813
+  _globals['_ENVCALL']._serialized_start=816
+  _globals['_ENVCALL']._serialized_end=980
+  _globals['_ENVCALLBATCH']._serialized_start=982
+  _globals['_ENVCALLBATCH']._serialized_end=1033
+  _globals['_CALLERROR']._serialized_start=1035
+  _globals['_CALLERROR']._serialized_end=1077
+  _globals['_ENVREPLY']._serialized_start=1080
+  _globals['_ENVREPLY']._serialized_end=1290
+  _globals['_ENVREPLYBATCH']._serialized_start=1292
+  _globals['_ENVREPLYBATCH']._serialized_end=1347
+  _globals['_ENVSERVICE']._serialized_start=1350
+  _globals['_ENVSERVICE']._serialized_end=1696
 # @@protoc_insertion_point(module_scope)

@@ -19,6 +19,16 @@ class EnvSpec(_message.Message):
     gives_reward: bool
     def __init__(self, env_id: _Optional[str] = ..., description: _Optional[str] = ..., domain: _Optional[str] = ..., gives_reward: _Optional[bool] = ...) -> None: ...
 
+class Image(_message.Message):
+    __slots__ = ("data", "format", "uri")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    format: str
+    uri: str
+    def __init__(self, data: _Optional[bytes] = ..., format: _Optional[str] = ..., uri: _Optional[str] = ...) -> None: ...
+
 class ListEnvsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -40,14 +50,16 @@ class ResetRequest(_message.Message):
     def __init__(self, env_id: _Optional[str] = ..., seed: _Optional[int] = ..., env_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("session_id", "observation", "info")
+    __slots__ = ("session_id", "observation", "info", "images")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     observation: str
     info: _struct_pb2.Struct
-    def __init__(self, session_id: _Optional[str] = ..., observation: _Optional[str] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, session_id: _Optional[str] = ..., observation: _Optional[str] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("session_id", "action")
@@ -58,18 +70,20 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., action: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("observation", "reward", "terminated", "truncated", "info")
+    __slots__ = ("observation", "reward", "terminated", "truncated", "info", "images")
     OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     observation: str
     reward: float
     terminated: bool
     truncated: bool
     info: _struct_pb2.Struct
-    def __init__(self, observation: _Optional[str] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, observation: _Optional[str] = ..., reward: _Optional[float] = ..., terminated: _Optional[bool] = ..., truncated: _Optional[bool] = ..., info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,3 +1,4 @@
+from rollwire.proto.v1 import env_pb2 as _env_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -110,16 +111,6 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
-class Image(_message.Message):
-    __slots__ = ("data", "format", "uri")
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    FORMAT_FIELD_NUMBER: _ClassVar[int]
-    URI_FIELD_NUMBER: _ClassVar[int]
-    data: bytes
-    format: str
-    uri: str
-    def __init__(self, data: _Optional[bytes] = ..., format: _Optional[str] = ..., uri: _Optional[str] = ...) -> None: ...
-
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -129,8 +120,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    images: _containers.RepeatedCompositeFieldContainer[Image]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_env_pb2.Image]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[_env_pb2.Image, _Mapping]]] = ...) -> None: ...
 
 class GenerateGroupRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "num_samples", "images")
@@ -143,8 +134,8 @@ class GenerateGroupRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     num_samples: int
-    images: _containers.RepeatedCompositeFieldContainer[Image]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_env_pb2.Image]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_env_pb2.Image, _Mapping]]] = ...) -> None: ...
 
 class GenerateGroupResponse(_message.Message):
     __slots__ = ("samples",)
@@ -291,8 +282,8 @@ class TokenSequence(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start: int
-    images: _containers.RepeatedCompositeFieldContainer[Image]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[_env_pb2.Image]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., images: _Optional[_Iterable[_Union[_env_pb2.Image, _Mapping]]] = ...) -> None: ...
 
 class ScoreTokensRequest(_message.Message):
     __slots__ = ("request_id", "sequences", "top_k")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rollwire.envs.base import EnvSpec
+from rollwire.envs.base import EnvSpec, Observation, parts
 from rollwire.envs.client import EnvBackend, EnvServerLost
 from rollwire.envs.host import EnvCallError
 from rollwire.envs.pool import EnvPool
@@ -31,14 +31,18 @@ from rollwire.proto.v1 import rollout_pb2
 from rollwire.rollout.orchestrator.episode import EpisodeTokens, trajectory_from_episode
 from rollwire.services.core.config import AgentConfig
 from rollwire.services.core.datasets import Task
+from rollwire.services.core.images import ImageError, ImageRef
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.retry import RetryPolicy, call_with_retries
+from rollwire.services.core.vision import VisionSide
 from rollwire.services.core.wire import Trajectory
 
 log = logging.getLogger(__name__)
 
-# (prompt token ids, max new tokens, temperature) -> the engine's answer
-Generate = Callable[[list[int], int, float], Awaitable[rollout_pb2.GenerateResponse]]
+# (prompt token ids, max new tokens, temperature, the images the prompt shows) -> the answer
+Generate = Callable[
+    [list[int], int, float, list[ImageRef]], Awaitable[rollout_pb2.GenerateResponse]
+]
 # (spec, first observation, last action, last info) -> (reward, components)
 Score = Callable[[EnvSpec, str, str, dict[str, Any]], Awaitable[tuple[float, dict[str, float]]]]
 
@@ -50,23 +54,55 @@ class EpisodeFailed(RuntimeError):
 # ---------------------------------------------------------------- turns as tokens
 
 
-class PlainTurns:
-    """Observations written with a format string; the policy's turns end with its stop token."""
+Shown = tuple[list[int], list[ImageRef]]
+"""Tokens to append, and the images they show with their offsets among them."""
 
-    def __init__(self, tokenizer: Any, template: str) -> None:
-        self.tokenizer, self.template = tokenizer, template
+
+class _Turns:
+    """What both renderings share: an observation's pictures go before its text, as the
+    policy's own image placeholders (`VisionSide.marker`, then `expand`)."""
+
+    def __init__(self, tokenizer: Any, vision: VisionSide | None) -> None:
+        self.tokenizer, self.vision = tokenizer, vision
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def first(self, observation: str) -> list[int]:
-        return self._encode(self.template.format(observation=observation))
+    def _text(self, observation: str | Observation) -> tuple[str, list[ImageRef]]:
+        """The observation's text with one marker per picture before it, and its pictures."""
+        text, images = parts(observation)
+        if not images:
+            return text, []
+        if self.vision is None:
+            raise ImageError(
+                f"the observation shows {len(images)} image(s), but the policy is not a "
+                "vision-language model"
+            )
+        return self.vision.marker(self.tokenizer, len(images)) + text, list(images)
 
-    def then(self, action_text: str, stopped: bool, observation: str) -> list[int]:
-        return self._encode(self.template.format(observation=observation))
+    def _shown(self, ids: list[int], images: list[ImageRef]) -> Shown:
+        if not images:
+            return ids, []
+        expanded, _, placed = self.vision.expand(ids, images)
+        return expanded, placed
 
 
-class ChatTurns:
+class PlainTurns(_Turns):
+    """Observations written with a format string; the policy's turns end with its stop token."""
+
+    def __init__(self, tokenizer: Any, template: str, vision: VisionSide | None = None) -> None:
+        super().__init__(tokenizer, vision)
+        self.template = template
+
+    def first(self, observation: str | Observation) -> Shown:
+        text, images = self._text(observation)
+        return self._shown(self._encode(self.template.format(observation=text)), images)
+
+    def then(self, action_text: str, stopped: bool, observation: str | Observation) -> Shown:
+        return self.first(observation)
+
+
+class ChatTurns(_Turns):
     """Observations as user turns and actions as assistant turns of the tokenizer's chat template.
 
     The tokens of a new observation are the text the template adds when the
@@ -74,8 +110,10 @@ class ChatTurns:
     the template writes between turns is in the context exactly once.
     """
 
-    def __init__(self, tokenizer: Any, system_prompt: str | None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(
+        self, tokenizer: Any, system_prompt: str | None, vision: VisionSide | None = None
+    ) -> None:
+        super().__init__(tokenizer, vision)
         self.messages: list[dict[str, str]] = []
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
@@ -86,14 +124,16 @@ class ChatTurns:
             self.messages, tokenize=False, add_generation_prompt=generation_prompt
         )
 
-    def first(self, observation: str) -> list[int]:
-        self.messages.append({"role": "user", "content": observation})
-        return list(self.tokenizer(self._render(True), add_special_tokens=False)["input_ids"])
+    def first(self, observation: str | Observation) -> Shown:
+        text, images = self._text(observation)
+        self.messages.append({"role": "user", "content": text})
+        return self._shown(self._encode(self._render(True)), images)
 
-    def then(self, action_text: str, stopped: bool, observation: str) -> list[int]:
+    def then(self, action_text: str, stopped: bool, observation: str | Observation) -> Shown:
+        text, images = self._text(observation)
         self.messages.append({"role": "assistant", "content": action_text})
         closed = self._render(False)
-        self.messages.append({"role": "user", "content": observation})
+        self.messages.append({"role": "user", "content": text})
         opened = self._render(True)
         if not opened.startswith(closed):
             raise ValueError("the chat template rewrites earlier turns; use the plain format")
@@ -105,8 +145,7 @@ class ChatTurns:
         closing = closed[at + len(action_text) :]
         if stopped and self.eos_text and closing.startswith(self.eos_text):
             closing = closing[len(self.eos_text) :]
-        text = closing + opened[len(closed) :]
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._shown(self._encode(closing + opened[len(closed) :]), images)
 
 
 # ---------------------------------------------------------------- one episode
@@ -145,8 +184,11 @@ class EpisodeRunner:
         use_chat_template: bool,
         generate: Generate,
         score: Score,
+        vision: VisionSide | None = None,
     ) -> None:
         self.pool, self.specs, self.tokenizer = pool, specs, tokenizer
+        self.vision = vision
+        """The policy's image side, when it is a vision-language model (image observations)."""
         self.settings = settings
         self.max_new_tokens = max_new_tokens
         self.use_chat_template = use_chat_template
@@ -165,8 +207,8 @@ class EpisodeRunner:
 
     def _turns(self) -> PlainTurns | ChatTurns:
         if self.use_chat_template:
-            return ChatTurns(self.tokenizer, self.settings.system_prompt)
-        return PlainTurns(self.tokenizer, self.settings.observation_template)
+            return ChatTurns(self.tokenizer, self.settings.system_prompt, self.vision)
+        return PlainTurns(self.tokenizer, self.settings.observation_template, self.vision)
 
     def decode(self, ids: list[int]) -> str:
         if ids and ids[-1] == self.eos:
@@ -241,10 +283,10 @@ class EpisodeRunner:
         tokens = EpisodeTokens()
         step_rewards: list[float] = []
         turn_keys: list[str] = []
-        first_observation, action_text, finish_reason = observation, "", "truncated"
+        first_observation, action_text, finish_reason = parts(observation)[0], "", "truncated"
         components: dict[str, float] = {}
         try:
-            tokens.context(turns.first(observation))
+            tokens.context(*self._shown(spec, backend, turns.first, observation))
             for turn in range(settings.max_turns):
                 budget = min(self.max_new_tokens, settings.max_episode_tokens - len(tokens.ids))
                 if budget < 1:
@@ -252,7 +294,7 @@ class EpisodeRunner:
                     break
                 turn_keys.append(self._key(info, tokens.ids))
                 clock = time.perf_counter()
-                output = await self.generate(tokens.ids, budget, temperature)
+                output = await self.generate(tokens.ids, budget, temperature, tokens.images)
                 timings["generate"] += time.perf_counter() - clock
                 tokens.generated(output, turn)
                 action_ids = list(output.token_ids)
@@ -288,11 +330,13 @@ class EpisodeRunner:
                     if finish_reason != "invalid":
                         finish_reason = "terminated" if terminated else "truncated"
                     break
-                following = turns.then(action_text, stopped, observation)
+                following, shown = self._shown(
+                    spec, backend, turns.then, action_text, stopped, observation
+                )
                 if len(tokens.ids) + len(following) + 1 > settings.max_episode_tokens:
                     finish_reason = "length"
                     break
-                tokens.context(following)
+                tokens.context(following, shown)
             if not spec.gives_reward:
                 clock = time.perf_counter()
                 reward, components = await self.score(spec, first_observation, action_text, info)
@@ -320,6 +364,22 @@ class EpisodeRunner:
             step_rewards=step_rewards,
             turn_keys=turn_keys,
         )
+
+    @staticmethod
+    def _shown(
+        spec: EnvSpec, backend: EnvBackend, render: Callable[..., Shown], *args: Any
+    ) -> Shown:
+        """An observation rendered as tokens (`render`: the turns' first or then); an image
+        the policy cannot be shown (not a vision-language model, or refused by
+        image_inputs) fails the episode, saying which env sent it."""
+        try:
+            return render(*args)
+        except ImageError as error:
+            COUNTERS.inc("orchestrator_refused_images", env_id=spec.env_id)
+            raise EpisodeFailed(
+                f"env {spec.env_id!r} on {backend.address} sent an image the policy cannot "
+                f"be shown: {error}"
+            ) from None
 
     def _key(self, info: dict[str, Any], context: list[int]) -> str:
         """The state a turn acts in: the env's `state_key` when it gives one, else everything

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollwire.envs.base import Observation
 from rollwire.proto.v1 import reward_pb2, rollout_pb2
 from rollwire.rollout.orchestrator import evaluation
-from rollwire.rollout.orchestrator.agent import ChatTurns
+from rollwire.rollout.orchestrator.agent import ChatTurns, PlainTurns
 from rollwire.rollout.orchestrator.servers import Servers
 from rollwire.services.core.config import EnvDataset, RunConfig
 from rollwire.services.core.datasets import Task, load_tasks
@@ -83,6 +84,7 @@ class Sampler:
             self.settings.use_chat_template,
             self.servers.generate,
             self.servers.score_episode,
+            self.vision,
         )
         env_id = self.settings.dataset.env_id
         spec = self.episodes.spec(env_id)
@@ -103,23 +105,18 @@ class Sampler:
         the prompt's text (inside the user turn, as a chat template writes it), made as
         many pad tokens as the model reads the image as."""
         text = task.prompt(self.settings.prompt_template)
-        if task.images:
-            if self.vision is None:
-                raise ValueError(
-                    f"task {task.task_id} shows images, but the served model is not a "
-                    "vision-language one"
-                )
-            text = self.vision.marker(self.tokenizer, len(task.images)) + text
+        if task.images and self.vision is None:
+            raise ValueError(
+                f"task {task.task_id} shows images, but the served model is not a "
+                "vision-language model"
+            )
+        # The same rendering as an episode's first turn: the template's text, then its tokens
+        # (apply_chat_template(tokenize=True) returns a mapping in transformers 5).
         if self.settings.use_chat_template:
-            # The same rendering as an episode's first turn: the template's text, then its
-            # tokens (apply_chat_template(tokenize=True) returns a mapping in transformers 5).
-            ids = ChatTurns(self.tokenizer, system_prompt=None).first(text)
+            turns = ChatTurns(self.tokenizer, system_prompt=None, vision=self.vision)
         else:
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if not task.images:
-            return ids, []
-        ids, _, placed = self.vision.expand(ids, list(task.images))
-        return ids, placed
+            turns = PlainTurns(self.tokenizer, "{observation}", self.vision)
+        return turns.first(Observation(text, task.images))
 
     def decode(self, token_ids: list[int]) -> str:
         """A response's text, without its stop token."""

@@ -212,7 +212,7 @@ class Servers:
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,
             sampling=self._sampling(temperature, max_new_tokens),
-            images=[to_proto(image, rollout_pb2.Image) for image in images],
+            images=[to_proto(image) for image in images],
         )
         stub = self.rollout[next(self._next_rollout)]
         return await self._call(
@@ -238,7 +238,7 @@ class Servers:
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             num_samples=samples or self.rl.group_size,
-            images=[to_proto(image, rollout_pb2.Image) for image in images],
+            images=[to_proto(image) for image in images],
         )
         stub = self.rollout[next(self._next_rollout)]
         reply = await self._call(

@@ -78,7 +78,7 @@ class Teacher:
                     rollout_pb2.TokenSequence(
                         token_ids=trajectory.token_ids.tolist(),
                         start=int(generated[0]),
-                        images=[to_proto(i, rollout_pb2.Image) for i in trajectory.images],
+                        images=[to_proto(i) for i in trajectory.images],
                     )
                 )
         if not sequences:

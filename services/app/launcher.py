@@ -344,6 +344,7 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
     from rollwire.envs.demos import demo_batches, find_demonstrator
     from rollwire.envs.registry import load_plugins
     from rollwire.rollout.orchestrator.agent import ChatTurns, PlainTurns
+    from rollwire.services.core.vision import VisionSide, is_vision_model
     from rollwire.trainer.pipelines.warmup import warm_up_on
 
     warmup, dataset, orchestrator = config.warmup, config.orchestrator.dataset, config.orchestrator
@@ -371,11 +372,12 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
             print(f"warm-up skipped: {error}")
         return base
     tokenizer = AutoTokenizer.from_pretrained(base)
+    vision = VisionSide(base, config.image_inputs.limits()) if is_vision_model(base) else None
 
     def make_turns() -> ChatTurns | PlainTurns:
         if orchestrator.use_chat_template:
-            return ChatTurns(tokenizer, agent.system_prompt)
-        return PlainTurns(tokenizer, agent.observation_template)
+            return ChatTurns(tokenizer, agent.system_prompt, vision)
+        return PlainTurns(tokenizer, agent.observation_template, vision)
 
     # Warm-up seeds lie past the training and evaluation ones.
     first = warmup.seed * 1_000_000_007 % (1 << 40) + (1 << 41)

@@ -7,6 +7,7 @@ prompts), which later accounting (exactly-once training) keys on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -154,23 +155,55 @@ DIGITS_TRAIN = 1500
 """Images 0-1499 of scikit-learn's digits train; the other 297 are held out."""
 
 
+@dataclass(frozen=True)
+class Digits:
+    """scikit-learn's 8x8 handwritten digits (shipped with it: nothing is downloaded)."""
+
+    pixels: Any
+    """[1797, 8, 8], values 0-16."""
+    labels: Any
+
+    @classmethod
+    @functools.cache
+    def load(cls) -> Digits:
+        """The set, read once per process (an env-server makes an episode from it per Reset)."""
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        return cls(digits.images, digits.target)
+
+    def split(self, name: str) -> list[int]:
+        """The indices of a split: `train` (0-1499) or `held_out` (the other 297)."""
+        if name not in ("train", "held_out"):
+            raise ValueError(f"a digits split is train or held_out, not {name!r}")
+        return list(range(DIGITS_TRAIN) if name == "train" else range(DIGITS_TRAIN, len(self)))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def label(self, index: int) -> int:
+        return int(self.labels[index])
+
+    def picture(self, index: int) -> ImageRef:
+        """Digit `index` as an 8x8 greyscale PNG, by value (the processor scales it up)."""
+        import numpy as np
+        from PIL import Image
+
+        from rollwire.services.core.images import encode_png
+
+        grey = (self.pixels[index] * (255 / 16)).round().astype(np.uint8)
+        return encode_png(Image.fromarray(grey))
+
+
 class DigitsTasks(Sequence[Task]):
     """scikit-learn's 8x8 digits as image questions (`DigitsDataset`): the split's images
     in an order the seed fixes, each a PNG by value; the reference is its digit."""
 
     def __init__(self, config: DigitsDataset) -> None:
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        split = (
-            range(DIGITS_TRAIN)
-            if config.split == "train"
-            else range(DIGITS_TRAIN, len(digits.target))
-        )
-        self._indices = list(split)
+        self._digits, self._config = Digits.load(), config
+        self._indices = self._digits.split(config.split)
         if config.seed:
             random.Random(config.seed).shuffle(self._indices)
-        self._pixels, self._labels, self._config = digits.images, digits.target, config
 
     def __len__(self) -> int:
         return len(self._indices)
@@ -178,22 +211,16 @@ class DigitsTasks(Sequence[Task]):
     def __getitem__(self, index: int) -> Task:  # type: ignore[override]
         if not 0 <= index < len(self):
             raise IndexError(index)
-        import numpy as np
-        from PIL import Image
-
-        from rollwire.services.core.images import encode_png
-
         config, digit = self._config, self._indices[index]
-        pixels = (self._pixels[digit] * (255 / 16)).round().astype(np.uint8)
         return Task(
             index,
             f"digits/{digit}",
             config.question,
-            str(int(self._labels[digit])),
+            str(self._digits.label(digit)),
             config.domain,
             "digits",
             _with_answer_format({"digit_index": digit}, config.answer_format),
-            (encode_png(Image.fromarray(pixels)),),
+            (self._digits.picture(digit),),
         )
 
 

@@ -197,8 +197,11 @@ def of_wire(value: Any) -> ImageRef:
     return ImageRef(bytes(data), fmt, uri, offset)
 
 
-def to_proto(ref: ImageRef, message_type: Any) -> Any:
-    return message_type(data=ref.data, format=ref.format, uri=ref.uri)
+def to_proto(ref: ImageRef) -> Any:
+    """The image as the wire's `rollwire.v1.Image` (env.proto; prompts use it too)."""
+    from rollwire.proto.v1 import env_pb2
+
+    return env_pb2.Image(data=ref.data, format=ref.format, uri=ref.uri)
 
 
 def of_protos(messages: Iterable[Any]) -> list[ImageRef]:

@@ -56,6 +56,7 @@ def parse_grid(observation: str) -> list[str]:
         ("frozen_lake", {"size": 5.0, "num_holes": 3.0, "max_turns": 12.0}),
         ("sokoban", {"size": 6.0, "num_boxes": 2.0, "max_turns": 20.0}),
         ("tool_use", {"digits": 3.0, "max_turns": 2.0, "python_memory_mb": 128.0}),
+        ("digit_lock", {"dials": 3.0, "max_turns": 4.0}),
     ],
 )
 def test_integral_float_kwargs_are_accepted(env_id: str, kwargs: dict) -> None:
@@ -644,3 +645,53 @@ def test_guess_the_number_truncates_and_rejects_bad_actions() -> None:
     assert observation in ("higher", "lower")
     with pytest.raises(ValueError, match="must not exceed"):
         GuessTheNumber(low=5, high=1)
+
+
+# ---------------------------------------------------------------- DigitLock
+
+
+def test_digit_lock_opens_dial_by_dial_and_holds_out_its_pictures() -> None:
+    from rollwire.envs.base import InvalidAction, Observation
+    from rollwire.envs.pictures import DigitLock
+    from rollwire.services.core.datasets import DIGITS_TRAIN
+
+    env = DigitLock(dials=2, max_turns=3)
+    first, info = env.reset(4)
+    assert isinstance(first, Observation) and first.text == "dial 1/2?"
+    again = DigitLock(dials=2, max_turns=3)
+    assert again.reset(4) == (first, info)  # seeded: the same pictures
+    label = int(info["reference"])
+    with pytest.raises(InvalidAction, match="no digit in the action"):
+        env.step("seven")
+    shown, reward, terminated, truncated, _ = env.step(f"{(label + 1) % 10}")
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    assert shown == Observation("no. dial 1/2?", first.images)  # the same dial again
+    shown, reward, *_, info = env.step(f"I read {label}")  # the last digit counts
+    assert reward == 0.5 and shown.text == "open. dial 2/2?" and shown.images != first.images
+    wrong = (int(info["reference"]) + 1) % 10
+    last, reward, terminated, truncated, _ = env.step(str(wrong))
+    assert (reward, terminated, truncated) == (0.0, False, True)  # three tries in all
+    assert isinstance(last, Observation)
+    with pytest.raises(InvalidAction, match="the episode has ended"):
+        env.step("1")
+    # Every dial opened at once: the lock's whole reward, and an end without a picture.
+    lock = DigitLock(dials=3)
+    _, info = lock.reset(9)
+    for _ in range(3):
+        shown, reward, terminated, _, info = lock.step(str(info.get("reference")))
+    assert terminated and shown == "open. all 3 open."
+    held_out, train = DigitLock(dials=8, split="held_out"), DigitLock(dials=8)
+    held_out.reset(1)
+    train.reset(1)
+    assert min(held_out.shown) >= DIGITS_TRAIN > max(train.shown)
+
+
+def test_digit_lock_refuses_impossible_settings() -> None:
+    from rollwire.envs.pictures import DigitLock
+
+    with pytest.raises(ValueError, match="dials must be at least 1"):
+        DigitLock(dials=0)
+    with pytest.raises(ValueError, match="max_turns must be at least 3"):
+        DigitLock(dials=3, max_turns=2)
+    with pytest.raises(ValueError, match="a digits split is train or held_out"):
+        DigitLock(split="test")

@@ -55,6 +55,7 @@ class Faults:
     no_size_limit: bool = False
     state_slots: int | None = None  # sessions share state once more than this many are open
     multiplex: str = "ok"  # "ok", "unimplemented", "abort_on_error", "duplicate"
+    picture: str = "png"  # each observation's picture: "png", "none", "broken" (not an image)
 
 
 class Refused(Exception):
@@ -93,6 +94,7 @@ class ToyEnvServicer(env_pb2_grpc.EnvServiceServicer):
             session_id=session_id,
             observation=f"at {seed % 7}",
             info=to_struct({"goal": 10}),
+            images=self.picture(seed % 7),
         )
 
     def step(self, request: env_pb2.StepRequest) -> env_pb2.StepResponse:
@@ -115,7 +117,21 @@ class ToyEnvServicer(env_pb2_grpc.EnvServiceServicer):
             reward=float(state["position"] == 10),
             terminated=session["done"],
             info=to_struct({"moves": state["moves"]}),
+            images=self.picture(state["position"]),
         )
+
+    def picture(self, position: int) -> list[env_pb2.Image]:
+        """The walker's position drawn as a 4x1 strip, one grey level per step."""
+        if self.faults.picture == "none":
+            return []
+        if self.faults.picture == "broken":
+            return [env_pb2.Image(data=b"\x89PNG but not really", format="png")]
+        from PIL import Image
+
+        from rollwire.services.core.images import encode_png
+
+        strip = Image.new("L", (4, 1), color=(position * 20) % 256)
+        return [env_pb2.Image(data=encode_png(strip).data, format="png")]
 
     def close(self, request: env_pb2.CloseRequest) -> env_pb2.CloseResponse:
         existed = self.sessions.pop(request.session_id, None) is not None
@@ -221,6 +237,8 @@ async def test_a_conforming_toy_server_passes_every_check(toy_server) -> None:
         (Faults(multiplex="unimplemented"), set(), {"multiplex"}),
         (Faults(multiplex="abort_on_error"), {"multiplex"}, set()),
         (Faults(multiplex="duplicate"), {"multiplex"}, set()),
+        (Faults(picture="broken"), {"image_observations"}, set()),
+        (Faults(picture="none"), set(), {"image_observations"}),
     ],
     ids=[
         "step-after-done-ok",
@@ -234,6 +252,8 @@ async def test_a_conforming_toy_server_passes_every_check(toy_server) -> None:
         "no-multiplex",
         "multiplex-aborts-on-error",
         "multiplex-answers-twice",
+        "picture-not-an-image",
+        "no-pictures",
     ],
 )
 async def test_a_faulty_server_fails_exactly_the_checks_it_breaks(
@@ -289,6 +309,7 @@ async def test_kwargs_the_env_refuses_fail_once_and_skip_the_rest(toy_server) ->
         "seed_variation",
         "step_contract",
         "oversized_action",
+        "image_observations",
         "concurrent_sessions",
         "multiplex",
     }
@@ -389,11 +410,13 @@ async def test_cli_passes_against_the_python_env_server(spawn, tmp_path) -> None
     child = spawn([*ROLLWIRE, "env-server", "--port", "0", "--ready-file", str(ready)])
     address = await asyncio.to_thread(child.wait_for_file, ready)
     # Pinned: the server offers more envs than this one, and the first listed may change.
-    code, out, err = await run_env_check(address, "--json", "--env-id", "guess_the_number")
+    # digit_lock shows a picture with every observation, so images cross the real wire.
+    code, out, err = await run_env_check(address, "--json", "--env-id", "digit_lock")
     assert code == 0, out + err
     results = json_outcomes(out)
     assert {name for name, outcome in results.items() if outcome != "pass"} <= {"multiplex"}
     assert results["step_contract"] == results["concurrent_sessions"] == "pass"
+    assert results["image_observations"] == "pass"
     assert (await asyncio.to_thread(child.terminate))[0] == 0
 
 
@@ -456,7 +479,12 @@ async def test_cli_passes_every_check_against_the_node_server(node_server) -> No
     assert re.fullmatch(r"127\.0\.0\.1:\d+", address)
     code, out, err = await run_env_check(address, "--json")
     assert code == 0, out + err
-    assert set(json_outcomes(out).values()) == {"pass"}, out
+    outcomes = json_outcomes(out)
+    # A text game: no picture to open.
+    assert {name for name, outcome in outcomes.items() if outcome != "pass"} == {
+        "image_observations"
+    }, out
+    assert outcomes["image_observations"] == "skip"
     exit_code, _, log = await asyncio.to_thread(child.terminate)
     assert exit_code == 0, log
     assert not ready.exists(), "the ready file should be removed on a clean stop"

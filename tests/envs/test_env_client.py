@@ -16,7 +16,7 @@ import grpc.aio
 import pytest
 
 from rollwire.envs import registry
-from rollwire.envs.base import Env, InvalidAction
+from rollwire.envs.base import Env, InvalidAction, Observation
 from rollwire.envs.client import EnvBackend, EnvCallError, EnvServerLost, LocalEnvs, RemoteEnvs
 from rollwire.envs.host import SessionHost
 from rollwire.envs.server import EnvServicer, registrations
@@ -133,6 +133,12 @@ async def transcript(envs: EnvBackend) -> list[Any]:
     seen.append(await envs.close(session))
     for other in others[1:]:
         await envs.close(other)
+    # An observation that shows a picture: the same bytes through every backend.
+    lock, observation, info = await envs.reset("digit_lock", seed=3, kwargs={"dials": 2})
+    seen.append((name(lock), observation, info))
+    wrong = (int(info["reference"]) + 1) % 10
+    seen.append(await outcome(envs.step(lock, f"it is {wrong}")))
+    await envs.close(lock)
 
     def masked(entry: Any) -> Any:
         if isinstance(entry, tuple) and entry[0] == "error":
@@ -174,7 +180,12 @@ async def test_local_and_remote_backends_are_indistinguishable(start_service) ->
     assert "ZeroDivisionError: boom; the session is closed" in local[12][2]
     # Info crosses the wire as JSON-like data: integral floats come back as ints.
     assert local[11][2] == {"ratio": 0.5, "whole": 3, "nested": {"items": [1, 2.5, "x"]}}
-    assert local[-3:] == [True, False, True]
+    assert local[-5:-2] == [True, False, True]
+    (_, first, _), (again, reward, *_) = local[-2:]
+    assert isinstance(first, Observation) and first.text == "dial 1/2?"
+    (picture,) = first.images
+    assert picture.format == "png" and picture.data.startswith(b"\x89PNG")
+    assert again == Observation("no. dial 1/2?", (picture,)) and reward == 0.0
 
 
 async def test_backends_satisfy_the_protocol(backend) -> None:

@@ -45,12 +45,12 @@ def plain_turns(tokenizer):
     def encode(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    class Turns:
-        def first(self, observation: str) -> list[int]:
-            return encode(f"{observation}\n")
+    class Turns:  # (tokens, the images they show): a text env shows none
+        def first(self, observation: str) -> tuple[list[int], list]:
+            return encode(f"{observation}\n"), []
 
-        def then(self, action: str, stopped: bool, observation: str) -> list[int]:
-            return encode(f"{observation}\n")
+        def then(self, action: str, stopped: bool, observation: str) -> tuple[list[int], list]:
+            return encode(f"{observation}\n"), []
 
     return Turns
 

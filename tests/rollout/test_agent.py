@@ -38,11 +38,13 @@ class ScriptedPolicy:
     def __init__(self, tokenizer: Any, actions: list[str], version: int = 3) -> None:
         self.tokenizer, self.actions, self.version = tokenizer, list(actions), version
         self.prompts: list[list[int]] = []
+        self.images: list[list] = []
 
     async def __call__(
-        self, prompt: list[int], max_new_tokens: int, temperature: float
+        self, prompt: list[int], max_new_tokens: int, temperature: float, images: list = ()
     ) -> rollout_pb2.GenerateResponse:
         self.prompts.append(list(prompt))
+        self.images.append(list(images))
         text = self.actions.pop(0)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         ids = [*ids, self.tokenizer.eos_token_id][:max_new_tokens]
@@ -136,10 +138,13 @@ def test_chat_turns_build_exactly_what_the_template_renders() -> None:
     chat = build_tokenizer()
     chat.chat_template = CHAT_TEMPLATE
     turns = ChatTurns(chat, system_prompt="Play well.")
-    ids = turns.first("guess")
+    ids, images = turns.first("guess")
     for action, observation in [("5", "higher"), ("7", "lower")]:
         ids += chat(action, add_special_tokens=False)["input_ids"] + [chat.eos_token_id]
-        ids += turns.then(action, True, observation)
+        following, shown = turns.then(action, True, observation)
+        ids += following
+        images += shown
+    assert images == []
     messages = [
         {"role": "system", "content": "Play well."},
         {"role": "user", "content": "guess"},
@@ -151,7 +156,7 @@ def test_chat_turns_build_exactly_what_the_template_renders() -> None:
     rendered = chat.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ids == chat(rendered, add_special_tokens=False)["input_ids"]
     plain = PlainTurns(chat, "> {observation}\n")
-    assert chat.decode(plain.first("hi")) == "> hi\n"
+    assert chat.decode(plain.first("hi")[0]) == "> hi\n"
 
 
 async def test_a_chat_formatted_prompt_is_exactly_what_the_template_renders(tmp_path) -> None:

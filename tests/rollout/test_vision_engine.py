@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
+from rollwire.proto.v1 import env_pb2, rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.server.hf_engine import HFEngine, RequestError
 from rollwire.rollout.server.sampling import SamplingSpec
 from rollwire.services.core.client import open_channel
@@ -133,26 +133,26 @@ async def test_bad_images_are_refused_and_the_server_keeps_serving(
             request_id="x", prompt_token_ids=prompt, sampling=sampling, images=images
         )
 
-    good = rollout_pb2.Image(data=images[0].data, format="png")
+    good = env_pb2.Image(data=images[0].data, format="png")
     path = tmp_path / "digit.png"
     path.write_bytes(images[0].data)
     before = COUNTERS.get("rollout_rejected", reason="bad_request")
     async with open_channel(address) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         for bad, message in (
-            (request(rollout_pb2.Image(data=b"GIF89a broken", format="gif")), "not an image"),
-            (request(rollout_pb2.Image(uri=str(tmp_path / "gone.png"))), "No such file"),
-            (request(rollout_pb2.Image(data=images[0].data, format="jpeg")), "says it is jpeg"),
+            (request(env_pb2.Image(data=b"GIF89a broken", format="gif")), "not an image"),
+            (request(env_pb2.Image(uri=str(tmp_path / "gone.png"))), "No such file"),
+            (request(env_pb2.Image(data=images[0].data, format="jpeg")), "says it is jpeg"),
             (request(), "image pad tokens but no image"),
             (request(good, good), "make 8"),
-            (request(rollout_pb2.Image()), "either by value"),
+            (request(env_pb2.Image()), "either by value"),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.Generate(bad)
             assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT, bad
             assert message in caught.value.details(), caught.value.details()
         assert COUNTERS.get("rollout_rejected", reason="bad_request") >= before + 4
-        by_reference = await stub.Generate(request(rollout_pb2.Image(uri=str(path))))
+        by_reference = await stub.Generate(request(env_pb2.Image(uri=str(path))))
         assert len(by_reference.token_ids) == 4
     await servicer.close()
     text_engine = HFEngine(tiny_model_path)

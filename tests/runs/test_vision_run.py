@@ -62,3 +62,30 @@ def test_on_policy_distillation_between_two_vision_models_sends_the_teacher_the_
     assert abs(steps[0]["teacher_kl"]) <= 1e-5, steps[0]
     assert steps[0]["images"] == 32
     assert "rollout_scored_tokens" in (run_dir / "logs" / "teacher-server.log").read_text()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_an_agentic_run_with_pictures_for_observations(tmp_path) -> None:
+    """digit_lock's pictures go from the env-server through the orchestrator's turns and
+    the rollout-server to the trainer, which redoes the forward with every one of them."""
+    run_dir, result = rollwire_train(
+        tmp_path,
+        "warmup.steps=30",
+        "rl.max_steps=2",
+        "rl.groups_per_step=4",
+        "orchestrator.eval_every=2",
+        "orchestrator.eval_dataset.size=16",
+        config=REPO / "examples" / "vlm_agentic.yaml",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [row["step"] for row in steps] == [1, 2]
+    # One picture per observation the policy acted on: one to three an episode.
+    assert all(32 <= row["images"] <= 3 * 32 and row["sequences"] == 32 for row in steps), steps
+    checked = [row for row in steps if row.get("mismatch_tokens", 0) > 0]
+    assert checked and all(row["mismatch_abs_max"] <= 1e-5 for row in checked), checked
+    evals = jsonl(run_dir / "metrics" / "eval.jsonl")
+    assert [e["policy_version"] for e in evals] == [0, 2]
+    assert all(e["tasks"] == 16 for e in evals)
+    assert_no_process_left(run_dir)

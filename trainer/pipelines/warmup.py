@@ -135,7 +135,8 @@ def warm_up_on(
     try:
         for _step in range(steps):
             examples = batch(rng, batch_size)
-            images = [list(e[2]) for e in examples] if any(len(e) > 2 for e in examples) else None
+            shown = any(len(e) > 2 for e in examples)
+            images = [list(e[2]) if len(e) > 2 else [] for e in examples] if shown else None
             metrics = supervised.step([(e[0], e[1]) for e in examples], images=images)
             if bar is not None:
                 bar.update(1)
