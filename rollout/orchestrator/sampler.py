@@ -22,7 +22,7 @@ from rollwire.rollout.orchestrator.agent import ChatTurns, PlainTurns
 from rollwire.rollout.orchestrator.servers import Servers
 from rollwire.services.core.config import EnvDataset, RunConfig
 from rollwire.services.core.datasets import Task, load_tasks
-from rollwire.services.core.images import ImageRef
+from rollwire.services.core.images import ImageRef, row_value
 
 
 @dataclass
@@ -194,15 +194,11 @@ class Sampler:
         as `prompt`/`completion` rows (those scored at least `min_reward` when set), and
         counts: answers, kept, their mean reward. `top_k`:
         each kept row also carries its token ids and, per answer token, the served
-        model's top_k tokens and logprobs (token-level distillation data)."""
+        model's top_k tokens and logprobs (token-level distillation data). A task's
+        images go into its rows' `images` column as a data file holds them."""
         limit = asyncio.Semaphore(self.settings.max_concurrent_groups)
 
         async def answer(index: int, task: Task) -> tuple[list[dict[str, Any]], list[float]]:
-            if task.images:
-                raise ValueError(
-                    f"task {task.task_id} shows images: distillation data from image prompts "
-                    "is not written yet (its rows would lose their images)"
-                )
             async with limit:
                 # Seeded from the prompt's place (orchestrator.sampling_seed): the same
                 # teacher answers the same prompts alike, run after run.
@@ -221,9 +217,15 @@ class Sampler:
                     )
                     if min_reward is None or reward >= min_reward
                 ]
+                if task.images:  # as a file's images column holds them (`images_of`)
+                    for row in rows:
+                        row["images"] = [row_value(image) for image in task.images]
                 if top_k and rows:
                     scored = await self.servers.score_tokens(
-                        [(prompt_ids + row["completion_ids"], len(prompt_ids)) for row in rows],
+                        [
+                            (prompt_ids + row["completion_ids"], len(prompt_ids), answers.images)
+                            for row in rows
+                        ],
                         top_k,
                     )
                     for row, result in zip(rows, scored, strict=True):

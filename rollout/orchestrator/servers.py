@@ -269,14 +269,18 @@ class Servers:
         return list(reply.samples)
 
     async def score_tokens(
-        self, sequences: list[tuple[list[int], int]], top_k: int = 0
+        self, sequences: list[tuple[list[int], int, Sequence[ImageRef]]], top_k: int = 0
     ) -> list[rollout_pb2.SequenceScores]:
-        """The served model's scores (`ScoreTokens`) of (token ids, start) sequences: each
-        token's logprob from start on, and the top_k most likely tokens there."""
+        """The served model's scores (`ScoreTokens`) of (token ids, start, the images they
+        show) sequences: each token's logprob from start on, and the top_k most likely
+        tokens there."""
         request = rollout_pb2.ScoreTokensRequest(
             request_id=uuid.uuid4().hex,
             sequences=[
-                rollout_pb2.TokenSequence(token_ids=ids, start=start) for ids, start in sequences
+                rollout_pb2.TokenSequence(
+                    token_ids=ids, start=start, images=[to_proto(image) for image in images]
+                )
+                for ids, start, images in sequences
             ],
             top_k=top_k,
         )

@@ -170,6 +170,16 @@ def images_of(value: Any, folder: Path, where: str) -> tuple[ImageRef, ...]:
     return tuple(out)
 
 
+def row_value(ref: ImageRef) -> str | dict[str, str]:
+    """An image as a data row's `images` column holds it (`images_of` reads it back): its
+    uri, or {data: <base64>, format}."""
+    import base64
+
+    if ref.uri:
+        return ref.uri
+    return {"data": base64.b64encode(ref.data).decode("ascii"), "format": ref.format}
+
+
 # ------------------------------------------------------------------ wire and proto
 
 

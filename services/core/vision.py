@@ -153,6 +153,27 @@ class VisionSide:
         ids, _, placed = self.expand(one * len(images) + list(text_ids), images)
         return ids, placed
 
+    def placed(self, ids: list[int], images: list[ImageRef]) -> list[ImageRef]:
+        """`images` at the runs of pad tokens of already expanded `ids` (a token-level
+        row's), in order; ImageError unless each run is as long as its image makes."""
+        runs: list[list[int]] = []  # [start, length] of each run of pad tokens
+        for i, token in enumerate(ids):
+            if token == self.image_token:
+                if runs and runs[-1][0] + runs[-1][1] == i:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([i, 1])
+        if len(runs) != len(images):
+            raise ImageError(f"the tokens hold {len(runs)} image(s) for {len(images)} given")
+        counts = self.token_counts(self.features(images)) if images else []
+        for number, ((_, length), count) in enumerate(zip(runs, counts, strict=True)):
+            if length != count:
+                raise ImageError(
+                    f"image {number} has {length} pad tokens where the model reads it as "
+                    f"{count}: the ids were made with another image processor"
+                )
+        return [image.with_offset(start) for image, (start, _) in zip(images, runs, strict=True)]
+
     def check(self, token_ids: list[int], images: list[ImageRef]) -> Features | None:
         """The features of `images` if the token ids hold exactly their pad tokens;
         ImageError otherwise (also for pad tokens without images). None: no images."""

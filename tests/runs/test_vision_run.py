@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.runs import REPO, assert_no_process_left, jsonl, rollwire_train
+from tests.helpers.runs import REPO, assert_no_process_left, jsonl, rollwire, rollwire_train
 
 
 @pytest.mark.multiproc
@@ -89,3 +89,48 @@ def test_an_agentic_run_with_pictures_for_observations(tmp_path) -> None:
     assert [e["policy_version"] for e in evals] == [0, 2]
     assert all(e["tasks"] == 16 for e in evals)
     assert_no_process_left(run_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_token_level_distillation_data_from_image_prompts_keeps_the_images(tmp_path) -> None:
+    """`rollwire distill generate` on digit prompts writes each row's image beside the
+    teacher's top-k (scored with the pixels); `rollwire sft` with a KL loss puts it back
+    where the prompt ids hold its pad tokens: a student that is the teacher starts at a
+    divergence of 0 (its forward sees the pixels the teacher's did)."""
+    from rollwire.services.core.tiny import tiny_model_of
+    from rollwire.services.core.vision import VisionSide
+
+    model = tiny_model_of({"vision": 1})
+    config = ["-c", str(REPO / "examples" / "vlm_rlvr.yaml")]
+    rollwire(
+        tmp_path,
+        "distill",
+        f"run.output_dir={tmp_path / 'distill'}",
+        f"trainer.model_path={model}",
+        "distill.prompts=12",
+        "distill.samples=2",
+        "distill.top_k=4",
+        extra=["generate", *config],
+    )
+    rows = jsonl(tmp_path / "distill" / "distill.jsonl")
+    assert len(rows) == 24
+    side = VisionSide(model)
+    for row in rows:
+        (image,) = row["images"]
+        assert image["format"] == "png" and image["data"]
+        assert row["prompt_ids"].count(side.image_token) == 4  # the tiny model's four
+        assert len(row["top_ids"]) == len(row["completion_ids"])
+    out = rollwire(
+        tmp_path,
+        "sft",
+        f"run.output_dir={tmp_path / 'student'}",
+        f"trainer.model_path={model}",
+        f"sft.data={tmp_path / 'distill' / 'distill.jsonl'}",
+        "sft.loss=forward_kl",
+        "sft.epochs=1",
+        "sft.batch_size=8",
+        extra=config,
+    )
+    steps = [row for row in jsonl(tmp_path / "student" / "metrics" / "sft.jsonl") if "loss" in row]
+    assert steps and abs(steps[0]["loss"]) <= 1e-5, (steps[0], out[-2000:])

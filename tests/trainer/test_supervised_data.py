@@ -221,3 +221,34 @@ def test_token_level_rows_become_sequences_with_their_teachers_top_k() -> None:
     assert distill_examples([{**row, "tokenizer": "a" * 64}], 16, tokenizer_digest="a" * 64)[0]
     with pytest.raises(ValueError, match="row 0: 1 top-k rows for 2 completion tokens"):
         distill_examples([{**row, "top_ids": [[8, 9]], "top_logprobs": [[-0.1, -2.5]]}], 16)
+
+
+def test_token_level_rows_from_image_prompts_find_their_images_pad_tokens(tiny_vlm_path) -> None:
+    from rollwire.services.core.images import row_value
+    from rollwire.services.core.vision import VisionSide
+    from tests.helpers.vision import digit_images
+
+    side = VisionSide(tiny_vlm_path)
+    (picture, _), (other, _) = digit_images(2)
+    prompt, _ = side.prompt_ids([picture], [40, 41])  # start, four pads, end, then text
+    row = {
+        "prompt_ids": prompt,
+        "completion_ids": [8, 1],
+        "top_ids": [[8, 9], [1, 4]],
+        "top_logprobs": [[-0.1, -2.5], [-0.01, -5.0]],
+        "images": [row_value(picture)],
+    }
+    (example,), _ = distill_examples([row], 64, vision=side)
+    (image,) = example.images
+    assert image.data == picture.data and image.offset == prompt.index(side.image_token)
+    # Too long with an image: left out, never cut through the image.
+    assert distill_examples([row], 5, vision=side)[1].too_long == 1
+    with pytest.raises(ValueError, match="row 0: the tokens hold 1 image.s. for 2 given"):
+        distill_examples(
+            [{**row, "images": [row_value(picture), row_value(other)]}], 64, vision=side
+        )
+    short = [token for i, token in enumerate(prompt) if i != image.offset]  # a pad dropped
+    with pytest.raises(ValueError, match="image 0 has 3 pad tokens where the model reads it as 4"):
+        distill_examples([{**row, "prompt_ids": short}], 64, vision=side)
+    with pytest.raises(ValueError, match="shows images, but the model is not a vision-language"):
+        distill_examples([row], 64)

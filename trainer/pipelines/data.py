@@ -295,6 +295,8 @@ class Distilled:
     mask: list[int]
     top_ids: Any  # numpy int64 [len(ids), K]
     top_logprobs: Any  # numpy float32 [len(ids), K]
+    images: tuple[ImageRef, ...] = ()
+    """The images the prompt shows, each with the offset of its pad tokens."""
 
 
 def distill_examples(
@@ -302,12 +304,16 @@ def distill_examples(
     max_length: int,
     truncate: bool = True,
     tokenizer_digest: str | None = None,
+    vision: Any = None,
+    folder: Path | None = None,
 ) -> tuple[list[Distilled], Counts]:
     """Token-level distillation rows as sequences (the loss on the completion), cut or
     left out at `max_length` as `supervised_examples` does. A row without the token
     fields, or whose top-k rows do not match its completion, is an error naming it; so
     is one whose `tokenizer` (the teacher's digest) is not `tokenizer_digest` (the
-    student's), when both are known."""
+    student's), when both are known. A row's `images` (a vision-language teacher's
+    prompt) go where its prompt ids hold their pad tokens (`VisionSide.placed`, with the
+    student's `vision`); such a row is left out rather than cut."""
     import numpy as np
 
     counts, examples, width = Counts(), [], None
@@ -345,8 +351,14 @@ def distill_examples(
             raise ValueError(f"{where}: top-k of {top_ids.shape[1]}, earlier rows {width}")
         width = top_ids.shape[1]
         ids = prompt + completion
+        images = _row_images(row, vision, folder, where)
+        if images:
+            try:
+                images = tuple(vision.placed(ids, list(images)))
+            except ImageError as error:
+                raise ValueError(f"{where}: {error}") from None
         cut = len(ids) > max_length
-        if cut and not truncate:
+        if cut and (not truncate or images):
             counts.too_long += 1
             continue
         n = min(len(ids), max_length)
@@ -357,7 +369,7 @@ def distill_examples(
         if not any(mask[:n]):
             counts.nothing_to_train += 1
             continue
-        examples.append(Distilled(ids[:n], mask[:n], full_ids[:n], full_logprobs[:n]))
+        examples.append(Distilled(ids[:n], mask[:n], full_ids[:n], full_logprobs[:n], images))
         counts.kept += 1
         counts.truncated += int(cut)
     return examples, counts

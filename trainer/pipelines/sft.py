@@ -25,7 +25,7 @@ from rollwire.trainer.pipelines.common import (
 
 Sequences = list[tuple]
 """(token ids, loss mask), or with a KL loss (token ids, loss mask, teacher top-k), or
-with images (token ids, loss mask, None, images)."""
+with images (token ids, loss mask, teacher top-k or None, images)."""
 
 
 def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, dict[str, Any]]:
@@ -43,10 +43,20 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
     vision = VisionSide(model_path, limits) if is_vision_model(model_path) else None
 
     def build(path: Path) -> tuple[Sequences, Any]:
+        folder = path if path.is_dir() else path.parent
         if sft.loss != "nll":
             distilled, counts = distill_examples(
-                read_rows(path), sft.max_length, sft.truncate, tokenizer_digest(model_path)
+                read_rows(path),
+                sft.max_length,
+                sft.truncate,
+                tokenizer_digest(model_path),
+                vision,
+                folder,
             )
+            if any(e.images for e in distilled):
+                return [
+                    (e.ids, e.mask, (e.top_ids, e.top_logprobs), list(e.images)) for e in distilled
+                ], counts
             return [(e.ids, e.mask, (e.top_ids, e.top_logprobs)) for e in distilled], counts
         examples, counts = supervised_examples(
             read_rows(path),
@@ -55,7 +65,7 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[Sequences, Sequences, 
             sft.truncate,
             sft.chat_template,
             vision,
-            path if path.is_dir() else path.parent,
+            folder,
         )
         if any(e.images for e in examples):
             if sft.packing:
@@ -70,7 +80,7 @@ def _step_args(items: Sequences) -> tuple[list, list | None, list | None]:
     """A step's (token ids, mask) sequences, their teacher top-k when they have it, and
     their images when they show some."""
     width = len(items[0]) if items else 2
-    top = [item[2] for item in items] if width == 3 else None
+    top = [item[2] for item in items] if width > 2 and items[0][2] is not None else None
     images = [item[3] for item in items] if width == 4 else None
     return [item[:2] for item in items], top, images
 
