@@ -20,7 +20,7 @@ export OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 # name | seconds | what it runs
 plan=(
-  "one-GPU checks: bf16 step vs fp32, HF engine vs the trainer's forward, weights process to process|150|pytest tests/gpu"
+  "one-GPU checks: bf16 step vs fp32, HF engine vs the trainer's forward (text, and a vision-language model with images), weights process to process|150|pytest tests/gpu"
   "HF engine on CUDA: batching, seeds, aborts, weights mid-generation, joins|120|ROLLWIRE_TEST_DEVICE=cuda pytest tests/rollout/test_rollout.py (the engine tests)"
   "FSDP2 on one rank on CUDA (NCCL), against the local step, with resume|150|pytest -m gpu tests/trainer/test_backends.py -k fsdp2"
   "rollwire train on CUDA, HF engine, weight_transport group on one device|200|rollwire train (SmolLM2 example, or the 27M built-in shape) 10 steps"
@@ -29,7 +29,7 @@ not_here=(
   "NCCL weight group between a trainer and rollout-servers on different GPUs: needs two GPUs (tests/rollout/test_weight_group.py::test_broadcast_over_nccl)"
   "FSDP2 / ZeRO-3 on two ranks over NCCL: needs two GPUs (tests/trainer/test_backends.py, gpu marker)"
   "DeepSpeed on CUDA: deepspeed is not on the machine and builds its ops there (tests/trainer/test_backends.py -k zero3)"
-  "vLLM and SGLang on CUDA: their wheels are larger than the 64 MiB a call may carry (tests/rollout/test_vllm_engine.py, test_sglang_engine.py)"
+  "vLLM and SGLang on CUDA, vLLM's image inputs (multi_modal_data) among them: their wheels are larger than the 64 MiB a call may carry (tests/rollout/test_vllm_engine.py, test_sglang_engine.py)"
 )
 
 print_plan() {

@@ -160,7 +160,7 @@ def model_limits(path: Path) -> tuple[int, int]:
     """(vocabulary size, context length) of the model at `path`, from its config."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path).get_text_config()  # a VLM's: its language part
     return int(config.vocab_size), int(getattr(config, "max_position_embeddings", 1 << 30))
 
 
@@ -171,10 +171,13 @@ def checkpoint_parameter_specs(
     the trainer names them, built on the meta device (no weights read). Engines that keep
     weights in their own layout (vLLM fuses q/k/v) check weight streams against these."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rollwire.services.core.vision import is_vision_model
 
     config = AutoConfig.from_pretrained(model_path)
+    kind = AutoModelForImageTextToText if is_vision_model(model_path) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = kind.from_config(config)
     served = getattr(torch, dtype)
     return {name: (tuple(p.shape), served) for name, p in model.named_parameters()}

