@@ -252,3 +252,27 @@ def test_token_level_rows_from_image_prompts_find_their_images_pad_tokens(tiny_v
         distill_examples([{**row, "prompt_ids": short}], 64, vision=side)
     with pytest.raises(ValueError, match="shows images, but the model is not a vision-language"):
         distill_examples([row], 64)
+
+
+def test_preference_rows_show_their_images_on_both_sides(tiny_vlm_path) -> None:
+    from transformers import AutoTokenizer
+
+    from rollwire.services.core.images import row_value
+    from rollwire.services.core.vision import VisionSide
+    from tests.helpers.vision import digit_images
+
+    side, tokenizer = VisionSide(tiny_vlm_path), AutoTokenizer.from_pretrained(tiny_vlm_path)
+    (picture, _), _ = digit_images(2)
+    row = {"prompt": "Which?", "chosen": "3", "rejected": "4", "images": [row_value(picture)]}
+    ((chosen, rejected),), counts = preference_examples([row], tokenizer, 64, vision=side)
+    assert counts.kept == 1 and chosen.images == rejected.images
+    (image,) = chosen.images
+    for one in (chosen, rejected):
+        pads = [i for i, token in enumerate(one.ids) if token == side.image_token]
+        assert pads == list(range(image.offset, image.offset + 4))  # the model's four
+        assert not any(one.mask[i] for i in pads)
+        side.check(one.ids, list(one.images))
+    assert chosen.ids[: image.offset + 4] == rejected.ids[: image.offset + 4]
+    assert preference_examples([row], tokenizer, 8, vision=side)[1].too_long == 1
+    with pytest.raises(ValueError, match="row 0 shows images, but the model is not"):
+        preference_examples([row], tokenizer, 64)

@@ -167,3 +167,53 @@ def test_sft_on_image_rows_then_the_model_reads_held_out_digits(tmp_path) -> Non
     accuracy = json.loads((run / "evals" / "final" / "eval.json").read_text())["greedy_reward"]
     print(f"held-out digits read after SFT on 1200 rows with images: {accuracy}")
     assert accuracy >= 0.5, accuracy
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_dpo_on_image_pairs_learns_to_prefer_the_digit_shown(tmp_path) -> None:
+    """`rollwire dpo` on pairs whose prompt shows a digit, the chosen answer that digit and
+    the rejected one another drawn at random: only the picture tells them apart, so the
+    297 held-out pairs (digits no pair shows) start at chance and end well above it
+    (measured: 0.49 -> 0.778 with run.seed 0, 0.710 with seed 1)."""
+    import random
+
+    from rollwire.services.core.images import row_value
+    from tests.helpers.runs import jsonl, rollwire
+    from tests.helpers.vision import digit_images
+
+    rng = random.Random(0)
+
+    def pairs(name: str, count: int, first: int) -> Path:
+        rows = []
+        for image, label in digit_images(count, first):
+            other = rng.choice([digit for digit in range(10) if digit != label])
+            rows.append(
+                {
+                    "prompt": "Which digit is this?",
+                    "chosen": f"<answer>{label}</answer>",
+                    "rejected": f"<answer>{other}</answer>",
+                    "images": [row_value(image)],
+                }
+            )
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return path
+
+    run = tmp_path / "dpo"
+    rollwire(
+        tmp_path,
+        "dpo",
+        "run.tiny_model={vision: 1}",
+        f"run.output_dir={run}",
+        f"dpo.data={pairs('train', 600, 0)}",
+        f"dpo.eval_data={pairs('held', 297, 1500)}",
+        "dpo.epochs=4",
+        "dpo.batch_size=32",
+        "dpo.eval_every=0",
+        "trainer.optimizer.learning_rate=0.003",
+    )
+    evals = [row for row in jsonl(run / "metrics" / "dpo.jsonl") if "eval_prefers_chosen" in row]
+    first, last = evals[0]["eval_prefers_chosen"], evals[-1]["eval_prefers_chosen"]
+    print(f"held-out pairs preferring the chosen: {first:.3f} -> {last:.3f}")
+    assert first < 0.6 and last > 0.65, evals

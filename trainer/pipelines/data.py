@@ -219,9 +219,7 @@ def supervised_examples(
         messages = conversation_of(row, where)
         images = _row_images(row, vision, folder, where)
         if images:
-            first = next(i for i, m in enumerate(messages) if m["role"] != "system")
-            marker = vision.marker(tokenizer, len(images))
-            messages[first] = {**messages[first], "content": marker + messages[first]["content"]}
+            messages = _shown_first(messages, vision.marker(tokenizer, len(images)))
         rendered = render(tokenizer, messages, chat_template, where)
         if images:
             try:
@@ -258,25 +256,41 @@ def preference_examples(
     max_length: int,
     truncate: bool = True,
     chat_template: bool | None = None,
+    vision: Any = None,
+    folder: Path | None = None,
 ) -> tuple[list[tuple[Rendered, Rendered]], Counts]:
     """Every preference row (`preference_of`) as (chosen, rejected) sequences, each the
     prompt and its response with the loss on the response only; cut or left out at
-    `max_length` as `supervised_examples` does (a pair goes whole or not at all)."""
+    `max_length` as `supervised_examples` does (a pair goes whole or not at all). A row's
+    `images` are shown at the start of the prompt's first non-system message in both, as
+    `supervised_examples` shows them."""
     counts, pairs = Counts(), []
     for number, row in enumerate(rows):
         counts.rows += 1
         where = f"row {number}"
         pair = preference_of(row, where)
+        images = _row_images(row, vision, folder, where)
+        prompt = (
+            _shown_first(pair.prompt, vision.marker(tokenizer, len(images)))
+            if images
+            else pair.prompt
+        )
         sides = []
         for response in (pair.chosen, pair.rejected):
-            sides.append(
-                render(tokenizer, pair.prompt + response, chat_template, where, len(pair.prompt))
-            )
+            side = render(tokenizer, prompt + response, chat_template, where, len(prompt))
+            if images:
+                try:
+                    ids, mask, placed = vision.expand(side.ids, list(images), side.mask)
+                except ImageError as error:
+                    raise ValueError(f"{where}: {error}") from None
+                side = Rendered(ids, mask, tuple(placed))
+            sides.append(side)
         cut = any(len(side.ids) > max_length for side in sides)
-        if cut and not truncate:
+        if cut and (not truncate or images):
             counts.too_long += 1
             continue
-        sides = [Rendered(side.ids[:max_length], side.mask[:max_length]) for side in sides]
+        if cut:
+            sides = [Rendered(side.ids[:max_length], side.mask[:max_length]) for side in sides]
         if not all(side.trained for side in sides):
             counts.nothing_to_train += 1
             continue
@@ -284,6 +298,15 @@ def preference_examples(
         counts.kept += 1
         counts.truncated += int(cut)
     return pairs, counts
+
+
+def _shown_first(messages: list[Message], marker: str) -> list[Message]:
+    """`messages` with `marker` (images' placeholders) before the first non-system
+    message's text, as a chat template writes a user turn's images."""
+    first = next(i for i, m in enumerate(messages) if m["role"] != "system")
+    return [
+        {**m, "content": marker + m["content"]} if i == first else m for i, m in enumerate(messages)
+    ]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ from rollwire.trainer.pipelines.common import (
     train_steps,
 )
 
-Pair = tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]
+Pair = tuple[tuple, tuple]
+"""(chosen, rejected), each (token ids, loss mask), or (token ids, loss mask, images) when
+the prompt shows images (a vision-language model)."""
 
 
 def prepare(config: RunConfig, model_path: Path) -> tuple[list[Pair], list[Pair], dict[str, Any]]:
@@ -32,16 +34,31 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[list[Pair], list[Pair]
     from transformers import AutoTokenizer
 
     from rollwire.services.core.datasets import read_rows
+    from rollwire.services.core.vision import VisionSide, is_vision_model
     from rollwire.trainer.pipelines.data import preference_examples
 
     dpo = config.dpo
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    limits = config.image_inputs.limits()
+    vision = VisionSide(model_path, limits) if is_vision_model(model_path) else None
 
     def build(path: Path) -> tuple[list[Pair], Any]:
         pairs, counts = preference_examples(
-            read_rows(path), tokenizer, dpo.max_length, dpo.truncate, dpo.chat_template
+            read_rows(path),
+            tokenizer,
+            dpo.max_length,
+            dpo.truncate,
+            dpo.chat_template,
+            vision,
+            path if path.is_dir() else path.parent,
         )
-        return [((c.ids, c.mask), (r.ids, r.mask)) for c, r in pairs], counts
+
+        def side(rendered: Any) -> tuple:
+            if rendered.images:
+                return (rendered.ids, rendered.mask, list(rendered.images))
+            return (rendered.ids, rendered.mask)
+
+        return [(side(c), side(r)) for c, r in pairs], counts
 
     return split_data("dpo", dpo, build, "pairs")
 

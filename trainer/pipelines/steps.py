@@ -21,8 +21,9 @@ from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.math.algorithms import token_logprobs
 from rollwire.trainer.math.losses import DISTILL_LOSSES, PREFERENCE_LOSSES
 
-Sequence = tuple[list[int], list[int]]
-"""Token ids and, per token, 1 where the loss is taken (`supervised_step`, preference pairs)."""
+Sequence = tuple[list[int], list[int]] | tuple[list[int], list[int], list[ImageRef]]
+"""Token ids and, per token, 1 where the loss is taken (`supervised_step`, preference
+pairs); a preference pair's sides also carry their images when the prompt shows some."""
 
 
 def _logprobs(learner: Learner, part: Any) -> torch.Tensor:
@@ -177,7 +178,12 @@ class PreferenceStep:
             rows = chunk or [0]  # a padding pass runs on a real pair and counts for nothing
             valid = torch.tensor([float(bool(chunk))] * len(rows), device=device)
             sequences = [pairs[i][0] for i in rows] + [pairs[i][1] for i in rows]
-            batch = supervised_batch(sequences, learner.pad_token_id)
+            shown = any(len(s) > 2 for s in sequences)  # (ids, mask, images): a VLM's prompt
+            batch = supervised_batch(
+                [s[:2] for s in sequences],
+                learner.pad_token_id,
+                images=[list(s[2]) if len(s) > 2 else [] for s in sequences] if shown else None,
+            )
             with contextlib.nullcontext() if update else torch.no_grad():
                 logprobs = _logprobs(learner, batch)
                 mask = batch.mask.to(device)
