@@ -96,18 +96,27 @@ def in_precision(precision: str, device: torch.device) -> contextlib.AbstractCon
     return contextlib.nullcontext()
 
 
-def _with_adapters(model: torch.nn.Module, lora: LoraConfig, task: str) -> torch.nn.Module:
+def _with_adapters(
+    model: torch.nn.Module, lora: LoraConfig, task: str, within: str = ""
+) -> torch.nn.Module:
     """`model` wrapped by peft with LoRA adapters (all other weights frozen); `task` is the
-    family's peft task type, empty for a model that is not a transformers one."""
+    family's peft task type, empty for a model that is not a transformers one; `within`:
+    a module prefix the adapters stay inside (the family's `lora_within`)."""
+    import re
+
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
+    targets: list[str] | str = list(lora.target_modules)
+    if within:  # peft full-matches a string against each module's name
+        suffixes = "|".join(re.escape(suffix) for suffix in lora.target_modules)
+        targets = rf"{re.escape(within)}\.(?:.*\.)?(?:{suffixes})"
     peft_config = PeftLoraConfig(
         task_type=getattr(TaskType, task) if task else None,
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=targets,
     )
     return get_peft_model(model, peft_config, adapter_name=ADAPTER)
 
@@ -149,13 +158,15 @@ class Learner:
         if config.backend == "local":
             # float32 whatever trainer.precision says: these are the master weights. With
             # LoRA only the adapters require grad: the optimizer holds just them.
-            lora, task = config.lora, self.family.lora_task
+            lora, task, within = config.lora, self.family.lora_task, self.family.lora_within
             self.backend: TrainBackend = LocalBackend(
                 self.model_path,
                 adamw_settings(config),
                 config.device,
                 config.gradient_checkpointing,
-                wrap=None if lora is None else lambda model: _with_adapters(model, lora, task),
+                wrap=None
+                if lora is None
+                else lambda model: _with_adapters(model, lora, task, within),
                 family=self.family,
             )
         else:

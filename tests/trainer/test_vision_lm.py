@@ -217,3 +217,34 @@ def test_dpo_on_image_pairs_learns_to_prefer_the_digit_shown(tmp_path) -> None:
     first, last = evals[0]["eval_prefers_chosen"], evals[-1]["eval_prefers_chosen"]
     print(f"held-out pairs preferring the chosen: {first:.3f} -> {last:.3f}")
     assert first < 0.6 and last > 0.65, evals
+
+
+def test_lora_adapts_the_language_part_and_leaves_the_vision_tower(tiny_vlm_path, tmp_path) -> None:
+    """`proj` would also name the vision tower's attention output; the family keeps the
+    adapters inside the language model. A step on digits trains them, and the merged
+    checkpoint loads with `from_pretrained`, its vision tower as it was."""
+    from transformers import AutoModelForImageTextToText
+
+    from rollwire.trainer.pipelines.common import save_model
+    from rollwire.trainer.pipelines.steps import SupervisedStep
+    from tests.helpers.vision import digit_prompts
+
+    config = RunConfig.model_validate(
+        {"trainer": {"lora": {"rank": 4, "target_modules": ["q_proj", "proj"]}}}
+    )
+    learner = Learner(tiny_vlm_path, config.trainer, family_for(CAUSAL_LM, tiny_vlm_path, config))
+    try:
+        adapted = {n for n, p in learner.model.named_parameters() if p.requires_grad}
+        assert adapted and all("lora_" in n and ".language_model." in n for n in adapted)
+        assert any(n.endswith(".q_proj.lora_A.default.weight") for n in adapted)
+        prompts = digit_prompts(tiny_vlm_path, 4)
+        sequences = [(ids + [7, 8], [0] * len(ids) + [1, 1]) for ids, _ in prompts]
+        metrics = SupervisedStep(learner).step(sequences, images=[i for _, i in prompts])
+        assert metrics["loss"] > 0
+        folder = save_model(learner, tmp_path / "merged", 1)
+    finally:
+        learner.close()
+    merged = AutoModelForImageTextToText.from_pretrained(folder).state_dict()
+    start = AutoModelForImageTextToText.from_pretrained(tiny_vlm_path).state_dict()
+    moved = {n for n in start if not torch.equal(merged[n], start[n])}
+    assert moved and all(n.endswith("q_proj.weight") and "language_model" in n for n in moved)

@@ -27,6 +27,10 @@ class ModelFamily(ABC):
     """peft's `TaskType` name for LoRA on this family (e.g. `CAUSAL_LM`); empty for a model
     peft wraps without a task (a diffusers UNet)."""
 
+    lora_within: str = ""
+    """A module prefix LoRA's adapters stay inside (`trainer.lora.target_modules` match
+    only below it); empty: anywhere in the model."""
+
     frozen: tuple[str, ...] = ()
     """Module prefixes whose parameters do not train (`trainer.freeze`), applied by
     `freeze` when the master weights are loaded."""

@@ -36,6 +36,7 @@ class VisionLM(ModelFamily):
 
     name = "vision_lm"
     lora_task = "CAUSAL_LM"
+    lora_within = "model.language_model"  # LoRA on the language part; the vision tower as it is
 
     def __init__(self, limits: ImageLimits | None = None) -> None:
         self.limits = limits or ImageLimits()
