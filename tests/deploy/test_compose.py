@@ -101,13 +101,14 @@ def shared() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _prepared(shared: Path, config: Path | None = None) -> Path:
+def _prepared(shared: Path, config: Path | None = None, *sets: str) -> Path:
     """The run's warm model made on the host, from the test session's model cache when an
     earlier test made the same one (`rollwire prepare`), readable by the containers' user:
     handed to the stack with --model. The warm-up is the same code in a container, and
-    twice as slow there beside the other services."""
+    twice as slow there beside the other services. `sets`: overrides (`--set`)."""
     out = shared / "model"
     prepare = [*ROLLWIRE, "prepare", *(["-c", str(config)] if config else []), "--out", str(out)]
+    prepare += [arg for item in sets for arg in ("--set", item)]
     prepared = subprocess.run(prepare, capture_output=True, text=True, timeout=900)
     assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
     for path in shared.rglob("*"):
@@ -202,7 +203,9 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
 ) -> None:
     """examples/agentic.yaml with `--env-servers 3`: the orchestrator finds all three by
     DNS; one is killed mid-run (its process, SIGKILL: `restart: on-failure` brings the
-    container back), no episode is lost, and held-out success rises."""
+    container back), and no episode is lost. The model is not warmed up (the example's
+    learning is test_agentic_run.py's, and learning in containers the default run's):
+    its untrained answers are rejected actions, so every episode plays all its turns."""
     project = f"rwtest{os.getpid()}a"
     config = REPO / "examples" / "agentic.yaml"
     process = _compose_run(
@@ -211,13 +214,17 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
         "-c",
         str(config),
         "--model",
-        str(_prepared(shared, config)),
+        str(_prepared(shared, config, "warmup.steps=0")),
         "--env-servers",
         "3",
         "--set",
         "rl.max_steps=10",
         "--set",
         "orchestrator.eval_every=5",
+        "--set",
+        "orchestrator.eval_dataset.size=16",
+        "--set",
+        "orchestrator.max_new_tokens=8",
     )
     try:
         deadline = time.monotonic() + 600
@@ -267,11 +274,9 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
     progress = jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
     assert progress["groups_failed"] == 0, "an episode was lost with its server"
     assert progress["env_servers_lost"] >= 1
-    curve = [(e["policy_version"], e["eval_reward"]) for e in jsonl(run / "metrics" / "eval.jsonl")]
-    print(f"held-out greedy success by version, in containers: {curve}")
-    assert [version for version, _ in curve] == [0, 5, 10]
-    # Local runs of this example: 0.14 -> 1.00 at version 5 (warm-up seed 1).
-    assert max(reward for _, reward in curve[1:]) >= curve[0][1] + 0.3, curve
+    evals = jsonl(run / "metrics" / "eval.jsonl")
+    assert [e["policy_version"] for e in evals] == [0, 5, 10]
+    assert all(e["tasks"] == 16 for e in evals)
     assert _left_of(project) == {"containers": "", "networks": "", "volumes": ""}
 
 

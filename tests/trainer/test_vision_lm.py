@@ -238,7 +238,7 @@ def test_lora_adapts_the_language_part_and_leaves_the_vision_tower(tiny_vlm_path
         assert adapted and all("lora_" in n and ".language_model." in n for n in adapted)
         assert any(n.endswith(".q_proj.lora_A.default.weight") for n in adapted)
         prompts = digit_prompts(tiny_vlm_path, 4)
-        sequences = [(ids + [7, 8], [0] * len(ids) + [1, 1]) for ids, _ in prompts]
+        sequences = [([*ids, 7, 8], [0] * len(ids) + [1, 1]) for ids, _ in prompts]
         metrics = SupervisedStep(learner).step(sequences, images=[i for _, i in prompts])
         assert metrics["loss"] > 0
         folder = save_model(learner, tmp_path / "merged", 1)
