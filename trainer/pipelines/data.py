@@ -220,13 +220,9 @@ def supervised_examples(
         images = _row_images(row, vision, folder, where)
         if images:
             messages = _shown_first(messages, vision.marker(tokenizer, len(images)))
-        rendered = render(tokenizer, messages, chat_template, where)
-        if images:
-            try:
-                ids, mask, placed = vision.expand(rendered.ids, list(images), rendered.mask)
-            except ImageError as error:
-                raise ValueError(f"{where}: {error}") from None
-            rendered = Rendered(ids, mask, tuple(placed))
+        rendered = _expanded(
+            render(tokenizer, messages, chat_template, where), images, vision, where
+        )
         cut = len(rendered.ids) > max_length
         if cut and (not truncate or images):
             counts.too_long += 1
@@ -240,6 +236,18 @@ def supervised_examples(
         counts.kept += 1
         counts.truncated += int(cut)
     return examples, counts
+
+
+def _expanded(rendered: Rendered, images: tuple, vision: Any, where: str) -> Rendered:
+    """`rendered` with each image's placeholder made as many pad tokens as the model reads
+    the image as (`VisionSide.expand`); as it is without images."""
+    if not images:
+        return rendered
+    try:
+        ids, mask, placed = vision.expand(rendered.ids, list(images), rendered.mask)
+    except ImageError as error:
+        raise ValueError(f"{where}: {error}") from None
+    return Rendered(ids, mask, tuple(placed))
 
 
 def _row_images(row: dict[str, Any], vision: Any, folder: Path | None, where: str) -> tuple:
@@ -278,13 +286,7 @@ def preference_examples(
         sides = []
         for response in (pair.chosen, pair.rejected):
             side = render(tokenizer, prompt + response, chat_template, where, len(prompt))
-            if images:
-                try:
-                    ids, mask, placed = vision.expand(side.ids, list(images), side.mask)
-                except ImageError as error:
-                    raise ValueError(f"{where}: {error}") from None
-                side = Rendered(ids, mask, tuple(placed))
-            sides.append(side)
+            sides.append(_expanded(side, images, vision, where))
         cut = any(len(side.ids) > max_length for side in sides)
         if cut and (not truncate or images):
             counts.too_long += 1
