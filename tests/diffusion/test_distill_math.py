@@ -1,0 +1,155 @@
+"""The distillation math by hand: the clean prediction, the ODE-distillation and flow
+matching losses, DMD's direction and loss (and, with exact scores on a Gaussian, that
+following it moves a generator onto the teacher's distribution), the GAN terms, the
+few-step sampler and the EMA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollwire.diffusion.distill import (
+    clean_of,
+    dmd_direction,
+    dmd_generator_loss,
+    ema_update,
+    few_step_sample,
+    flow_matching_loss,
+    gan_losses,
+    noised,
+    ode_distill_loss,
+    student_times,
+)
+
+
+def point_mass(at: float):
+    """The exact velocity field of data that is always `at`: v = (x_t - at) / t."""
+
+    def velocity(x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return (x - at) / t.reshape(-1, *([1] * (x.dim() - 1)))
+
+    return velocity
+
+
+def gaussian_clean(mean: float, std: float):
+    """E[x0 | x_t] for data N(mean, std^2) in one dimension, x_t = (1 - t) x0 + t eps."""
+
+    def clean(x: torch.Tensor, t: float) -> torch.Tensor:
+        gain = (1 - t) * std**2 / ((1 - t) ** 2 * std**2 + t**2)
+        return mean + gain * (x - (1 - t) * mean)
+
+    return clean
+
+
+def test_the_clean_prediction_undoes_the_noising() -> None:
+    x0, noise = torch.randn(4, 1, 2, 2), torch.randn(4, 1, 2, 2)
+    t = torch.tensor([0.1, 0.4, 0.7, 1.0])
+    x_t = noised(x0, noise, t)
+    assert torch.allclose(x_t[1], 0.6 * x0[1] + 0.4 * noise[1])
+    assert torch.allclose(clean_of(x_t, noise - x0, t), x0, atol=1e-6)
+
+
+def test_ode_distillation_and_flow_matching_losses_by_hand() -> None:
+    x_t = torch.tensor([[1.0, 3.0], [2.0, 0.0]])
+    t = torch.tensor([0.5, 0.25])
+    teacher = torch.tensor([[0.0, 1.0], [1.0, 1.0]])
+
+    def constant(x, t, labels):
+        return torch.full_like(x, 2.0)
+
+    # Predictions x_t - t * 2: [[0, 2], [1.5, -0.5]]; squared errors [[0, 1], [0.25, 2.25]].
+    loss = ode_distill_loss(constant, x_t, t, torch.zeros(2), teacher)
+    assert loss.tolist() == pytest.approx([0.5, 1.25])
+    # The exact field of a point mass has no flow-matching loss; a shifted one pays its shift.
+    x0, noise = torch.full((3, 1, 2, 2), 0.7), torch.randn(3, 1, 2, 2)
+    times = torch.tensor([0.2, 0.5, 0.9])
+    assert flow_matching_loss(point_mass(0.7), x0, noise, times, None).abs().max() < 1e-5
+    off = flow_matching_loss(lambda x, t, y: point_mass(0.7)(x, t, y) + 0.3, x0, noise, times, None)
+    assert off.tolist() == pytest.approx([0.09] * 3)
+
+
+def test_the_dmd_direction_and_its_loss_by_hand() -> None:
+    sample = torch.tensor([[2.0, 2.0], [4.0, 0.0]], requires_grad=True)
+    real = torch.tensor([[1.0, 1.0], [2.0, 2.0]])
+    fake = torch.tensor([[1.5, 0.5], [3.0, 2.0]])
+    direction = dmd_direction(sample, real, fake)
+    # Scales: mean |sample - real| = 1 and 2.
+    assert direction.tolist() == [[0.5, -0.5], [0.5, 0.0]]
+    assert not direction.requires_grad
+    loss = dmd_generator_loss(sample, direction)
+    assert loss.tolist() == pytest.approx([0.125, 0.0625])
+    loss.sum().backward()
+    assert torch.allclose(sample.grad, direction / 2)  # two dimensions averaged
+    on_target = dmd_direction(real.clone(), real, fake)  # a zero distance is floored
+    assert torch.isfinite(on_target).all()
+
+
+def test_following_the_dmd_direction_with_exact_scores_reaches_the_teachers_distribution() -> None:
+    """A generator x = theta + z, z ~ N(0, 1), against a teacher whose data are N(3, 1): with
+    both scores exact (the fake one the generator's own distribution's), gradient steps on
+    DMD's loss bring theta to 3."""
+    generator = torch.Generator().manual_seed(0)
+    theta = torch.zeros((), requires_grad=True)
+    optimizer = torch.optim.SGD([theta], lr=0.2)
+    real = gaussian_clean(3.0, 1.0)
+    for _ in range(300):
+        z = torch.randn(256, 1, generator=generator)
+        sample = theta + z
+        t = float(torch.rand((), generator=generator) * 0.96 + 0.02)
+        x_t = noised(
+            sample.detach(), torch.randn(256, 1, generator=generator), torch.full((256,), t)
+        )
+        fake = gaussian_clean(float(theta.detach()), 1.0)
+        direction = dmd_direction(sample, real(x_t, t), fake(x_t, t))
+        optimizer.zero_grad()
+        dmd_generator_loss(sample, direction).mean().backward()
+        optimizer.step()
+    assert float(theta.detach()) == pytest.approx(3.0, abs=0.1)
+
+
+def test_gan_terms_at_an_undecided_head() -> None:
+    head, generator = gan_losses(torch.zeros(4), torch.zeros(3, requires_grad=True))
+    assert float(head) == pytest.approx(2 * math.log(2))
+    assert generator.tolist() == pytest.approx([math.log(2)] * 3)
+    assert generator.requires_grad
+
+
+def test_few_step_sampling_fresh_and_ddim() -> None:
+    assert student_times(1) == [1.0]
+    assert student_times(4) == [1.0, 0.75, 0.5, 0.25]
+    noise = torch.randn(5, 1, 2, 2)
+    # The exact field of a point mass lands on it in one step or several, either way.
+    for renoise in ("fresh", "ddim"):
+        out = few_step_sample(point_mass(0.5), noise, None, student_times(4), renoise)
+        assert torch.allclose(out, torch.full_like(noise, 0.5), atol=1e-5)
+    # A field that says "the clean sample is half the input": 1 step from noise gives noise / 2;
+    # DDIM then re-noises with the implied noise, fresh with seeded noise per sample.
+
+    def halving(x, t, labels):
+        return (x - 0.5 * x) / t.reshape(-1, 1, 1, 1)
+
+    one = few_step_sample(halving, noise, None, [1.0])
+    assert torch.allclose(one, noise / 2)
+    out, inputs = few_step_sample(halving, noise, None, [1.0, 0.5], "ddim", keep=True)
+    # After step 1: clean n/2, implied noise (n - 0 * n/2) / 1 = n; x = 0.5 n/2 + 0.5 n.
+    assert torch.allclose(inputs[1], 0.75 * noise) and torch.allclose(out, 0.375 * noise)
+    seeds = [torch.Generator().manual_seed(s) for s in range(5)]
+    again = [torch.Generator().manual_seed(s) for s in range(5)]
+    a = few_step_sample(halving, noise, None, [1.0, 0.5], "fresh", seeds)
+    b = few_step_sample(halving, noise, None, [1.0, 0.5], "fresh", again)
+    assert torch.equal(a, b) and not torch.allclose(a, out)
+    with pytest.raises(ValueError, match="times must decrease"):
+        few_step_sample(halving, noise, None, [0.5, 1.0])
+    with pytest.raises(ValueError, match="stay above 0"):
+        few_step_sample(halving, noise, None, [1.0, 0.0])
+
+
+def test_the_ema_moves_a_fraction_of_the_way() -> None:
+    average, model = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        average.weight.fill_(1.0)
+        model.weight.fill_(3.0)
+    ema_update(average, model, decay=0.9)
+    assert torch.allclose(average.weight, torch.full_like(average.weight, 1.2))
