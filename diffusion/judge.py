@@ -194,3 +194,35 @@ def relative_diversity(
     samples = within_class_diversity(features[mask], classes[mask])
     reference = within_class_diversity(real, real_classes, weights_from=classes[mask])
     return samples / reference
+
+
+@dataclass
+class SampleQuality:
+    """The judge's measures of class-conditional samples against the real training digits:
+    `accuracy` (the share it reads as the class asked for), `frechet` (`frechet_distance`
+    of their features to the training digits'), `diversity` (`relative_diversity`: within
+    the classes it reads them as, over real digits'). The held-out digits themselves read
+    `floor()`: the distance of real digits the model never saw."""
+
+    judge: DigitsJudge
+    real: np.ndarray
+    real_classes: np.ndarray
+
+    @classmethod
+    def load(cls) -> SampleQuality:
+        judge = digits_judge()
+        images, labels = digits("train")
+        return cls(judge, judge.features(images), labels)
+
+    def measure(self, images: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+        features = self.judge.features(images)
+        classes = self.judge.probabilities(images).argmax(axis=1)
+        return {
+            "accuracy": float((classes == np.asarray(labels)).mean()),
+            "frechet": frechet_distance(features, self.real),
+            "diversity": relative_diversity(features, classes, self.real, self.real_classes),
+        }
+
+    def floor(self) -> dict[str, float]:
+        images, labels = digits("held_out")
+        return self.measure(images, labels)

@@ -270,3 +270,12 @@ def micro_batches(
     if len(groups) == 1 and len(groups[0]) == size:
         return [batch]  # one pass over all of it: no copy
     return [batch.select(rows) for rows in groups]
+
+
+def rank_share(rows: list[int], rank: int, ranks: int) -> list[int]:
+    """The contiguous part of a minibatch's `rows` that `rank` of `ranks` computes
+    (empty when there are fewer rows than ranks)."""
+    if ranks <= 1:
+        return list(rows)
+    runs = split_rows(len(rows), ranks)
+    return [rows[i] for i in runs[rank]] if rank < len(runs) else []

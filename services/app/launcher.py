@@ -488,7 +488,7 @@ def start_servers(
         )
     addresses = {name: stack.wait_ready(service, timeout) for name, service in started.items()}
     update = {
-        "reward_servers": [addresses["reward-server"]],
+        "reward_servers": [addresses["reward-server"]] if "reward-server" in addresses else [],
         "rollout_servers": [
             addresses["rollout-server"],
             *(stack.wait_ready(server, timeout) for server in extra_rollout),

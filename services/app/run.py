@@ -497,9 +497,12 @@ def _checkpoint_folder(path: Path) -> Path:
 def run_offline(config: RunConfig, name: str) -> int:
     """The pipeline `name` of the pipeline table that runs alone (`rollwire sft`, `dpo`,
     `reward-model`) on trainer.model_path, or on the built-in tiny model as it is built
-    (no warm-up: the pipeline is the training)."""
-    from rollwire.trainer.pipelines.table import PIPELINES, load
+    (no warm-up: the pipeline is the training); one that trains another family than the
+    causal LM (`ode-distill`) chooses its own default model."""
+    from rollwire.trainer.pipelines.table import CAUSAL_LM, PIPELINES, load
 
+    if PIPELINES[name].family != CAUSAL_LM:  # its program knows its own default model
+        return load(PIPELINES[name].program)(config)
     model = config.trainer.model_path or config.rollout_server.model_path
     if model is None:
         bare = config.model_copy(update={"warmup": config.warmup.model_copy(update={"steps": 0})})

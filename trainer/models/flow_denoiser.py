@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rollwire.diffusion.data import ANY
 from rollwire.diffusion.digits import velocity
 from rollwire.trainer.models.base import ModelFamily
 
@@ -97,3 +98,11 @@ class FlowDenoiser(ModelFamily):
 
     def pad_token_id(self, config: Any) -> int:
         return 0  # images have no padding
+
+
+def any_label_of(folder: Path) -> int:
+    """The unconditional branch's label of a model folder (its task file), 10 without one."""
+    marker = Path(folder) / MARKER
+    if marker.exists():
+        return int(json.loads(marker.read_text()).get("any_label", ANY))
+    return ANY

@@ -124,6 +124,18 @@ PIPELINES: dict[str, Pipeline] = {
         program="rollwire.services.app.run:run_distill_generate",
         help="distillation: `generate` writes a teacher's scored answers as rows for sft",
     ),
+    "ode-distill": Pipeline(
+        name="ode-distill",
+        section="ode_distill",
+        data="a diffusion teacher's ODE trajectories (their nodes and ends), which the "
+        "command has its own diffusion rollout-servers sample first (resumable)",
+        step="rollwire.trainer.pipelines.ode_distill:ODEDistillStep",
+        family="rollwire.trainer.models.flow_denoiser:FlowDenoiser",
+        services=(),
+        program="rollwire.services.app.ode_distill:run_ode_distill",
+        help="ODE trajectory distillation of a diffusion teacher (ode_distill.teacher_model_path, "
+        "else the built-in digits model) into a few-step student",
+    ),
     "reward-model": Pipeline(
         name="reward-model",
         section="reward_model",

@@ -32,7 +32,7 @@ import torch
 from rollwire.diffusion.sampling import logprobs_of, step_distributions
 from rollwire.services.core.config.algorithms import settings_of
 from rollwire.services.core.wire import Trajectory
-from rollwire.trainer.batching import split_rows
+from rollwire.trainer.batching import rank_share, split_rows
 from rollwire.trainer.learner import collective
 from rollwire.trainer.math.algorithms import ADVANTAGE_ESTIMATORS
 from rollwire.trainer.math.losses import policy_objective
@@ -41,7 +41,6 @@ from rollwire.trainer.rl.latents import (
     LatentStep,
     batch_metrics,
     latent_batch,
-    rank_share,
 )
 
 

@@ -2,10 +2,9 @@
 
 `latent_batch(trajectories, any_label)` stacks a batch's latent trajectories
 (`rollwire.diffusion.trajectories`; all drawn with the same sampling settings and
-recorded steps) into a `LatentBatch`; `any_label_of(folder)` is a model folder's
-unconditional label; `rank_share(rows, rank, ranks)` is one rank's part of a
-minibatch on a sharded backend (every rank runs the step on the same batch and takes
-its own rows, so its passes stay collective); `batch_metrics` is what a step reports
+recorded steps) into a `LatentBatch` (`any_label_of` in the flow denoiser's family is a
+model folder's unconditional label, `rank_share` in `batching` one rank's part of a
+minibatch); `batch_metrics` is what a step reports
 of its batch. Flow-GRPO (`flow_grpo.py`) and reward feedback learning (`reward_fl.py`)
 are both a `LatentStep`.
 """
@@ -13,23 +12,19 @@ are both a `LatentStep`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rollwire.diffusion.data import ANY
 from rollwire.diffusion.sampling import SamplingSettings, Velocity
 from rollwire.diffusion.trajectories import SAMPLING_KEYS, scoring_of
 from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.wire import Trajectory
-from rollwire.trainer.batching import split_rows
 from rollwire.trainer.learner import Learner
-from rollwire.trainer.models.flow_denoiser import MARKER, Noised
+from rollwire.trainer.models.flow_denoiser import Noised, any_label_of
 from rollwire.trainer.rl.update import average
 
 
@@ -113,23 +108,6 @@ def latent_batch(trajectories: list[Trajectory], any_label: int) -> LatentBatch:
             for t in trajectories
         ],
     )
-
-
-def any_label_of(folder: Path) -> int:
-    """The unconditional branch's label of a model folder (its task file), 10 without one."""
-    marker = Path(folder) / MARKER
-    if marker.exists():
-        return int(json.loads(marker.read_text()).get("any_label", ANY))
-    return ANY
-
-
-def rank_share(rows: list[int], rank: int, ranks: int) -> list[int]:
-    """The contiguous part of a minibatch's `rows` that `rank` of `ranks` computes
-    (empty when there are fewer rows than ranks)."""
-    if ranks <= 1:
-        return list(rows)
-    runs = split_rows(len(rows), ranks)
-    return [rows[i] for i in runs[rank]] if rank < len(runs) else []
 
 
 def batch_metrics(batch: LatentBatch, trainer_version: int) -> dict[str, float]:

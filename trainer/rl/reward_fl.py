@@ -38,14 +38,13 @@ from rollwire.diffusion.flow import ode_step, time_grid
 from rollwire.diffusion.sampling import guided
 from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.wire import Trajectory
-from rollwire.trainer.batching import split_rows
+from rollwire.trainer.batching import rank_share, split_rows
 from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.rl.latents import (
     LatentBatch,
     LatentStep,
     batch_metrics,
     latent_batch,
-    rank_share,
 )
 
 

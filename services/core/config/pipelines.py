@@ -194,6 +194,60 @@ class RewardFLConfig(StrictModel):
     """The last denoising steps the reward's gradient flows back through (K)."""
 
 
+class ODEDistillConfig(PipelineData):
+    """`rollwire ode-distill`: a few-step student of a flow-matching teacher, by ODE
+    trajectory distillation. The teacher (teacher_model_path, else the built-in digits
+    model), served by diffusion rollout-servers, samples `pairs` deterministic ODE
+    trajectories of `teacher_steps` steps, one per (class, seed); the latents at the grid
+    indices `nodes` and the final sample are kept in `data` (resumable: pairs already
+    there are not made again). The student (trainer.model_path, else the teacher) learns
+    to predict, from a node's latent and time, the teacher's final sample in one step
+    (mean squared error), on the trainer section's backend, LoRA and optimizer. Every
+    evaluation samples it at each of `eval_steps` steps and measures the samples with the
+    digits judge against the teacher's at `teacher_steps`."""
+
+    section: ClassVar[str] = "ode_distill"
+    teacher_model_path: Path | None = None
+    """The teacher's folder; the built-in digits model when unset."""
+    pairs: int = Field(2000, ge=1)
+    """Teacher trajectories to make (and train on)."""
+    teacher_steps: int = Field(48, ge=2)
+    """The teacher's ODE steps from noise to data."""
+    guidance: float = Field(1.0, ge=0)
+    """The teacher's classifier-free guidance (1: none)."""
+    shift: float = Field(1.0, gt=0)
+    """The teacher grid's time shift (1: uniform)."""
+    nodes: list[int] = [0, 12, 24, 36]
+    """Grid indices whose latents are kept and trained on (0: the noise at t = 1)."""
+    renoise: Literal["fresh", "ddim"] = "fresh"
+    """How the student's few-step sampling takes a clean prediction to the next time:
+    with fresh noise, or with the noise the step implies (the ODE's Euler step)."""
+    batch_size: int = Field(64, ge=1)
+    """(node latent, final sample) rows per step."""
+    eval_every: int = Field(200, ge=0)
+    """Steps between evaluations (also before the first and after the last); 0: those two."""
+    eval_steps: list[int] = [1, 2, 4]
+    """The student's sampling steps measured at each evaluation."""
+    eval_per_class: int = Field(50, ge=2)
+    """Evaluation samples of each class (held-out seeds, the same every time)."""
+    data_batch: int = Field(256, ge=1)
+    """Trajectories a rollout-server is asked for at once (one file of `data` each)."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> ODEDistillConfig:
+        bad = [node for node in self.nodes if not 0 <= node < self.teacher_steps]
+        if not self.nodes or bad:
+            raise ValueError(
+                f"ode_distill.nodes must be grid indices in [0, {self.teacher_steps}) "
+                f"(0 is the noise at t = 1), got {self.nodes}"
+            )
+        if sorted(set(self.nodes)) != self.nodes:
+            raise ValueError(f"ode_distill.nodes must increase without repeats, got {self.nodes}")
+        if not self.eval_steps or min(self.eval_steps) < 1:
+            raise ValueError(f"ode_distill.eval_steps must be 1 or more, got {self.eval_steps}")
+        return self
+
+
 class PipelineSections(StrictModel):
     """The pipelines' sections of the run config (`RunConfig` has them all)."""
 
@@ -208,6 +262,9 @@ class PipelineSections(StrictModel):
     reward_model: RewardModelTrainingConfig = RewardModelTrainingConfig()
     """`rollwire reward-model`: a reward model for the reward-server, with the trainer
     section's backend and optimizer."""
+    ode_distill: ODEDistillConfig = ODEDistillConfig()
+    """`rollwire ode-distill`: a few-step student of a diffusion teacher, by ODE
+    trajectory distillation through diffusion rollout-servers."""
     reward_fl: RewardFLConfig = RewardFLConfig()
     """Reward feedback learning for a diffusion run (`rollwire train` with
     `rollout_server.engine: diffusion`), instead of Flow-GRPO."""
