@@ -362,7 +362,7 @@ async def test_cli_exits_1_and_prints_the_table_for_a_faulty_server(toy_server) 
     assert lines[0].split() == ["check", "result", "detail", "ms"]
     rows = {line.split()[0]: line.split()[1] for line in lines[1:-1]}
     assert rows["oversized_action"] == "FAIL" and rows["health"] == "PASS"
-    assert lines[-1].endswith("FAILED: 12 pass, 1 fail")
+    assert lines[-1].endswith("FAILED: 13 pass, 1 fail")
 
 
 @pytest.mark.multiproc

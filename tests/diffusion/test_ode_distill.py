@@ -1,0 +1,163 @@
+"""`rollwire ode-distill`: the teacher's trajectories made by a diffusion rollout-server into a
+resumable, fingerprinted folder, and a student trained on them, evaluated at 1, 2 and 4
+steps against the teacher, resuming exactly from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollwire.diffusion.ode_pairs import (
+    PairSettings,
+    file_trajectories,
+    load_pairs,
+    missing_files,
+    pair_seed,
+    prepare_folder,
+    write_file,
+)
+from tests.helpers.runs import command_line, jsonl, rollwire
+
+SMALL = [
+    "ode_distill.pairs=120",
+    "ode_distill.data_batch=50",
+    "ode_distill.teacher_steps=16",
+    "ode_distill.nodes=[0, 4, 8]",
+    "ode_distill.batch_size=32",
+    "ode_distill.eval_per_class=10",
+    "ode_distill.eval_every=0",
+]
+
+
+def settings(**changes) -> PairSettings:
+    base = {
+        "teacher": "ab" * 32,
+        "steps": 8,
+        "guidance": 1.0,
+        "shift": 1.0,
+        "nodes": (0, 4),
+        "seed": 3,
+        "per_file": 4,
+    }
+    return PairSettings(**{**base, **changes})
+
+
+def test_a_pairs_folder_is_filled_file_by_file_and_refuses_other_settings(tmp_path) -> None:
+    made = settings()
+    prepare_folder(tmp_path, made)
+    assert missing_files(tmp_path, made, 10) == [0, 1, 2]
+    assert list(file_trajectories(2, made, 10)) == [8, 9]
+    rng = np.random.default_rng(0)
+    for index in (0, 2):
+        count = len(file_trajectories(index, made, 10))
+        write_file(
+            tmp_path,
+            index,
+            rng.normal(size=(count, 2, 1, 8, 8)),
+            rng.normal(size=(count, 1, 8, 8)),
+            np.arange(count) % 10,
+            np.arange(count),
+        )
+    assert missing_files(tmp_path, made, 10) == [1]
+    with pytest.raises(ValueError, match="pairs-000001.npz is missing"):
+        load_pairs(tmp_path, 10)
+    assert len(load_pairs(tmp_path, 4)) == 4 and load_pairs(tmp_path, 4).times == [1.0, 0.5]
+    prepare_folder(tmp_path, made)  # the same settings: fine
+    with pytest.raises(ValueError, match=r"other settings \(guidance, steps differ"):
+        prepare_folder(tmp_path, settings(steps=16, guidance=2.0))
+    seeds = {pair_seed(3, i) for i in range(1000)}
+    assert len(seeds) == 1000 and all(0 <= s < 1 << 62 for s in seeds)
+    assert pair_seed(3, 7) == pair_seed(3, 7) != pair_seed(4, 7)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(tmp_path) -> None:
+    pairs = tmp_path / "pairs"
+    out = rollwire(
+        tmp_path,
+        "ode-distill",
+        f"run.output_dir={tmp_path / 'run'}",
+        f"ode_distill.data={pairs}",
+        *SMALL,
+    )
+    assert "pairs: 3 files to make" in out, out
+    folder = load_pairs(pairs)
+    assert len(folder) == 120 and folder.latents.shape == (120, 3, 1, 8, 8)
+    assert folder.times == [1.0, 0.75, 0.5]
+    assert sorted(set(folder.labels.tolist())) == list(range(10))
+    # The first node is the trajectory's noise, as its seed draws it.
+    import torch
+
+    first = torch.randn((1, 8, 8), generator=torch.Generator().manual_seed(int(folder.seeds[0])))
+    assert np.allclose(folder.latents[0, 0], first.numpy(), atol=1e-6)
+    rows = jsonl(tmp_path / "run" / "metrics" / "ode-distill.jsonl")
+    measured = [row for row in rows if "steps1_frechet" in row]
+    assert [row["step"] for row in measured] == [0, rows[-1]["step"]]
+    for count in (1, 2, 4):
+        assert {f"steps{count}_{k}" for k in ("frechet", "diversity", "accuracy")} <= set(rows[-1])
+    teacher = json.loads((tmp_path / "run" / "metrics" / "ode-distill-teacher.json").read_text())
+    assert teacher["teacher_steps"] == 16 and teacher["teacher"]["accuracy"] > 0.9
+    assert "student at 1 step(s): frechet" in out
+    for name in ("teacher", "steps1", "steps2", "steps4"):
+        assert (tmp_path / "run" / "metrics" / "images" / f"{name}.png").exists()
+    # More pairs later: only the new file is made; other settings: refused.
+    more = rollwire(
+        tmp_path,
+        "ode-distill",
+        f"run.output_dir={tmp_path / 'more'}",
+        f"ode_distill.data={pairs}",
+        *SMALL,
+        "ode_distill.pairs=160",
+        "ode_distill.max_steps=1",
+    )
+    assert "pairs: 1 files to make" in more, more
+    import subprocess
+
+    from tests.helpers.runs import child_env
+
+    refused = subprocess.run(
+        command_line(
+            "ode-distill",
+            f"run.output_dir={tmp_path / 'other'}",
+            f"ode_distill.data={pairs}",
+            *SMALL,
+            "ode_distill.guidance=2.0",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
+    assert refused.returncode == 1 and "other settings (guidance differ" in refused.stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_stopped_student_resumes_from_its_checkpoint_exactly(tmp_path) -> None:
+    pairs = tmp_path / "pairs"
+
+    def run(name: str, *sets: str) -> list[dict]:
+        rollwire(
+            tmp_path,
+            "ode-distill",
+            f"run.output_dir={tmp_path / name}",
+            f"ode_distill.data={pairs}",
+            *SMALL,
+            "ode_distill.checkpoint_every=2",
+            "ode_distill.eval_steps=[1]",
+            *sets,
+        )
+        return jsonl(tmp_path / name / "metrics" / "ode-distill.jsonl")
+
+    straight = [row for row in run("straight", "ode_distill.max_steps=6") if row["step"]]
+    first = run("cut", "ode_distill.max_steps=4")
+    again = run("cut", "ode_distill.max_steps=6")[len(first) :]
+    assert [row["step"] for row in again] == [3, 4, 5, 6]
+    for ours in again:
+        theirs = next(row for row in straight if row["step"] == ours["step"])
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6), ours["step"]
+    assert Path(tmp_path / "cut" / "checkpoints" / "step_000002").is_dir()
