@@ -32,6 +32,16 @@ SMALL = [
 ]
 
 
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    """A digits teacher trained for 40 steps only (seconds, where the built-in one takes
+    minutes): these tests check the pipeline's mechanics, not its quality."""
+    from rollwire.diffusion.digits import DigitsSpec, build_digits_model
+
+    spec = DigitsSpec(block_out_channels=(8, 16), steps=40)
+    return build_digits_model(tmp_path_factory.mktemp("teacher") / "digits", spec, progress=False)
+
+
 def settings(**changes) -> PairSettings:
     base = {
         "teacher": "ab" * 32,
@@ -75,14 +85,17 @@ def test_a_pairs_folder_is_filled_file_by_file_and_refuses_other_settings(tmp_pa
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(tmp_path) -> None:
+def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(
+    tmp_path, teacher
+) -> None:
     pairs = tmp_path / "pairs"
+    small = [*SMALL, f"ode_distill.teacher_model_path={teacher}"]
     out = rollwire(
         tmp_path,
         "ode-distill",
         f"run.output_dir={tmp_path / 'run'}",
         f"ode_distill.data={pairs}",
-        *SMALL,
+        *small,
     )
     assert "pairs: 3 files to make" in out, out
     folder = load_pairs(pairs)
@@ -99,8 +112,9 @@ def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(tmp_pa
     assert [row["step"] for row in measured] == [0, rows[-1]["step"]]
     for count in (1, 2, 4):
         assert {f"steps{count}_{k}" for k in ("frechet", "diversity", "accuracy")} <= set(rows[-1])
-    teacher = json.loads((tmp_path / "run" / "metrics" / "ode-distill-teacher.json").read_text())
-    assert teacher["teacher_steps"] == 16 and teacher["teacher"]["accuracy"] > 0.9
+    record = json.loads((tmp_path / "run" / "metrics" / "ode-distill-teacher.json").read_text())
+    assert record["teacher_steps"] == 16
+    assert set(record["teacher"]) == {"accuracy", "frechet", "diversity"}
     assert "student at 1 step(s): frechet" in out
     for name in ("teacher", "steps1", "steps2", "steps4"):
         assert (tmp_path / "run" / "metrics" / "images" / f"{name}.png").exists()
@@ -110,7 +124,7 @@ def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(tmp_pa
         "ode-distill",
         f"run.output_dir={tmp_path / 'more'}",
         f"ode_distill.data={pairs}",
-        *SMALL,
+        *small,
         "ode_distill.pairs=160",
         "ode_distill.max_steps=1",
     )
@@ -124,7 +138,7 @@ def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(tmp_pa
             "ode-distill",
             f"run.output_dir={tmp_path / 'other'}",
             f"ode_distill.data={pairs}",
-            *SMALL,
+            *small,
             "ode_distill.guidance=2.0",
         ),
         capture_output=True,
@@ -137,8 +151,9 @@ def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(tmp_pa
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_a_stopped_student_resumes_from_its_checkpoint_exactly(tmp_path) -> None:
+def test_a_stopped_student_resumes_from_its_checkpoint_exactly(tmp_path, teacher) -> None:
     pairs = tmp_path / "pairs"
+    small = [*SMALL, f"ode_distill.teacher_model_path={teacher}"]
 
     def run(name: str, *sets: str) -> list[dict]:
         rollwire(
@@ -146,7 +161,7 @@ def test_a_stopped_student_resumes_from_its_checkpoint_exactly(tmp_path) -> None
             "ode-distill",
             f"run.output_dir={tmp_path / name}",
             f"ode_distill.data={pairs}",
-            *SMALL,
+            *small,
             "ode_distill.checkpoint_every=2",
             "ode_distill.eval_steps=[1]",
             *sets,
