@@ -9,10 +9,12 @@ implement it; the rollout-server speaks only to this interface.
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rollwire.rollout.server.sampling import SamplingSpec
 
@@ -120,6 +122,35 @@ def validate_request(
             f"prompt of {len(prompt_ids)} tokens plus max_new_tokens {spec.max_new_tokens} "
             f"exceeds the model's context of {max_context}"
         )
+
+
+async def checked_images(
+    vision: Any,
+    model_path: Path,
+    token_ids: list[int],
+    images: list,
+    prepare: Callable | None = None,
+) -> Any:
+    """A request's images checked (off the event loop) against the placeholders in
+    `token_ids` by the served folder's `VisionSide` (`vision`; None for a text model):
+    their processed features, or `prepare(images)` of them when given (what an engine
+    passes on instead); None without images. RequestError for a bad image, or for images
+    sent to a model that takes none."""
+    from rollwire.services.core.images import ImageError
+
+    if vision is None:
+        if images:
+            raise RequestError(f"{model_path} is not a vision-language model: it takes no images")
+        return None
+
+    def checked() -> Any:
+        features = vision.check(token_ids, list(images))
+        return features if prepare is None or features is None else prepare(list(images))
+
+    try:
+        return await asyncio.to_thread(checked)
+    except ImageError as error:
+        raise RequestError(str(error)) from None
 
 
 def validate_scoring(

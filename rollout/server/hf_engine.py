@@ -50,12 +50,13 @@ from rollwire.rollout.server.engine import (
     Generation,
     RequestError,
     Scores,
+    checked_images,
     validate_request,
     validate_scoring,
 )
 from rollwire.rollout.server.requests import InFlight
 from rollwire.rollout.server.sampling import SamplingBatch, SamplingSpec
-from rollwire.services.core.images import ImageError, ImageLimits, ImageRef
+from rollwire.services.core.images import ImageLimits, ImageRef
 from rollwire.services.core.vision import (
     Features,
     VisionSide,
@@ -240,18 +241,9 @@ class HFEngine:
                 raise
 
     async def image_features(self, token_ids: list[int], images: list[ImageRef]) -> Features | None:
-        """The processed `images` of a request (off the event loop), checked against the
-        placeholders in `token_ids`; RequestError for a bad image or a model without images."""
-        if self.vision is None:
-            if images:
-                raise RequestError(
-                    f"{self.model_path} is not a vision-language model: it takes no images"
-                )
-            return None
-        try:
-            return await asyncio.to_thread(self.vision.check, token_ids, list(images))
-        except ImageError as error:
-            raise RequestError(str(error)) from None
+        """The processed `images` of a request, checked against the placeholders in
+        `token_ids` (`checked_images`)."""
+        return await checked_images(self.vision, self.model_path, token_ids, images)
 
     def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int:
         """Marks requests aborted; they return with finish reason "abort" and their tokens so far."""

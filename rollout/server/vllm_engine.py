@@ -61,6 +61,7 @@ from rollwire.rollout.server.engine import (
     Generation,
     RequestError,
     Scores,
+    checked_images,
     checkpoint_parameter_specs,
     model_folder,
     model_limits,
@@ -69,7 +70,7 @@ from rollwire.rollout.server.engine import (
 )
 from rollwire.rollout.server.requests import InFlight
 from rollwire.rollout.server.sampling import SamplingSpec
-from rollwire.services.core.images import ImageError, ImageLimits, ImageRef, open_image
+from rollwire.services.core.images import ImageLimits, ImageRef, open_image
 from rollwire.services.core.vision import SUPPRESSED_LOGIT, VisionSide, is_vision_model
 
 log = logging.getLogger(__name__)
@@ -345,25 +346,14 @@ class VLLMEngine:
                 raise
 
     async def image_features(self, token_ids: list[int], images: list[ImageRef]) -> list | None:
-        """A request's `images` opened (off the event loop), after checking that the
-        placeholders in `token_ids` were made for them; RequestError for a bad image or a
-        model without images; None without images."""
-        if self.vision is None:
-            if images:
-                raise RequestError(
-                    f"{self.model_path} is not a vision-language model: it takes no images"
-                )
-            return None
+        """A request's `images` opened for vLLM, after checking that the placeholders in
+        `token_ids` were made for them (`checked_images`); None without images."""
         vision = self.vision
 
-        def opened() -> list | None:
-            vision.check(token_ids, list(images))
-            return [open_image(image, vision.limits) for image in images] or None
+        def opened(checked: list[ImageRef]) -> list:
+            return [open_image(image, vision.limits) for image in checked]
 
-        try:
-            return await asyncio.to_thread(opened)
-        except ImageError as error:
-            raise RequestError(str(error)) from None
+        return await checked_images(vision, self.model_path, token_ids, images, opened)
 
     def _prompt(self, ids: list[int], images: list | None) -> dict[str, Any]:
         """What vLLM takes for a prompt: the ids, and with images each image's pads made

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from rollwire.services.core.config import RunConfig
+from rollwire.services.core.files import read_jsonl
 from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.pipelines.common import run_pipeline, split_data, train_steps
 
@@ -302,7 +303,7 @@ def _lead(
         evaluate,
         lambda metrics: {"loss": f"{metrics['loss']:.4f}"},
     )
-    rows = [r for r in _read(path) if "steps1_frechet" in r]
+    rows = [r for r in read_jsonl(path) if f"steps{ode.eval_steps[0]}_frechet" in r]
     last = rows[-1] if rows else {}
     print(f"{steps} steps in {seconds:.0f} s")
     for count in ode.eval_steps:
@@ -317,12 +318,6 @@ def _lead(
     plot = _plot(path, ode.eval_steps, teacher)
     print(f"model: {final}\nmetrics: {path}" + (f"\nplot: {plot}" if plot else ""))
     return 0
-
-
-def _read(path: Path) -> list[dict[str, Any]]:
-    from rollwire.services.core.files import read_jsonl
-
-    return read_jsonl(path)
 
 
 def _grid(images: np.ndarray, path: Path) -> None:
@@ -341,7 +336,7 @@ def _grid(images: np.ndarray, path: Path) -> None:
 def _plot(path: Path, eval_steps: list[int], teacher: dict[str, float]) -> Path | None:
     """The Frechet distance and diversity of each step count by training step, with the
     teacher's as lines, to `metrics/ode_distill.png`."""
-    rows = [r for r in _read(path) if f"steps{eval_steps[0]}_frechet" in r]
+    rows = [r for r in read_jsonl(path) if f"steps{eval_steps[0]}_frechet" in r]
     if not rows:
         return None
     import matplotlib
