@@ -117,9 +117,12 @@ def gan_losses(
     real_logits: torch.Tensor, fake_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DMD2's non-saturating GAN terms from a head's logits on real data and on generated
-    samples: (the head's loss, [B] the generator's loss on its samples)."""
+    samples: (the head's loss, softplus(-real) + softplus(fake) averaged; [B] the
+    generator's loss, softplus(-fake)). Gradients flow through both: the head trains on
+    the first with logits of samples the generator cannot be moved by (detached), the
+    generator on the second with logits of its live samples."""
     softplus = torch.nn.functional.softplus
-    head = softplus(-real_logits).mean() + softplus(fake_logits.detach()).mean()
+    head = softplus(-real_logits).mean() + softplus(fake_logits).mean()
     return head, softplus(-fake_logits)
 
 

@@ -19,6 +19,30 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class DenoiseRequest(_message.Message):
+    __slots__ = ("request_id", "latents", "times", "labels", "guidance")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    GUIDANCE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    latents: bytes
+    times: _containers.RepeatedScalarFieldContainer[float]
+    labels: _containers.RepeatedScalarFieldContainer[int]
+    guidance: float
+    def __init__(self, request_id: _Optional[str] = ..., latents: _Optional[bytes] = ..., times: _Optional[_Iterable[float]] = ..., labels: _Optional[_Iterable[int]] = ..., guidance: _Optional[float] = ...) -> None: ...
+
+class DenoiseResponse(_message.Message):
+    __slots__ = ("clean", "policy_version", "seconds")
+    CLEAN_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    clean: bytes
+    policy_version: int
+    seconds: float
+    def __init__(self, clean: _Optional[bytes] = ..., policy_version: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class ImageSampling(_message.Message):
     __slots__ = ("steps", "eta", "sde_first", "sde_last", "shift", "guidance")
     STEPS_FIELD_NUMBER: _ClassVar[int]

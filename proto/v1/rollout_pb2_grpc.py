@@ -84,6 +84,11 @@ class RolloutServiceStub:
                 request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesRequest.SerializeToString,
                 response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesResponse.FromString,
                 _registered_method=True)
+        self.Denoise = channel.unary_unary(
+                '/rollwire.v1.RolloutService/Denoise',
+                request_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.DenoiseRequest.SerializeToString,
+                response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.DenoiseResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -193,6 +198,19 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Denoise(self, request, context):
+        """A diffusion engine's clean prediction of noisy latents: its velocity at
+        each latent's time and label (with classifier-free guidance) taken to
+        t = 0, x0 = x_t - t v. What distribution-matching distillation asks of a
+        frozen teacher ("real score"), from any number of trainers. INVALID_ARGUMENT
+        for mismatched lengths, a latent of the wrong shape, a time outside
+        [0, 1], an unknown label or a bad guidance; FAILED_PRECONDITION on an
+        engine that generates tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -245,6 +263,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GenerateImages,
                     request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesRequest.FromString,
                     response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesResponse.SerializeToString,
+            ),
+            'Denoise': grpc.unary_unary_rpc_method_handler(
+                    servicer.Denoise,
+                    request_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.DenoiseRequest.FromString,
+                    response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.DenoiseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -517,6 +540,33 @@ class RolloutService:
             '/rollwire.v1.RolloutService/GenerateImages',
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesRequest.SerializeToString,
             rollwire_dot_proto_dot_v1_dot_rollout__pb2.GenerateImagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Denoise(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollwire.v1.RolloutService/Denoise',
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.DenoiseRequest.SerializeToString,
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.DenoiseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from rollwire.proto.v1 import reward_pb2, reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
@@ -267,6 +268,30 @@ class Servers:
             self.clock.add("rollout_queue", max(s.queue_seconds for s in reply.samples))
             self.clock.add("rollout_generate", max(s.generate_seconds for s in reply.samples))
         return list(reply.samples)
+
+    async def denoise(
+        self, latents: np.ndarray, times: Sequence[float], labels: Sequence[int], guidance: float
+    ) -> np.ndarray:
+        """A diffusion rollout-server's clean predictions (`Denoise`) of `latents` [B, C, H,
+        W] at `times` for `labels`, with classifier-free `guidance`: [B, C, H, W]."""
+        from rollwire.services.core.wire import array_bytes, array_from_bytes
+
+        request = rollout_pb2.DenoiseRequest(
+            request_id=uuid.uuid4().hex,
+            latents=array_bytes(latents),
+            times=list(times),
+            labels=list(labels),
+            guidance=guidance,
+        )
+        stub = self.rollout[next(self._next_rollout)]
+        reply = await self._call(
+            lambda: stub.Denoise(request, timeout=self.settings.generate_timeout_seconds),
+            "denoise",
+        )
+        clean = array_from_bytes(reply.clean, "clean")
+        if clean.shape != latents.shape:
+            raise ValueError(f"Denoise answered {list(clean.shape)} for {list(latents.shape)}")
+        return clean
 
     async def score_tokens(
         self, sequences: list[tuple[list[int], int, Sequence[ImageRef]]], top_k: int = 0

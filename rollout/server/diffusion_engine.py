@@ -208,6 +208,48 @@ class DiffusionEngine:
     def abort(self, request_ids: list[str] = (), all_requests: bool = False) -> int:
         return self._in_flight.abort(request_ids, all_requests)
 
+    async def denoise(
+        self, latents: np.ndarray, times: list[float], labels: list[int], guidance: float
+    ) -> tuple[np.ndarray, int]:
+        """The clean predictions x_t - t v of `latents` [B, C, H, W] at `times` for
+        `labels`, with classifier-free `guidance` (what a DMD trainer asks of its frozen
+        teacher), on the sampling thread between two batches; and the version that
+        computed them. RequestError for bad input."""
+        count = len(latents)
+        if count == 0 or tuple(latents.shape[1:]) != self.image_shape:
+            raise RequestError(
+                f"latents must be [B, {', '.join(map(str, self.image_shape))}] with B >= 1, "
+                f"got {list(latents.shape)}"
+            )
+        if len(times) != count or len(labels) != count:
+            raise RequestError(f"{count} latents, {len(times)} times, {len(labels)} labels")
+        if not all(0.0 <= t <= 1.0 for t in times):
+            raise RequestError("times must lie in [0, 1]")
+        if not all(0 <= label <= self.any_label for label in labels):
+            raise RequestError(f"labels must lie in [0, {self.any_label}]")
+        if not np.isfinite(latents).all():
+            raise RequestError("latents must be finite")
+        if not (np.isfinite(guidance) and guidance >= 0):
+            raise RequestError(f"guidance must be a finite number >= 0, got {guidance}")
+        x = torch.from_numpy(np.ascontiguousarray(latents, dtype=np.float32))
+        t = torch.tensor(times, dtype=torch.float32)
+        y = torch.tensor(labels, dtype=torch.long)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, self._denoise, x, t, y, guidance or 1.0)
+
+    def _denoise(
+        self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, guidance: float
+    ) -> tuple[np.ndarray, int]:
+        from rollwire.diffusion.sampling import guided
+
+        x = x.to(self.device, self.dtype)
+        t = t.to(self.device, self.dtype)
+        field = guided(self._velocity, guidance, self.any_label)
+        with torch.no_grad():
+            clean = x - t.reshape(-1, 1, 1, 1) * field(x, t, labels.to(self.device))
+        self.generated_tokens += len(x)
+        return clean.float().cpu().numpy(), self._step_version
+
     async def _batch_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:

@@ -261,6 +261,43 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         ]
         return rollout_pb2.GenerateImagesResponse(samples=samples)
 
+    async def Denoise(
+        self, request: rollout_pb2.DenoiseRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.DenoiseResponse:
+        denoise = getattr(self.engine, "denoise", None)
+        if denoise is None:
+            await self._reject(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "wrong_engine",
+                f"the {self.engine.name} engine generates tokens; Denoise is a diffusion "
+                "engine's (rollout_server.engine: diffusion)",
+            )
+        import time
+
+        from rollwire.services.core.wire import WireError, array_bytes, array_from_bytes
+
+        started = time.perf_counter()
+        try:
+            latents = array_from_bytes(request.latents, "latents")
+        except WireError as error:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", str(error))
+        await self._wait_for_weights(context)
+        await self._start()
+        try:
+            with self.watchdog.watch("denoise", request.request_id, self.watch_seconds):
+                clean, version = await denoise(
+                    latents, list(request.times), list(request.labels), request.guidance
+                )
+        except RequestError as error:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_request", str(error))
+        COUNTERS.inc("rollout_denoised_latents", amount=len(clean))
+        return rollout_pb2.DenoiseResponse(
+            clean=array_bytes(clean),
+            policy_version=version,
+            seconds=time.perf_counter() - started,
+        )
+
     async def Abort(
         self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.AbortResponse:

@@ -20,20 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollwire.services.app.launcher import LaunchError, Stack, start_servers, thread_budget
-from rollwire.services.core.config import RunConfig, write_resolved_config
+from rollwire.services.app.diffusion_teacher import teacher_folder, teacher_servers
+from rollwire.services.app.launcher import LaunchError
+from rollwire.services.core.config import RunConfig
 
 PAIRS_IN_FLIGHT_PER_SERVER = 2
 """Files asked of each rollout-server at once (one computing, one queued)."""
-
-
-def teacher_of(config: RunConfig) -> Path:
-    """ode_distill.teacher_model_path, or the built-in digits model (built once)."""
-    if config.ode_distill.teacher_model_path is not None:
-        return Path(config.ode_distill.teacher_model_path)
-    from rollwire.diffusion.digits import digits_model
-
-    return digits_model(threads=config.trainer.threads)
 
 
 def pair_settings(config: RunConfig, teacher: Path) -> Any:
@@ -65,35 +57,10 @@ def make_pairs(config: RunConfig, teacher: Path, folder: Path) -> int:
     if not missing:
         return 0
     work_dir = Path(config.run.output_dir).resolve() / "pairs-logs"
-    # The teacher's servers: a diffusion engine, whose run samples image prompts.
-    served = RunConfig.model_validate(
-        {
-            **config.model_dump(mode="json", exclude_unset=True),
-            "run": {**config.run.model_dump(mode="json"), "output_dir": str(work_dir)},
-            "rollout_server": {
-                **config.rollout_server.model_dump(mode="json"),
-                "engine": "diffusion",
-                "model_path": str(teacher),
-            },
-            "orchestrator": {
-                **config.orchestrator.model_dump(mode="json", exclude_unset=True),
-                "dataset": {"type": "images"},
-                "eval_dataset": None,
-            },
-        }
-    )
     print(f"teacher: {teacher}\npairs: {len(missing)} files to make into {folder}")
-    stack = None
-    if not config.endpoints.rollout_servers:
-        stack = Stack(work_dir, write_resolved_config(served, work_dir), thread_budget(served))
-    try:
-        if stack is not None:
-            served = start_servers(served, stack, services=("rollout-server",))
+    with teacher_servers(config, teacher, work_dir) as served:
         started = time.perf_counter()
         asyncio.run(_sample(served, settings, folder, missing))
-    finally:
-        if stack is not None:
-            stack.stop()
     print(f"{len(missing)} files of teacher trajectories in {time.perf_counter() - started:.0f} s")
     return len(missing)
 
@@ -157,7 +124,7 @@ def run_ode_distill(config: RunConfig, argv: list[str] | None = None) -> int:
     from rollwire.trainer.pipelines.ode_distill import run_student
 
     try:
-        teacher = teacher_of(config)
+        teacher = teacher_folder(config, config.ode_distill.teacher_model_path)
         folder = pairs_folder(config)
         if "RANK" not in os.environ:  # the ranks of a sharded student find the pairs made
             make_pairs(config, teacher, folder)

@@ -110,10 +110,18 @@ def test_following_the_dmd_direction_with_exact_scores_reaches_the_teachers_dist
 
 
 def test_gan_terms_at_an_undecided_head() -> None:
-    head, generator = gan_losses(torch.zeros(4), torch.zeros(3, requires_grad=True))
+    real, fake = torch.zeros(4, requires_grad=True), torch.zeros(3, requires_grad=True)
+    head, generator = gan_losses(real, fake)
     assert float(head) == pytest.approx(2 * math.log(2))
     assert generator.tolist() == pytest.approx([math.log(2)] * 3)
-    assert generator.requires_grad
+    # The head learns from both sides: real logits up, fake logits down (sigmoid(0) / n).
+    head.backward()
+    assert real.grad.tolist() == pytest.approx([-0.5 / 4] * 4)
+    assert fake.grad.tolist() == pytest.approx([0.5 / 3] * 3)
+    # The generator's term pushes its samples' logits up.
+    fake.grad = None
+    generator.sum().backward()
+    assert fake.grad.tolist() == pytest.approx([-0.5] * 3)
 
 
 def test_few_step_sampling_fresh_and_ddim() -> None:

@@ -167,3 +167,64 @@ async def test_generate_images_over_grpc_and_a_token_engine_refuses_it(
                 rollout_pb2.GenerateImagesRequest(request_id="x", prompts=["3"], seeds=[0])
             )
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_denoise_over_grpc_is_the_guided_clean_prediction_and_refuses_bad_input(
+    model_path, tiny_model_path, start_service
+) -> None:
+    import grpc
+    import numpy as np
+
+    from rollwire.diffusion.digits import load_unet, velocity
+    from rollwire.diffusion.distill import clean_of
+    from rollwire.diffusion.sampling import guided
+    from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
+    from rollwire.rollout.server.hf_engine import HFEngine
+    from rollwire.services.core.wire import array_bytes, array_from_bytes
+    from tests.helpers.servers import serve_engine
+
+    address, _ = await serve_engine(start_service, DiffusionEngine(model_path))
+    latents = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    times, labels = [0.9, 0.5, 0.1], [3, 7, 10]
+    unet = load_unet(model_path)
+    field = guided(lambda x, t, y: velocity(unet, x, t, y), 2.5, 10)
+    with torch.no_grad():
+        t = torch.tensor(times)
+        expected = clean_of(latents, field(latents, t, torch.tensor(labels)), t).numpy()
+        unguided = clean_of(latents, velocity(unet, latents, t, torch.tensor(labels)), t).numpy()
+
+    def request(**changes) -> rollout_pb2.DenoiseRequest:
+        fields = {
+            "request_id": "d",
+            "latents": array_bytes(latents.numpy()),
+            "times": times,
+            "labels": labels,
+            "guidance": 2.5,
+        }
+        return rollout_pb2.DenoiseRequest(**{**fields, **changes})
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        reply = await stub.Denoise(request())
+        assert np.allclose(array_from_bytes(reply.clean, "clean"), expected, atol=1e-5)
+        for changes, message in (
+            ({"times": [0.5, 1.5, 0.1]}, "times must lie"),
+            ({"labels": [3, 7]}, "3 latents, 3 times, 2 labels"),
+            ({"labels": [3, 7, 11]}, "labels must lie"),
+            ({"latents": array_bytes(np.zeros((2, 1, 4, 4)))}, "latents must be"),
+            ({"latents": b"\x00junk"}, "not valid msgpack"),
+            ({"guidance": float("nan")}, "guidance must be"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Denoise(request(**changes))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, changes
+            assert message in refused.value.details(), refused.value.details()
+        # Still serving, and unguided (0 or 1) is the plain velocity's prediction.
+        plain = array_from_bytes((await stub.Denoise(request(guidance=0.0))).clean, "clean")
+        assert np.allclose(plain, unguided, atol=1e-5) and not np.allclose(plain, expected)
+    address, _ = await serve_engine(start_service, HFEngine(tiny_model_path, max_batch_size=2))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Denoise(request())
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -10,24 +10,14 @@ diffusion steps are), on the trainer section's backend, precision, LoRA and opti
 with checkpoints and resume as the other pipelines.
 
 Every evaluation (before the first step, every `eval_every`, after the last) writes to
-`metrics/ode-distill.jsonl`: the held-out loss, and for each of `eval_steps` the judge's
-measures (`diffusion.judge.SampleQuality`: accuracy for the class asked, Frechet distance
-to real digits, within-class diversity relative to real digits) of `eval_per_class`
-samples of each class from held-out noise seeds, sampled by the student in that many
-steps (`few_step_sample`, re-noising `renoise`). The teacher's measures at its own
-`teacher_steps`, on the same seeds, are taken once (`metrics/ode-distill-teacher.json`),
-and each student row carries its Frechet ratio to them; a student whose distance passes
-twice its own best in the run, or whose diversity falls under half its best, is named on
-the console.
-The curves go to `metrics/ode_distill.png`, and a grid of each step count's samples to
-`metrics/images/`.
+`metrics/ode-distill.jsonl`: the held-out loss, and the student's sample quality at each
+of `eval_steps` (sampled by `few_step_sample`, re-noising `renoise`) against the teacher's
+at `teacher_steps` (`student_quality.StudentQuality`: the measures, the collapse warning,
+the grids, the curves in `metrics/ode-distill.png`).
 """
 
 from __future__ import annotations
 
-import itertools
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,16 +26,10 @@ import numpy as np
 import torch
 
 from rollwire.services.core.config import RunConfig
-from rollwire.services.core.files import read_jsonl
 from rollwire.trainer.learner import Learner, collective
 from rollwire.trainer.pipelines.common import run_pipeline, split_data, train_steps
 
 FAMILY = "rollwire.trainer.models.flow_denoiser:FlowDenoiser"
-COLLAPSE_FRECHET = 2.0
-"""A student's Frechet distance above this times the best it reached in the run is
-reported on the console as a collapse."""
-COLLAPSE_DIVERSITY = 0.5
-"""So is a diversity below this times its best."""
 
 Row = tuple[np.ndarray, float, int, np.ndarray]
 """(the node's latent [C, H, W], its time, the class, the trajectory's end [C, H, W])."""
@@ -178,43 +162,6 @@ class ODEDistillStep:
         return images.float().clamp(-1, 1).cpu().numpy()
 
 
-def evaluation_noise(per_class: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The held-out evaluation's noise, labels and seeds: `per_class` of each class, each
-    from its own seed at `EVAL_SEED_BASE` and up (never a training trajectory's)."""
-    from rollwire.diffusion.data import IMAGE_SHAPE
-    from rollwire.diffusion.ode_pairs import CLASSES, EVAL_SEED_BASE
-
-    seeds = [EVAL_SEED_BASE + i for i in range(per_class * CLASSES)]
-    labels = torch.tensor([i % CLASSES for i in range(len(seeds))])
-    noise = torch.stack(
-        [torch.randn(IMAGE_SHAPE, generator=torch.Generator().manual_seed(s)) for s in seeds]
-    )
-    return noise, labels, seeds
-
-
-def teacher_quality(config: RunConfig, quality: Any) -> tuple[dict[str, float], np.ndarray]:
-    """The teacher's measures on the evaluation seeds, sampled by its ODE at
-    `teacher_steps` (with its guidance and shift), and the images."""
-    from rollwire.diffusion.digits import load_unet, velocity
-    from rollwire.diffusion.flow import ode_step, time_grid
-    from rollwire.diffusion.sampling import guided
-    from rollwire.trainer.models.flow_denoiser import any_label_of
-
-    ode = config.ode_distill
-    unet = load_unet(Path(ode.teacher_model_path))
-    noise, labels, _ = evaluation_noise(ode.eval_per_class)
-    field = guided(
-        lambda x, t, y: velocity(unet, x, t, y), ode.guidance, any_label_of(ode.teacher_model_path)
-    )
-    grid = time_grid(ode.teacher_steps, ode.shift)
-    x = noise
-    with torch.no_grad():
-        for t, t_next in itertools.pairwise(grid):
-            x = ode_step(x, field(x, torch.full((len(x),), t), labels), t, t_next)
-    images = x.clamp(-1, 1).numpy()
-    return quality.measure(images, labels.numpy()), images
-
-
 def run_student(config: RunConfig, argv: list[str] | None = None) -> int:
     """The student phase: `run_pipeline` with `ODEDistillStep` on the flow denoiser."""
     return run_pipeline(
@@ -230,28 +177,21 @@ def _lead(
     report: dict[str, Any],
     steps: int,
 ) -> int:
-    from rollwire.diffusion.judge import SampleQuality
+    from rollwire.trainer.pipelines.student_quality import StudentQuality
 
     ode, run_dir = config.ode_distill, Path(config.run.output_dir)
     for key, value in report.items():
         print(f"{key}: {value}")
-    quality = SampleQuality.load()
-    teacher, teacher_images = teacher_quality(config, quality)
-    floor = quality.floor()
-    print(
-        f"teacher at {ode.teacher_steps} steps: frechet {teacher['frechet']:.2f}, diversity "
-        f"{teacher['diversity']:.2f}, accuracy {teacher['accuracy']:.3f} (held-out real "
-        f"digits: frechet {floor['frechet']:.2f})"
+    quality = StudentQuality(
+        run_dir,
+        "ode-distill",
+        Path(ode.teacher_model_path),
+        ode.teacher_steps,
+        ode.guidance,
+        ode.shift,
+        ode.eval_steps,
+        ode.eval_per_class,
     )
-    record = run_dir / "metrics" / "ode-distill-teacher.json"
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(
-        json.dumps({"teacher_steps": ode.teacher_steps, "teacher": teacher, "real": floor}) + "\n"
-    )
-    noise, labels, seeds = evaluation_noise(ode.eval_per_class)
-    warned: set[int] = set()
-    best: dict[int, tuple[float, float]] = {}  # step count -> its best (frechet, diversity)
-    images_dir = run_dir / "metrics" / "images"
 
     def evaluate() -> dict[str, float]:
         out: dict[str, float] = {}
@@ -261,33 +201,14 @@ def _lead(
                 part = held[start : start + ode.batch_size]
                 total += step.loss(*_stack(part))["loss"] * len(part)
             out["eval_loss"] = total / len(held)
-        for count in ode.eval_steps:
-            images = step.sample(noise, labels, count, ode.renoise, seeds)
-            measured = quality.measure(images, labels.numpy())
-            for key, value in measured.items():
-                out[f"steps{count}_{key}"] = value
-            ratio = measured["frechet"] / max(teacher["frechet"], 1e-9)
-            out[f"steps{count}_frechet_ratio"] = ratio
-            frechet, diversity = best.setdefault(
-                count, (measured["frechet"], measured["diversity"])
-            )
-            best[count] = (min(frechet, measured["frechet"]), max(diversity, measured["diversity"]))
-            collapsed = (
-                measured["frechet"] > COLLAPSE_FRECHET * frechet
-                or measured["diversity"] < COLLAPSE_DIVERSITY * diversity
-            )
-            if collapsed and count not in warned:
-                warned.add(count)
-                print(
-                    f"student quality collapsed at {count} step(s): frechet "
-                    f"{measured['frechet']:.2f} (its best so far {frechet:.2f}), diversity "
-                    f"{measured['diversity']:.2f} (best {diversity:.2f})",
-                    file=sys.stderr,
+        out.update(
+            quality.measure(
+                lambda noise, labels, count, seeds: step.sample(
+                    noise, labels, count, ode.renoise, seeds
                 )
-            _grid(images[:100], images_dir / f"steps{count}.png")
+            )
+        )
         return out
-
-    _grid(teacher_images[:100], images_dir / "teacher.png")
 
     def one(rows: list[int]) -> dict[str, float]:
         return step.step(*_stack([train[i] for i in rows]))
@@ -303,66 +224,7 @@ def _lead(
         evaluate,
         lambda metrics: {"loss": f"{metrics['loss']:.4f}"},
     )
-    rows = [r for r in read_jsonl(path) if f"steps{ode.eval_steps[0]}_frechet" in r]
-    last = rows[-1] if rows else {}
     print(f"{steps} steps in {seconds:.0f} s")
-    for count in ode.eval_steps:
-        key = f"steps{count}_frechet"
-        if key in last:
-            print(
-                f"student at {count} step(s): frechet {last[key]:.2f} "
-                f"({last[f'steps{count}_frechet_ratio']:.2f}x the teacher's "
-                f"{teacher['frechet']:.2f}), diversity {last[f'steps{count}_diversity']:.2f}, "
-                f"accuracy {last[f'steps{count}_accuracy']:.3f}"
-            )
-    plot = _plot(path, ode.eval_steps, teacher)
+    plot = quality.summary(path)
     print(f"model: {final}\nmetrics: {path}" + (f"\nplot: {plot}" if plot else ""))
     return 0
-
-
-def _grid(images: np.ndarray, path: Path) -> None:
-    """Up to 100 images as a 10-wide grid, one class a column (the evaluation's order)."""
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    count = len(images) - len(images) % 10
-    tiles = ((images[:count, 0] + 1) * 127.5).clip(0, 255).astype(np.uint8)
-    tiles = np.pad(tiles, ((0, 0), (1, 1), (1, 1)), constant_values=64)  # a grey frame each
-    size = tiles.shape[-1]
-    rows = tiles.reshape(-1, 10, size, size).transpose(0, 2, 1, 3).reshape(-1, 10 * size)
-    Image.fromarray(rows).resize((rows.shape[1] * 4, rows.shape[0] * 4), Image.NEAREST).save(path)
-
-
-def _plot(path: Path, eval_steps: list[int], teacher: dict[str, float]) -> Path | None:
-    """The Frechet distance and diversity of each step count by training step, with the
-    teacher's as lines, to `metrics/ode_distill.png`."""
-    rows = [r for r in read_jsonl(path) if f"steps{eval_steps[0]}_frechet" in r]
-    if not rows:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for key, axis, name in (
-        ("frechet", axes[0], "Frechet distance to real digits"),
-        ("diversity", axes[1], "within-class diversity (real = 1)"),
-    ):
-        for count in eval_steps:
-            axis.plot(
-                [r["step"] for r in rows],
-                [r[f"steps{count}_{key}"] for r in rows],
-                "o-",
-                label=f"student, {count} step(s)",
-            )
-        axis.axhline(teacher[key], color="black", linestyle="--", label="teacher")
-        axis.set_xlabel("step")
-        axis.set_title(name, fontsize=9)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    out = path.with_name("ode_distill.png")
-    figure.savefig(out, dpi=80)
-    plt.close(figure)
-    return out

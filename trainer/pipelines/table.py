@@ -136,6 +136,18 @@ PIPELINES: dict[str, Pipeline] = {
         help="ODE trajectory distillation of a diffusion teacher (ode_distill.teacher_model_path, "
         "else the built-in digits model) into a few-step student",
     ),
+    "dmd": Pipeline(
+        name="dmd",
+        section="dmd",
+        data="the generator's own samples, scored by a served teacher (Denoise on diffusion "
+        "rollout-servers) and by a fake score trained on them",
+        step="rollwire.trainer.pipelines.dmd:DMDStep",
+        family="rollwire.trainer.models.flow_denoiser:FlowDenoiser",
+        services=(),
+        program="rollwire.services.app.dmd:run_dmd",
+        help="distribution-matching distillation (DMD, DMD2) of a diffusion teacher "
+        "(dmd.teacher_model_path, else the built-in digits model) into a few-step generator",
+    ),
     "reward-model": Pipeline(
         name="reward-model",
         section="reward_model",

@@ -248,6 +248,72 @@ class ODEDistillConfig(PipelineData):
         return self
 
 
+class DMDConfig(StrictModel):
+    """`rollwire dmd`: a one- or few-step generator distilled from a flow-matching teacher
+    by distribution matching (DMD, with DMD2's options). The frozen teacher (the real
+    score) is served by diffusion rollout-servers (`Denoise`); the generator
+    (trainer.model_path, else the teacher) and the fake score (the teacher to start, a
+    denoiser trained on the generator's samples) train in the trainer. A step is
+    `fake_updates` updates of the fake score, then one of the generator. Every
+    evaluation samples the generator (its EMA when `ema_decay` is set) at each of
+    `eval_steps` steps and measures the samples with the digits judge against the
+    teacher's at `teacher_steps`."""
+
+    section: ClassVar[str] = "dmd"
+    teacher_model_path: Path | None = None
+    """The teacher's folder; the built-in digits model when unset."""
+    steps: int = Field(1000, ge=1)
+    """Generator updates."""
+    batch_size: int = Field(64, ge=1)
+    """Generated samples per update, of the generator and of the fake score alike."""
+    fake_updates: int = Field(5, ge=1)
+    """Fake-score updates per generator update (the two-time-scale rule)."""
+    fake_learning_rate: float | None = Field(None, gt=0)
+    """The fake score's learning rate (same optimizer settings and schedule otherwise);
+    unset: trainer.optimizer.learning_rate."""
+    guidance: float = Field(1.0, ge=1)
+    """The real score's classifier-free guidance (1: none)."""
+    time_range: tuple[float, float] = (0.02, 0.98)
+    """The noise levels t the generated samples are diffused to, uniform in this range,
+    for both scores."""
+    student_steps: int = Field(1, ge=1)
+    """The generator's own sampling schedule (`diffusion.distill.student_times`): above 1
+    every update trains one of its steps, chosen at random, on the input the generator's
+    earlier steps make (backward simulation)."""
+    renoise: Literal["fresh", "ddim"] = "fresh"
+    """How few-step sampling, in training and evaluation, takes a clean prediction to
+    the next time: fresh noise, or the noise the step implies."""
+    gan_weight: float = Field(0.0, ge=0)
+    """DMD2's GAN term: a head on the fake score's middle features learns to tell real
+    training digits from generated samples (both diffused to t), and the generator's
+    loss adds this times its non-saturating loss on the head. 0: off."""
+    gan_learning_rate: float = Field(1e-3, gt=0)
+    """The GAN head's learning rate."""
+    ema_decay: float | None = Field(None, gt=0, lt=1)
+    """An exponential moving average of the generator's weights with this decay, saved
+    beside it (`final_ema`) and evaluated in its place; unset: none."""
+    teacher_steps: int = Field(48, ge=2)
+    """The teacher's ODE steps for the quality reference."""
+    eval_every: int = Field(100, ge=0)
+    """Steps between evaluations (also before the first and after the last); 0: those two."""
+    eval_steps: list[int] = [1, 2, 4]
+    """The generator's sampling steps measured at each evaluation."""
+    eval_per_class: int = Field(50, ge=2)
+    """Evaluation samples of each class (held-out seeds, the same every time)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Steps between checkpoints (both models, both optimizers, the GAN head, the EMA;
+    a restarted run resumes from the newest); 0 writes only the final models."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> DMDConfig:
+        low, high = self.time_range
+        if not 0 < low < high <= 1:
+            raise ValueError(f"dmd.time_range must satisfy 0 < low < high <= 1, got {low}, {high}")
+        if not self.eval_steps or min(self.eval_steps) < 1:
+            raise ValueError(f"dmd.eval_steps must be 1 or more, got {self.eval_steps}")
+        return self
+
+
 class PipelineSections(StrictModel):
     """The pipelines' sections of the run config (`RunConfig` has them all)."""
 
@@ -265,6 +331,9 @@ class PipelineSections(StrictModel):
     ode_distill: ODEDistillConfig = ODEDistillConfig()
     """`rollwire ode-distill`: a few-step student of a diffusion teacher, by ODE
     trajectory distillation through diffusion rollout-servers."""
+    dmd: DMDConfig = DMDConfig()
+    """`rollwire dmd`: a few-step generator distilled from a diffusion teacher by
+    distribution matching, the teacher served by diffusion rollout-servers."""
     reward_fl: RewardFLConfig = RewardFLConfig()
     """Reward feedback learning for a diffusion run (`rollwire train` with
     `rollout_server.engine: diffusion`), instead of Flow-GRPO."""
