@@ -75,6 +75,7 @@ class RealScore:
 
 def run_dmd(config: RunConfig, argv: list[str] | None = None) -> int:
     """`rollwire dmd` (see the module docstring)."""
+    from rollwire.services.app.run import stop_on_sigterm
     from rollwire.trainer.pipelines.dmd import run_generator
 
     if config.trainer.backend != "local" or config.trainer.world_size != 1:
@@ -85,6 +86,17 @@ def run_dmd(config: RunConfig, argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    start = config.trainer.model_path
+    if start is not None and not (Path(start) / "config.json").exists():
+        print(
+            f"rollwire dmd: trainer.model_path {start} is no model folder: make the starting "
+            "student first (rollwire ode-distill -c examples/diffusion_ode_distill.yaml "
+            "writes runs/ode_distill/final), or unset trainer.model_path to start the "
+            "generator from the teacher",
+            file=sys.stderr,
+        )
+        return 1
+    stop_on_sigterm()  # a stopped run stops the teacher's servers it started
     real_score = None
     try:
         teacher = teacher_folder(config, config.dmd.teacher_model_path)

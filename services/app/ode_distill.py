@@ -121,12 +121,14 @@ def run_ode_distill(config: RunConfig, argv: list[str] | None = None) -> int:
     """`rollwire ode-distill` (see the module docstring)."""
     import os
 
+    from rollwire.services.app.run import stop_on_sigterm
     from rollwire.trainer.pipelines.ode_distill import run_student
 
     try:
         teacher = teacher_folder(config, config.ode_distill.teacher_model_path)
         folder = pairs_folder(config)
         if "RANK" not in os.environ:  # the ranks of a sharded student find the pairs made
+            stop_on_sigterm()  # a stopped pairs phase stops the servers it started
             make_pairs(config, teacher, folder)
     except (LaunchError, ValueError, FileNotFoundError) as error:
         print(f"rollwire ode-distill: {error}", file=sys.stderr)

@@ -35,7 +35,7 @@ from rollwire.trainer.pipelines.table import SAMPLING_SERVICES, pipeline_of
 log = logging.getLogger(__name__)
 
 
-def _stop_on_sigterm() -> None:
+def stop_on_sigterm() -> None:
     """SIGTERM stops a run the way Ctrl-C does: every service is stopped, nothing is orphaned."""
 
     def interrupt(signum: int, frame: object) -> None:
@@ -173,7 +173,7 @@ def run_prepare(config: RunConfig, out: Path) -> int:
 
 def run_up(config: RunConfig) -> int:
     """Starts the servers of a run and keeps them up until Ctrl-C."""
-    _stop_on_sigterm()
+    stop_on_sigterm()
     try:
         config, run_dir = _prepare(config)
     except (LaunchError, ValueError, OSError) as error:
@@ -199,7 +199,7 @@ def run_up(config: RunConfig) -> int:
 
 def run_train(config: RunConfig) -> int:
     """Runs training end to end; returns the exit code."""
-    _stop_on_sigterm()
+    stop_on_sigterm()
     started = time.perf_counter()
     try:
         config, run_dir = _prepare(config)
@@ -525,7 +525,7 @@ def run_distill_generate(config: RunConfig) -> int:
     from rollwire.services.core.datasets import task_at, training_tasks
     from rollwire.services.core.tiny import quiet_transformers
 
-    _stop_on_sigterm()
+    stop_on_sigterm()
     quiet_transformers()
     distill, settings = config.distill, config.orchestrator
     if settings.dataset.type == "env":
@@ -617,7 +617,7 @@ def run_eval(
     from rollwire.rollout.orchestrator.sampler import Sampler
     from rollwire.services.core.tiny import quiet_transformers
 
-    _stop_on_sigterm()
+    stop_on_sigterm()
     quiet_transformers()
     try:
         if checkpoint is not None:
