@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -25,16 +24,6 @@ SMALL = [
     "dmd.ema_decay=0.9",
     "dmd.guidance=1.5",
 ]
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory) -> Path:
-    """A digits teacher trained for 40 steps only (seconds, where the built-in one takes
-    minutes): these tests check the pipeline's mechanics, not its quality."""
-    from rollwire.diffusion.digits import DigitsSpec, build_digits_model
-
-    spec = DigitsSpec(block_out_channels=(8, 16), steps=40)
-    return build_digits_model(tmp_path_factory.mktemp("teacher") / "digits", spec, progress=False)
 
 
 @pytest.mark.multiproc

@@ -32,16 +32,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory) -> Path:
-    """A digits teacher trained for 40 steps only (seconds, where the built-in one takes
-    minutes): these tests check the pipeline's mechanics, not its quality."""
-    from rollwire.diffusion.digits import DigitsSpec, build_digits_model
-
-    spec = DigitsSpec(block_out_channels=(8, 16), steps=40)
-    return build_digits_model(tmp_path_factory.mktemp("teacher") / "digits", spec, progress=False)
-
-
 def settings(**changes) -> PairSettings:
     base = {
         "teacher": "ab" * 32,
