@@ -228,8 +228,11 @@ class ODEDistillConfig(PipelineData):
     """Steps between evaluations (also before the first and after the last); 0: those two."""
     eval_steps: list[int] = [1, 2, 4]
     """The student's sampling steps measured at each evaluation."""
-    eval_per_class: int = Field(50, ge=2)
-    """Evaluation samples of each class (held-out seeds, the same every time)."""
+    eval_per_class: int = Field(200, ge=2)
+    """Evaluation samples of each class (held-out seeds, the same every time). The
+    Frechet distance of few samples reads high for everyone alike, which hides a gap:
+    the teacher reads 0.36 at 200 a class and 0.93 at 50, where a student's 1.48x at 200
+    reads 1.14x."""
     data_batch: int = Field(256, ge=1)
     """Trajectories a rollout-server is asked for at once (one file of `data` each)."""
 
@@ -298,8 +301,11 @@ class DMDConfig(StrictModel):
     """Steps between evaluations (also before the first and after the last); 0: those two."""
     eval_steps: list[int] = [1, 2, 4]
     """The generator's sampling steps measured at each evaluation."""
-    eval_per_class: int = Field(50, ge=2)
-    """Evaluation samples of each class (held-out seeds, the same every time)."""
+    eval_per_class: int = Field(200, ge=2)
+    """Evaluation samples of each class (held-out seeds, the same every time). The
+    Frechet distance of few samples reads high for everyone alike, which hides a gap:
+    the teacher reads 0.36 at 200 a class and 0.93 at 50, where a student's 1.48x at 200
+    reads 1.14x."""
     checkpoint_every: int = Field(0, ge=0)
     """Steps between checkpoints (both models, both optimizers, the GAN head, the EMA;
     a restarted run resumes from the newest); 0 writes only the final models."""
