@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -273,8 +274,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 f"the {self.engine.name} engine generates tokens; Denoise is a diffusion "
                 "engine's (rollout_server.engine: diffusion)",
             )
-        import time
-
         from rollwire.services.core.wire import WireError, array_bytes, array_from_bytes
 
         started = time.perf_counter()
