@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from rollwire.services.core.config import (
     ConfigError,
     RunConfig,
     TrainerConfig,
+    errors,
     load_config,
     parse_assignment,
     write_resolved_config,
@@ -248,3 +250,89 @@ def test_a_pipeline_reads_its_held_out_rows_from_eval_data_or_a_fraction_not_bot
                 [f"{section}.eval_data=held.jsonl", f"{section}.held_out_fraction=0.2"],
                 environ={},
             )
+
+
+# ---------------------------------------------------------------- errors that say what to do
+
+
+def _choice_fields(
+    model: type, path: str, prefix: tuple[str, ...] = (), member: bool = False
+) -> Iterator[tuple[str, tuple[str, ...], str, list[str]]]:
+    """(path, the assignments that reach it, "union" or "literal", its choices) for every
+    union on `type` and every literal field under `model`, through the members of unions."""
+    for name, field in model.model_fields.items():
+        here = f"{path}.{name}" if path else name
+        annotation = errors._strip(field.annotation)
+        tags = errors._tags(field.annotation)
+        if tags:
+            yield here, prefix, "union", tags
+            for member in errors._members(field.annotation):
+                tag = errors._tag(member)
+                chosen = (*prefix, f"{here}.type={tag}")
+                yield from _choice_fields(errors._strip(member), here, chosen, True)
+            continue
+        choices = errors._choices(field.annotation)
+        if choices and not (member and name == "type"):  # a member's tag: the union's
+            yield here, prefix, "literal", [choice.strip("'") for choice in choices]
+        child = errors._model(annotation)
+        if child is not None:
+            yield from _choice_fields(child, here, prefix)
+
+
+def test_every_choice_field_names_its_choices_and_the_value_given() -> None:
+    """Every union on `type` and every literal field of the config, given a wrong value,
+    fails with a line that names the field as a user writes it, the value given, and every
+    accepted choice."""
+    fields = list(_choice_fields(RunConfig, ""))
+    assert len([f for f in fields if f[2] == "union"]) >= 5, fields
+    assert len([f for f in fields if f[2] == "literal"]) >= 30, fields
+    for path, reach, _kind, choices in fields:
+        value = "no_such_choice"
+        if path in {"telemetry.trackers", "image_inputs.formats"}:  # lists of literals
+            value = f"[{value}]"
+        with pytest.raises(ConfigError) as caught:
+            load_config(overrides=[*reach, f"{path}={value}"], environ={})
+        line = next(
+            (line for line in str(caught.value).splitlines()[1:] if "no_such_choice" in line),
+            None,
+        )
+        assert line is not None, (path, str(caught.value))
+        assert line.strip().startswith(path), (path, line)
+        for choice in choices:
+            assert choice in line, (path, choice, line)
+
+
+def test_a_bare_type_name_is_short_for_its_section() -> None:
+    """`--set trainer.algorithm.advantage=rloo` is `...advantage.type=rloo`; a value that is
+    neither a section nor a name says both forms."""
+    config = load_config(overrides=["trainer.algorithm.advantage=rloo"], environ={})
+    assert config.trainer.algorithm.advantage.type == "rloo"
+    config = load_config(overrides=["orchestrator.dataset=digits"], environ={})
+    assert config.orchestrator.dataset.type == "digits"
+    with pytest.raises(ConfigError) as caught:
+        load_config(overrides=["trainer.algorithm.loss=3"], environ={})
+    message = str(caught.value)
+    assert (
+        "trainer.algorithm.loss: expected a section with a `type`, or a type's name; got 3"
+        in message
+    )
+    assert "`--set trainer.algorithm.loss=ppo_clip` is short for" in message
+
+
+def test_an_unknown_key_names_the_closest_known_one_and_the_path_a_user_writes() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            overrides=[
+                "runtime.seed=1",
+                "trainer.algorithm.advantage={type: on_policy_distill, kl_coeff: 2}",
+                "trainer.optimizer.max_grad=1",
+                "run.seed=abc",
+            ],
+            environ={},
+        )
+    message = str(caught.value)
+    assert "  runtime: unknown key; did you mean 'run'? (the sections: " in message
+    # pydantic's path holds the tag (advantage.on_policy_distill.kl_coeff): not what one writes
+    assert "  trainer.algorithm.advantage.kl_coeff: unknown key; did you mean 'kl_coef'?" in message
+    assert "  trainer.optimizer.max_grad: unknown key; did you mean 'max_grad_norm'?" in message
+    assert "  run.seed: should be a valid integer" in message and "(given: 'abc')" in message

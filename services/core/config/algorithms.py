@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from rollwire.services.core.config.names import KLEstimator
-from rollwire.services.core.config.runtime import StrictModel
+from rollwire.services.core.config.runtime import TYPE_SHORTHAND, StrictModel
 
 # ---------------------------------------------------------------- advantage estimators
 
@@ -147,6 +147,7 @@ AdvantageConfig = Annotated[
     | Annotated[GAEAdvantage, Tag("gae")]
     | Annotated[OnPolicyDistillAdvantage, Tag("on_policy_distill")],
     Discriminator(_default_type("grpo")),
+    TYPE_SHORTHAND,
 ]
 
 # ---------------------------------------------------------------- policy losses
@@ -220,6 +221,7 @@ PolicyLossConfig = Annotated[
     | Annotated[RaftPlusPlusLoss, Tag("raft_plus_plus")]
     | Annotated[ReinforceLoss, Tag("reinforce")],
     Discriminator(_default_type("ppo_clip")),
+    TYPE_SHORTHAND,
 ]
 
 # ---------------------------------------------------------------- off-policy corrections
@@ -266,6 +268,7 @@ CorrectionConfig = Annotated[
     | Annotated[DecoupledCorrection, Tag("decoupled")]
     | Annotated[MISCorrection, Tag("mis")],
     Discriminator(_default_type("tis")),
+    TYPE_SHORTHAND,
 ]
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from rollwire.services.core.config.errors import describe
 from rollwire.services.core.config.models import RunConfig
 from rollwire.services.core.config.trainer import move_flat_keys, moved_keys
 from rollwire.services.core.files import write_atomically
@@ -113,17 +114,6 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
-def _describe(error: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration ({source}):"]
-    for item in error.errors():
-        path = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        if item["type"] == "extra_forbidden":
-            lines.append(f"  {path}: unknown key")
-        else:
-            lines.append(f"  {path}: {item['msg']}")
-    return "\n".join(lines)
-
-
 def load_config(
     path: str | Path | None = None,
     overrides: Iterable[str] = (),
@@ -174,7 +164,7 @@ def load_config(
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(_describe(error, ", ".join(sources))) from None
+        raise ConfigError(describe(error, RunConfig, ", ".join(sources))) from None
 
 
 def write_resolved_config(config: RunConfig, run_dir: str | Path) -> Path:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from rollwire.services.core.config.runtime import StrictModel
+from rollwire.services.core.config.runtime import TYPE_SHORTHAND, StrictModel
 
 CHAIN_SUM_SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 
@@ -186,6 +186,7 @@ SingleDataset = Annotated[
     | Annotated[FileDataset, Tag("file")]
     | Annotated[DigitsDataset, Tag("digits")],
     Discriminator(_dataset_type),
+    TYPE_SHORTHAND,
 ]
 
 
@@ -234,6 +235,7 @@ DatasetConfig = Annotated[
     | Annotated[ImageDataset, Tag("images")]
     | Annotated[MixtureDataset, Tag("mixture")],
     Discriminator(_dataset_type),
+    TYPE_SHORTHAND,
 ]
 
 

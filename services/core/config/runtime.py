@@ -9,7 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 MiB = 1024 * 1024
 
@@ -23,6 +31,15 @@ class StrictModel(BaseModel):
         validate_default=True,
         validate_assignment=True,
     )
+
+
+def _type_named(value: Any) -> Any:
+    return {"type": value} if isinstance(value, str) else value
+
+
+TYPE_SHORTHAND = BeforeValidator(_type_named)
+"""In a union on `type`, a bare name stands for a section of that type with its defaults:
+`advantage: rloo` (and `--set trainer.algorithm.advantage=rloo`) is `advantage: {type: rloo}`."""
 
 
 class TLSConfig(StrictModel):
