@@ -215,6 +215,11 @@ def _buffer_health(ready: str, timeout: float) -> int:
 def _show_config(args: argparse.Namespace) -> int:
     import yaml
 
+    if args.reference:
+        from rollwire.services.core.config.reference import markdown
+
+        print(markdown(), end="")
+        return 0
     config = _load(args)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
@@ -573,6 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
     health.set_defaults(handler=_health)
     show = commands.add_parser("config", help="print the resolved configuration (validates it)")
     _add_config_options(show)
+    show.add_argument(
+        "--reference",
+        action="store_true",
+        help="print every section and key with its type, default and help, as Markdown",
+    )
     show.set_defaults(handler=_show_config)
     return parser
 

@@ -3,7 +3,7 @@
 Every source of randomness in a run has a seed of its own setting (the order of the
 training prompts, the samples' seeds, a rollout engine's generator, the trainer's
 initialisation, an offline pipeline's row order). `run.seed` reaches all of them through
-`stream_seed`: 0 leaves each as configured (what the measured runs in the README used);
+`stream_seed`: 0 leaves each as configured (what the measured runs in the documentation used);
 any other value gives every stream a different seed, the same in every process and every
 run with that value. The data itself (a dataset's generator seed, the held-out set) is
 not a stream: runs with different seeds train on the same prompts, in another order, and

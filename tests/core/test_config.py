@@ -336,3 +336,30 @@ def test_an_unknown_key_names_the_closest_known_one_and_the_path_a_user_writes()
     assert "  trainer.algorithm.advantage.kl_coeff: unknown key; did you mean 'kl_coef'?" in message
     assert "  trainer.optimizer.max_grad: unknown key; did you mean 'max_grad_norm'?" in message
     assert "  run.seed: should be a valid integer" in message and "(given: 'abc')" in message
+
+
+def test_the_configuration_reference_has_every_key_with_its_help() -> None:
+    """`rollwire config --reference` (the site's reference page) is written from the models:
+    every key of every section, the types of every union among them, with its help."""
+    from rollwire.services.core.config.reference import markdown
+
+    text = markdown()
+    rows = {
+        line.split(" | ")[0].strip("| `") for line in text.splitlines() if line.startswith("| `")
+    }
+
+    def keys(model: type) -> Iterator[str]:
+        for name, field in model.model_fields.items():
+            yield name
+            for member in [field.annotation, *errors._members(field.annotation)]:
+                inner = errors._model(member)
+                if inner is not None:
+                    yield from keys(inner)
+
+    sections = set(RunConfig.model_fields)  # headings, not rows
+    assert all(f"## `{section}`" in text for section in sections)
+    missing = sorted(set(keys(RunConfig)) - rows - sections)
+    assert missing == [], missing
+    assert "| `learning_rate` | float, > 0 | `0.0001` | AdamW learning rate" in text
+    assert "\n#### `trainer.algorithm.advantage`\n" in text
+    assert "`trainer.algorithm.advantage` — `type: rloo`" in text

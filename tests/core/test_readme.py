@@ -1,7 +1,11 @@
-"""The README's two commands are the ones CI runs."""
+"""The README's two commands are the ones CI runs; the documentation site builds, and what
+its pages show works."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,13 +39,13 @@ def test_the_install_script_sets_up_everything_the_tests_look_for() -> None:
         assert f"missing+=({package})" in script, package
 
 
-def test_the_readmes_own_scorer_example_scores(tmp_path: Path, monkeypatch) -> None:
-    """The "Your own scorer" example, as printed, serves its domain."""
+def test_the_scoring_pages_own_scorer_example_scores(tmp_path: Path, monkeypatch) -> None:
+    """The "Your own scorer" example of docs/scoring.md, as printed, serves its domain."""
     from rollwire.reward.scorers import ScoreInput
     from rollwire.reward.table import scorer_table
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("**Your own scorer.**", 1)[1]
+    page = (REPO / "docs" / "scoring.md").read_text()
+    section = page.split("**Your own scorer.**", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     package = tmp_path / "mypackage"
     package.mkdir()
@@ -63,3 +67,49 @@ def test_every_test_area_is_on_the_map_and_no_two_test_files_share_a_name() -> N
     assert areas and all(f"`{area}/`" in mapped for area in areas), areas
     names = [p.name for p in tests.rglob("test_*.py")]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_the_documentation_site_builds_strictly_with_every_link_and_anchor_found(tmp_path) -> None:
+    """`mkdocs build` with mkdocs.yml's `strict` and link validation: a page left out of the
+    navigation, a link to a missing page or anchor, or a broken hook fails the build. The
+    configuration reference it writes holds every section of the config."""
+    from rollwire.services.core.config import RunConfig
+
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reference = (site / "reference" / "configuration" / "index.html").read_text()
+    for section in RunConfig.model_fields:
+        assert f"<code>{section}</code>" in reference, section
+    assert (site / "architecture" / "index.html").exists()
+    assert (site / "search" / "search_index.json").exists()
+
+
+def test_the_site_build_fails_on_a_broken_link(tmp_path) -> None:
+    """The check above can fail: a page linking to a page that does not exist."""
+    import shutil
+
+    copy = tmp_path / "repo"
+    copy.mkdir()
+    shutil.copytree(REPO / "docs", copy / "docs")
+    shutil.copy(REPO / "mkdocs.yml", copy / "mkdocs.yml")
+    shutil.copy(REPO / "ARCHITECTURE.md", copy / "ARCHITECTURE.md")
+    page = copy / "docs" / "security.md"
+    page.write_text(page.read_text() + "\nSee [the missing page](no-such-page.md).\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=copy,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode != 0
+    assert "no-such-page.md" in result.stdout + result.stderr
