@@ -113,17 +113,18 @@ def dmd_generator_loss(sample: torch.Tensor, direction: torch.Tensor) -> torch.T
     return 0.5 * per_sample_mean((sample - target) ** 2)
 
 
-def gan_losses(
-    real_logits: torch.Tensor, fake_logits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DMD2's non-saturating GAN terms from a head's logits on real data and on generated
-    samples: (the head's loss, softplus(-real) + softplus(fake) averaged; [B] the
-    generator's loss, softplus(-fake)). Gradients flow through both: the head trains on
-    the first with logits of samples the generator cannot be moved by (detached), the
-    generator on the second with logits of its live samples."""
+def gan_head_loss(real_logits: torch.Tensor, fake_logits: torch.Tensor) -> torch.Tensor:
+    """DMD2's non-saturating GAN loss of the head, from its logits on real data and on
+    generated samples (detached from the generator): softplus(-real) + softplus(fake),
+    each averaged. Its gradient raises the real logits and lowers the fake ones."""
     softplus = torch.nn.functional.softplus
-    head = softplus(-real_logits).mean() + softplus(fake_logits).mean()
-    return head, softplus(-fake_logits)
+    return softplus(-real_logits).mean() + softplus(fake_logits).mean()
+
+
+def gan_generator_loss(fake_logits: torch.Tensor) -> torch.Tensor:
+    """[B] The generator's non-saturating GAN term, softplus(-logit), from the head's logits
+    on its live samples: its gradient raises them."""
+    return torch.nn.functional.softplus(-fake_logits)
 
 
 def few_step_sample(

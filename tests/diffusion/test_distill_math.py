@@ -17,7 +17,8 @@ from rollwire.diffusion.distill import (
     ema_update,
     few_step_sample,
     flow_matching_loss,
-    gan_losses,
+    gan_generator_loss,
+    gan_head_loss,
     noised,
     ode_distill_loss,
     student_times,
@@ -111,7 +112,7 @@ def test_following_the_dmd_direction_with_exact_scores_reaches_the_teachers_dist
 
 def test_gan_terms_at_an_undecided_head() -> None:
     real, fake = torch.zeros(4, requires_grad=True), torch.zeros(3, requires_grad=True)
-    head, generator = gan_losses(real, fake)
+    head, generator = gan_head_loss(real, fake), gan_generator_loss(fake)
     assert float(head) == pytest.approx(2 * math.log(2))
     assert generator.tolist() == pytest.approx([math.log(2)] * 3)
     # The head learns from both sides: real logits up, fake logits down (sigmoid(0) / n).

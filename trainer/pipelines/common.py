@@ -194,17 +194,42 @@ def train_steps(
     evaluate: Callable[[], dict[str, float]] | None,
     postfix: Callable[[dict[str, float]], dict[str, str]],
 ) -> tuple[Path, Path, float]:
-    """A pipeline's steps on rank 0: the seeded order of `count` rows (`batches` by
-    `section`'s batch_size, epochs and seed), a resume from the newest checkpoint, then
-    `step(rows)` for each remaining step, `evaluate()` (held-out metrics, when there are
-    held-out rows) before the first and every `section.eval_every` steps and at the end,
-    a metrics row a step in `metrics/<command>.jsonl`, checkpoints every
-    `section.checkpoint_every` steps, a progress bar, and the final model. Returns (final
-    model folder, metrics file, seconds)."""
+    """A pipeline's steps over rows on rank 0: the seeded order of `count` rows (`batches`
+    by `section`'s batch_size, epochs and seed), then `run_steps` with `step(rows)` for each
+    step's rows. Returns (final model folder, metrics file, seconds)."""
+    order = batches(count, section.batch_size, section.epochs, row_seed(config, section))[:steps]
+    return run_steps(
+        config,
+        learner,
+        command,
+        steps,
+        lambda number: step(order[number - 1]),
+        evaluate,
+        postfix,
+        eval_every=section.eval_every,
+        checkpoint_every=section.checkpoint_every,
+    )
+
+
+def run_steps(
+    config: RunConfig,
+    learner: Any,
+    command: str,
+    steps: int,
+    step: Callable[[int], dict[str, float]],
+    evaluate: Callable[[], dict[str, float]] | None,
+    postfix: Callable[[dict[str, float]], dict[str, str]],
+    eval_every: int,
+    checkpoint_every: int,
+) -> tuple[Path, Path, float]:
+    """A pipeline's steps on rank 0: a resume from the newest checkpoint, then `step(number)`
+    for each remaining step, `evaluate()` (held-out metrics) before the first, every
+    `eval_every` steps and at the end, a metrics row a step in `metrics/<command>.jsonl`,
+    checkpoints every `checkpoint_every` steps, a progress bar, and the final model.
+    Returns (final model folder, metrics file, seconds)."""
     from tqdm import tqdm
 
     run_dir = Path(config.run.output_dir)
-    order = batches(count, section.batch_size, section.epochs, row_seed(config, section))[:steps]
     done = resume_step(learner, config, run_dir, steps)
     started = time.perf_counter()
     bar = tqdm(
@@ -214,16 +239,16 @@ def train_steps(
         if done == 0 and evaluate is not None:
             write_row(out, {"step": 0, **evaluate()})
         for number in range(done + 1, steps + 1):
-            metrics = step(order[number - 1])
+            metrics = step(number)
             row: dict[str, Any] = {"step": number, **metrics}
-            every = section.eval_every
-            if evaluate is not None and ((every and number % every == 0) or number == steps):
+            if evaluate is not None and (
+                (eval_every and number % eval_every == 0) or number == steps
+            ):
                 row.update(evaluate())
             write_row(out, row)
             bar.update(1)
             bar.set_postfix(**postfix(metrics))
-            every = section.checkpoint_every
-            if every and number % every == 0 and number < steps:
+            if checkpoint_every and number % checkpoint_every == 0 and number < steps:
                 folder = run_dir / "checkpoints" / f"step_{number:06d}"
                 learner.save_checkpoint(folder, number, number)
     final = save_final(learner, run_dir, steps)

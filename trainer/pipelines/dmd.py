@@ -15,7 +15,7 @@ run draws what an unbroken one would):
    to a uniform time in `time_range`, and one update of the fake score by flow matching
    on them (`diffusion.distill.flow_matching_loss`); with `gan_weight`, the GAN head on
    the fake score's middle features learns real training digits from these samples
-   (`gan_losses`) in the same update.
+   (`gan_head_loss`) in the same update.
 2. One generator update: new samples with gradient, diffused to times in `time_range`;
    the teacher's clean predictions of them (one `Denoise` call, with `guidance`) and the
    fake score's; the DMD direction (`dmd_direction`) through `dmd_generator_loss`, plus
@@ -203,7 +203,8 @@ class DMDStep:
             dmd_direction,
             dmd_generator_loss,
             flow_matching_loss,
-            gan_losses,
+            gan_generator_loss,
+            gan_head_loss,
             noised,
         )
         from rollwire.services.core.seeds import stream_seed
@@ -223,7 +224,7 @@ class DMDStep:
                 self.head_optimizer.zero_grad(set_to_none=True)
                 pick = torch.randint(len(self.real), (len(sample),), generator=draw)
                 real_t = noised(self.real[pick], torch.randn_like(sample), t)
-                head_loss, _ = gan_losses(
+                head_loss = gan_head_loss(
                     self._gan_logits(real_t, t, self.real_labels[pick]),
                     self._gan_logits(noised(sample, eps, t), t, labels),
                 )
@@ -255,9 +256,7 @@ class DMDStep:
         metrics["dmd_loss"] = float(loss.detach())
         metrics["dmd_direction"] = float(direction.abs().mean())
         if self.head is not None:
-            _, generator_gan = gan_losses(
-                torch.zeros(1), self._gan_logits(noised(sample, eps, t), t, labels)
-            )
+            generator_gan = gan_generator_loss(self._gan_logits(noised(sample, eps, t), t, labels))
             metrics["gan_generator_loss"] = float(generator_gan.mean().detach())
             loss = loss + self.dmd.gan_weight * generator_gan.mean()
         backend.backward(loss)
@@ -347,9 +346,7 @@ def run_generator(config: RunConfig, teacher: Path, real_score: RealScore) -> in
 
 
 def _lead(config: RunConfig, step: DMDStep, teacher: Path) -> int:
-    from tqdm import tqdm
-
-    from rollwire.trainer.pipelines.common import metrics_log, resume_step, save_final, write_row
+    from rollwire.trainer.pipelines.common import run_steps
     from rollwire.trainer.pipelines.student_quality import StudentQuality
 
     dmd, run_dir = config.dmd, Path(config.run.output_dir)
@@ -369,30 +366,21 @@ def _lead(config: RunConfig, step: DMDStep, teacher: Path) -> int:
             lambda noise, labels, count, seeds: step.sample(noise, labels, count, seeds)
         )
 
-    done = resume_step(step.learner, config, run_dir, dmd.steps)
-    started = time.perf_counter()
-    bar = tqdm(
-        total=dmd.steps, initial=done, desc="dmd", unit="step", disable=not sys.stderr.isatty()
+    final, path, seconds = run_steps(
+        config,
+        step.learner,
+        "dmd",
+        dmd.steps,
+        step.step,
+        evaluate,
+        lambda metrics: {
+            "dmd": f"{metrics['dmd_loss']:.4f}",
+            "fake": f"{metrics['fake_loss']:.4f}",
+        },
+        eval_every=dmd.eval_every,
+        checkpoint_every=dmd.checkpoint_every,
     )
-    with metrics_log(run_dir, "dmd") as (path, out), bar:
-        if done == 0:
-            write_row(out, {"step": 0, **evaluate()})
-        for number in range(done + 1, dmd.steps + 1):
-            metrics = step.step(number)
-            row: dict[str, Any] = {"step": number, **metrics}
-            every = dmd.eval_every
-            if (every and number % every == 0) or number == dmd.steps:
-                row.update(evaluate())
-            write_row(out, row)
-            bar.update(1)
-            bar.set_postfix(dmd=f"{metrics['dmd_loss']:.4f}", fake=f"{metrics['fake_loss']:.4f}")
-            every = dmd.checkpoint_every
-            if every and number % every == 0 and number < dmd.steps:
-                folder = run_dir / "checkpoints" / f"step_{number:06d}"
-                step.learner.save_checkpoint(folder, number, number)
-    final = save_final(step.learner, run_dir, dmd.steps)
-    seconds = time.perf_counter() - started
-    print(f"{dmd.steps - done} steps in {seconds:.0f} s")
+    print(f"{dmd.steps} steps in {seconds:.0f} s")
     ema = step.save_ema(run_dir / "final_ema") if step.ema is not None else None
     plot = quality.summary(path)
     print(
