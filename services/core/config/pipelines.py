@@ -194,7 +194,29 @@ class RewardFLConfig(StrictModel):
     """The last denoising steps the reward's gradient flows back through (K)."""
 
 
-class ODEDistillConfig(PipelineData):
+class StudentQuality(StrictModel):
+    """What the distillation pipelines share: the teacher, and how the student's samples
+    are measured at every evaluation (`rollwire.trainer.pipelines.student_quality`)."""
+
+    section: ClassVar[str] = ""
+    teacher_model_path: Path | None = None
+    """The teacher's folder; the built-in digits model when unset."""
+    eval_steps: list[int] = [1, 2, 4]
+    """The student's sampling steps measured at each evaluation."""
+    eval_per_class: int = Field(200, ge=2)
+    """Evaluation samples of each class (held-out seeds, the same every time). The
+    Frechet distance of few samples reads high for everyone alike, which hides a gap:
+    the teacher reads 0.36 at 200 a class and 0.93 at 50, where a student's 1.48x at 200
+    reads 1.14x."""
+
+    @model_validator(mode="after")
+    def _measurable(self) -> StudentQuality:
+        if not self.eval_steps or min(self.eval_steps) < 1:
+            raise ValueError(f"{self.section}.eval_steps must be 1 or more, got {self.eval_steps}")
+        return self
+
+
+class ODEDistillConfig(PipelineData, StudentQuality):
     """`rollwire ode-distill`: a few-step student of a flow-matching teacher, by ODE
     trajectory distillation. The teacher (teacher_model_path, else the built-in digits
     model), served by diffusion rollout-servers, samples `pairs` deterministic ODE
@@ -207,8 +229,6 @@ class ODEDistillConfig(PipelineData):
     digits judge against the teacher's at `teacher_steps`."""
 
     section: ClassVar[str] = "ode_distill"
-    teacher_model_path: Path | None = None
-    """The teacher's folder; the built-in digits model when unset."""
     pairs: int = Field(2000, ge=1)
     """Teacher trajectories to make (and train on)."""
     teacher_steps: int = Field(48, ge=2)
@@ -226,13 +246,6 @@ class ODEDistillConfig(PipelineData):
     """(node latent, final sample) rows per step."""
     eval_every: int = Field(200, ge=0)
     """Steps between evaluations (also before the first and after the last); 0: those two."""
-    eval_steps: list[int] = [1, 2, 4]
-    """The student's sampling steps measured at each evaluation."""
-    eval_per_class: int = Field(200, ge=2)
-    """Evaluation samples of each class (held-out seeds, the same every time). The
-    Frechet distance of few samples reads high for everyone alike, which hides a gap:
-    the teacher reads 0.36 at 200 a class and 0.93 at 50, where a student's 1.48x at 200
-    reads 1.14x."""
     data_batch: int = Field(256, ge=1)
     """Trajectories a rollout-server is asked for at once (one file of `data` each)."""
 
@@ -246,12 +259,10 @@ class ODEDistillConfig(PipelineData):
             )
         if sorted(set(self.nodes)) != self.nodes:
             raise ValueError(f"ode_distill.nodes must increase without repeats, got {self.nodes}")
-        if not self.eval_steps or min(self.eval_steps) < 1:
-            raise ValueError(f"ode_distill.eval_steps must be 1 or more, got {self.eval_steps}")
         return self
 
 
-class DMDConfig(StrictModel):
+class DMDConfig(StudentQuality):
     """`rollwire dmd`: a one- or few-step generator distilled from a flow-matching teacher
     by distribution matching (DMD, with DMD2's options). The frozen teacher (the real
     score) is served by diffusion rollout-servers (`Denoise`); the generator
@@ -263,8 +274,6 @@ class DMDConfig(StrictModel):
     teacher's at `teacher_steps`."""
 
     section: ClassVar[str] = "dmd"
-    teacher_model_path: Path | None = None
-    """The teacher's folder; the built-in digits model when unset."""
     steps: int = Field(1000, ge=1)
     """Generator updates."""
     batch_size: int = Field(64, ge=1)
@@ -299,13 +308,6 @@ class DMDConfig(StrictModel):
     """The teacher's ODE steps for the quality reference."""
     eval_every: int = Field(100, ge=0)
     """Steps between evaluations (also before the first and after the last); 0: those two."""
-    eval_steps: list[int] = [1, 2, 4]
-    """The generator's sampling steps measured at each evaluation."""
-    eval_per_class: int = Field(200, ge=2)
-    """Evaluation samples of each class (held-out seeds, the same every time). The
-    Frechet distance of few samples reads high for everyone alike, which hides a gap:
-    the teacher reads 0.36 at 200 a class and 0.93 at 50, where a student's 1.48x at 200
-    reads 1.14x."""
     checkpoint_every: int = Field(0, ge=0)
     """Steps between checkpoints (both models, both optimizers, the GAN head, the EMA;
     a restarted run resumes from the newest); 0 writes only the final models."""
@@ -315,8 +317,6 @@ class DMDConfig(StrictModel):
         low, high = self.time_range
         if not 0 < low < high <= 1:
             raise ValueError(f"dmd.time_range must satisfy 0 < low < high <= 1, got {low}, {high}")
-        if not self.eval_steps or min(self.eval_steps) < 1:
-            raise ValueError(f"dmd.eval_steps must be 1 or more, got {self.eval_steps}")
         return self
 
 
