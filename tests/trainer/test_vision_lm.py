@@ -175,7 +175,9 @@ def test_dpo_on_image_pairs_learns_to_prefer_the_digit_shown(tmp_path) -> None:
     """`rollwire dpo` on pairs whose prompt shows a digit, the chosen answer that digit and
     the rejected one another drawn at random: only the picture tells them apart, so the
     297 held-out pairs (digits no pair shows) start at chance and end well above it
-    (measured: 0.49 -> 0.778 with run.seed 0, 0.710 with seed 1)."""
+    (measured: 0.495 -> 0.758 with run.seed 0, 0.754 with seed 1). At a rate of 0.003 the
+    held-out curve peaked near step 30 and then fell back to 0.62 on one machine kind
+    and not on another: a rate at the edge of stability, where float rounding decides."""
     import random
 
     from rollwire.services.core.images import row_value
@@ -211,7 +213,7 @@ def test_dpo_on_image_pairs_learns_to_prefer_the_digit_shown(tmp_path) -> None:
         "dpo.epochs=4",
         "dpo.batch_size=32",
         "dpo.eval_every=0",
-        "trainer.optimizer.learning_rate=0.003",
+        "trainer.optimizer.learning_rate=0.002",
     )
     evals = [row for row in jsonl(run / "metrics" / "dpo.jsonl") if "eval_prefers_chosen" in row]
     first, last = evals[0]["eval_prefers_chosen"], evals[-1]["eval_prefers_chosen"]
