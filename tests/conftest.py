@@ -252,9 +252,40 @@ def _cuda_unavailable_reason() -> str | None:
     return None
 
 
+FILE_SECONDS = Path(__file__).parent / "file_seconds.json"
+"""Each test file's seconds in a whole run (`tests/helpers/file_seconds.py` writes it from a
+JUnit report): the order files are handed to the workers in."""
+
+
+def _slowest_files_first(items: list[pytest.Item]) -> None:
+    """Files in order of their measured seconds, longest first, each file's tests kept in
+    order: with `--dist loadfile` and `--no-loadscope-reorder` (pyproject's addopts) the
+    two workers take the longest files first and finish together, instead of one worker
+    starting a five-minute file when the other has nothing left. A file the record does
+    not know counts as a few seconds a test."""
+    import json
+
+    known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    root = Path(__file__).parent.parent
+    counts: dict[str, int] = {}
+    for item in items:
+        name = item.path.relative_to(root).as_posix()
+        counts[name] = counts.get(name, 0) + 1
+    cost = {name: known.get(name, 3.0 * count) for name, count in counts.items()}
+    place = {name: index for index, name in enumerate(counts)}
+    items.sort(
+        key=lambda item: (
+            -cost[item.path.relative_to(root).as_posix()],
+            place[item.path.relative_to(root).as_posix()],
+        )
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skips `gpu` tests, saying why, where there is no CUDA GPU. With
-    ROLLWIRE_TEST_DEVICE=cpu the one-GPU checks (tests/gpu/) run on the CPU instead."""
+    """Orders the files slowest first (`_slowest_files_first`), and skips `gpu` tests,
+    saying why, where there is no CUDA GPU. With ROLLWIRE_TEST_DEVICE=cpu the one-GPU
+    checks (tests/gpu/) run on the CPU instead."""
+    _slowest_files_first(items)
     on_cpu = os.environ.get("ROLLWIRE_TEST_DEVICE") == "cpu"
     gpu_items = [
         item

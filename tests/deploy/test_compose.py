@@ -220,6 +220,8 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
         "--set",
         "rl.max_steps=10",
         "--set",
+        "rl.groups_per_step=8",
+        "--set",
         "orchestrator.eval_every=5",
         "--set",
         "orchestrator.eval_dataset.size=16",
@@ -269,8 +271,8 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
     run = tmp_path / "run"
     steps = jsonl(run / "metrics" / "trainer.jsonl")
     assert [row["step"] for row in steps] == list(range(1, 11))
-    # Every trained group was whole: 8 episodes of each of 16 groups per step.
-    assert all(row["sequences"] == 128 for row in steps), [row["sequences"] for row in steps]
+    # Every trained group was whole: 8 episodes of each of 8 groups per step.
+    assert all(row["sequences"] == 64 for row in steps), [row["sequences"] for row in steps]
     progress = jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
     assert progress["groups_failed"] == 0, "an episode was lost with its server"
     assert progress["env_servers_lost"] >= 1
