@@ -214,8 +214,13 @@ def test_the_overlong_penalty_counts_to_the_orchestrators_limit() -> None:
 
 
 def test_a_flat_trainer_section_of_earlier_releases_loads_where_each_key_lives_now(
-    tmp_path, caplog
+    tmp_path, caplog, monkeypatch
 ) -> None:
+    from rollwire.services.core.config import trainer as trainer_section
+
+    # Each moved key is warned about once per process: whatever this worker loaded
+    # before (another test's flat section) must not decide what this one sees.
+    monkeypatch.setattr(trainer_section, "_warned", set())
     old = tmp_path / "old.yaml"
     old.write_text(
         "trainer:\n  learning_rate: 0.003\n  checkpoint_every: 0\n  weight_transport: group\n"
