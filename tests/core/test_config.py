@@ -13,9 +13,9 @@ from rollwire.services.core.config import (
     ConfigError,
     RunConfig,
     TrainerConfig,
-    errors,
     load_config,
     parse_assignment,
+    schema,
     write_resolved_config,
 )
 
@@ -267,19 +267,19 @@ def _choice_fields(
     union on `type` and every literal field under `model`, through the members of unions."""
     for name, field in model.model_fields.items():
         here = f"{path}.{name}" if path else name
-        annotation = errors._strip(field.annotation)
-        tags = errors._tags(field.annotation)
+        annotation = schema.strip(field.annotation)
+        tags = schema.tags(field.annotation)
         if tags:
             yield here, prefix, "union", tags
-            for member in errors._members(field.annotation):
-                tag = errors._tag(member)
+            for member in schema.members(field.annotation):
+                tag = schema.tag(member)
                 chosen = (*prefix, f"{here}.type={tag}")
-                yield from _choice_fields(errors._strip(member), here, chosen, True)
+                yield from _choice_fields(schema.strip(member), here, chosen, True)
             continue
-        choices = errors._choices(field.annotation)
+        choices = schema.choices(field.annotation)
         if choices and not (member and name == "type"):  # a member's tag: the union's
             yield here, prefix, "literal", [choice.strip("'") for choice in choices]
-        child = errors._model(annotation)
+        child = schema.model_of(annotation)
         if child is not None:
             yield from _choice_fields(child, here, prefix)
 
@@ -356,8 +356,8 @@ def test_the_configuration_reference_has_every_key_with_its_help() -> None:
     def keys(model: type) -> Iterator[str]:
         for name, field in model.model_fields.items():
             yield name
-            for member in [field.annotation, *errors._members(field.annotation)]:
-                inner = errors._model(member)
+            for member in [field.annotation, *schema.members(field.annotation)]:
+                inner = schema.model_of(member)
                 if inner is not None:
                     yield from keys(inner)
 

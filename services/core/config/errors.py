@@ -7,11 +7,11 @@ a section (with the closest one to a misspelling), the form a value should take.
 from __future__ import annotations
 
 import difflib
-import enum
-import types
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Any
 
-from pydantic import BaseModel, Tag, ValidationError
+from pydantic import BaseModel, ValidationError
+
+from rollwire.services.core.config import schema
 
 _MAX_LISTED = 40
 """Longer lists of keys are not printed in full (the closest match still is)."""
@@ -35,7 +35,7 @@ def _line(item: Any, root: type[BaseModel]) -> str:
             f"{path or '(top level)'}: unknown key{_keys_hint(str(loc[-1]), parent, parent_path)}"
         )
     if kind in ("union_tag_invalid", "union_tag_not_found"):
-        tags = _tags(annotation)
+        tags = schema.tags(annotation)
         choices = ", ".join(tags) if tags else item.get("ctx", {}).get("expected_tags", "?")
         example = tags[0] if tags else "NAME"
         if kind == "union_tag_invalid":
@@ -47,7 +47,7 @@ def _line(item: Any, root: type[BaseModel]) -> str:
             f"`--set {path}.type={example}`)"
         )
     if kind in ("literal_error", "enum"):
-        choices = _choices(annotation) or [item.get("ctx", {}).get("expected", "?")]
+        choices = schema.choices(annotation) or [item.get("ctx", {}).get("expected", "?")]
         return f"{path}: {given} is not accepted; choose one of: {', '.join(choices)}"
     if kind == "missing":
         return f"{path}: required, and not given"
@@ -66,7 +66,7 @@ def _given(value: Any) -> str | None:
 
 
 def _keys_hint(key: str, parent: Any, parent_path: str) -> str:
-    model = _model(parent)
+    model = schema.model_of(parent)
     if model is None:
         return ""
     keys = list(model.model_fields)
@@ -95,8 +95,8 @@ def _keys_below(model: type[BaseModel], path: str, depth: int = 3) -> list[tuple
             found.append((name, below))
         if depth == 0:
             continue
-        for member in [field.annotation, *map(_strip, _members(field.annotation))]:
-            child = _model(member)
+        for member in [field.annotation, *map(schema.strip, schema.members(field.annotation))]:
+            child = schema.model_of(member)
             if child is not None:
                 found.extend(_keys_below(child, below, depth - 1))
     return list(dict.fromkeys(found))
@@ -111,7 +111,7 @@ def _walk(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, Any]:
     node: Any = root
     for part in loc:
         if node is not None:
-            member = _tagged_member(node, part)
+            member = schema.tagged_member(node, part)
             if member is not None:  # pydantic's tag in the path: the user does not write it
                 node = member
                 continue
@@ -119,83 +119,5 @@ def _walk(root: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, Any]:
             path += f"[{part}]"
         else:
             path = f"{path}.{part}" if path else str(part)
-        node = _child(node, part) if node is not None else None
+        node = schema.child(node, part) if node is not None else None
     return path, node
-
-
-def _strip(annotation: Any) -> Any:
-    """The type inside `Annotated[...]` and `X | None`."""
-    while True:
-        origin = get_origin(annotation)
-        if origin is Annotated:
-            annotation = get_args(annotation)[0]
-        elif origin in (Union, types.UnionType):
-            members = [arg for arg in get_args(annotation) if arg is not type(None)]
-            if len(members) != 1:
-                return annotation
-            annotation = members[0]
-        else:
-            return annotation
-
-
-def _members(annotation: Any) -> list[Any]:
-    annotation = _strip(annotation)
-    if get_origin(annotation) in (Union, types.UnionType):
-        return [arg for arg in get_args(annotation) if arg is not type(None)]
-    return []
-
-
-def _tag(member: Any) -> str | None:
-    if get_origin(member) is Annotated:
-        for meta in get_args(member)[1:]:
-            if isinstance(meta, Tag):
-                return meta.tag
-    return None
-
-
-def _tags(annotation: Any) -> list[str]:
-    return [tag for tag in map(_tag, _members(annotation)) if tag is not None]
-
-
-def _tagged_member(annotation: Any, part: Any) -> Any:
-    for member in _members(annotation):
-        if _tag(member) == part:
-            return _strip(member)
-    return None
-
-
-def _model(annotation: Any) -> type[BaseModel] | None:
-    annotation = _strip(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return None
-
-
-def _child(annotation: Any, part: Any) -> Any:
-    annotation = _strip(annotation)
-    model = _model(annotation)
-    if model is not None:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        return field.annotation if field is not None else None
-    origin = get_origin(annotation)
-    if origin in (list, tuple, set, frozenset) and isinstance(part, int):
-        return get_args(annotation)[0]
-    if origin is dict:
-        return get_args(annotation)[1]
-    for member in _members(annotation):  # an untagged union: the first member that has it
-        found = _child(member, part)
-        if found is not None:
-            return found
-    return None
-
-
-def _choices(annotation: Any) -> list[str]:
-    """The accepted values of a literal or an enum (inside lists and optionals too)."""
-    annotation = _strip(annotation)
-    if get_origin(annotation) in (list, tuple, set, frozenset):
-        annotation = _strip(get_args(annotation)[0])
-    if get_origin(annotation) is Literal:
-        return [repr(value) for value in get_args(annotation)]
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return [repr(member.value) for member in annotation]
-    return []

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, SecretStr
 from pydantic_core import PydanticUndefined
 
-from rollwire.services.core.config import errors
+from rollwire.services.core.config import schema
 from rollwire.services.core.config.models import RunConfig
 
 INTRO = """\
@@ -38,7 +38,7 @@ def markdown(root: type[BaseModel] = RunConfig) -> str:
 
 def _section(path: str, annotation: Any, help_text: str | None, level: int) -> Iterator[str]:
     heading = "#" * min(level, 4)
-    tags = errors._tags(annotation)
+    tags = schema.tags(annotation)
     if tags:
         yield f"{heading} `{path}`"
         yield ""
@@ -47,14 +47,14 @@ def _section(path: str, annotation: Any, help_text: str | None, level: int) -> I
             yield ""
         yield f"Chosen by `type`: {', '.join(f'`{tag}`' for tag in tags)}."
         yield ""
-        for member in errors._members(annotation):
-            model = errors._model(member)
-            tag = errors._tag(member)
+        for member in schema.members(annotation):
+            model = schema.model_of(member)
+            tag = schema.tag(member)
             if model is None or tag is None:
                 continue
-            yield from _model(f"{path}", model, level + 1, title=f"`{path}` — `type: {tag}`")
+            yield from _model(path, model, level + 1, title=f"`{path}` — `type: {tag}`")
         return
-    model = errors._model(annotation)
+    model = schema.model_of(annotation)
     if model is None:
         return
     yield from _model(path, model, level, help_text=help_text)
@@ -77,8 +77,8 @@ def _model(
     rows, below = [], []
     for name, field in model.model_fields.items():
         child = f"{path}.{name}"
-        inner = errors._model(field.annotation)
-        if errors._tags(field.annotation) or (inner is not None and _is_section(field)):
+        inner = schema.model_of(field.annotation)
+        if schema.tags(field.annotation) or (inner is not None and _is_section(field)):
             rows.append((name, "section", "", f"see [`{child}`](#{_anchor(child)})"))
             below.append((child, field))
             continue
@@ -96,7 +96,7 @@ def _model(
 
 def _is_section(field: Any) -> bool:
     """A nested model shown as its own table (not one whose default is a list of them)."""
-    origin = get_origin(errors._strip(field.annotation))
+    origin = get_origin(schema.strip(field.annotation))
     return origin not in (list, tuple, dict)
 
 
