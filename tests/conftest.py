@@ -267,18 +267,13 @@ def _slowest_files_first(items: list[pytest.Item]) -> None:
 
     known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
     root = Path(__file__).parent.parent
+    names = {item: item.path.relative_to(root).as_posix() for item in items}
     counts: dict[str, int] = {}
-    for item in items:
-        name = item.path.relative_to(root).as_posix()
+    for name in names.values():
         counts[name] = counts.get(name, 0) + 1
     cost = {name: known.get(name, 3.0 * count) for name, count in counts.items()}
     place = {name: index for index, name in enumerate(counts)}
-    items.sort(
-        key=lambda item: (
-            -cost[item.path.relative_to(root).as_posix()],
-            place[item.path.relative_to(root).as_posix()],
-        )
-    )
+    items.sort(key=lambda item: (-cost[names[item]], place[names[item]]))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

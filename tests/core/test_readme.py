@@ -69,6 +69,19 @@ def test_every_test_area_is_on_the_map_and_no_two_test_files_share_a_name() -> N
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
+def _build_site(folder: Path, site: Path) -> subprocess.CompletedProcess:
+    """`mkdocs build --strict` of `folder`'s mkdocs.yml into `site`. Never with `-q`: a
+    quiet build hides the warnings that strict mode counts, and passes whatever they say."""
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+
+
 def test_the_documentation_site_builds_strictly_with_every_link_and_anchor_found(tmp_path) -> None:
     """`mkdocs build` with mkdocs.yml's `strict` and link validation: a page left out of the
     navigation, a link to a missing page or anchor, or a broken hook fails the build. The
@@ -76,14 +89,7 @@ def test_the_documentation_site_builds_strictly_with_every_link_and_anchor_found
     from rollwire.services.core.config import RunConfig
 
     site = tmp_path / "site"
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
+    result = _build_site(REPO, site)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reference = (site / "reference" / "configuration" / "index.html").read_text()
     for section in RunConfig.model_fields:
@@ -103,13 +109,6 @@ def test_the_site_build_fails_on_a_broken_link(tmp_path) -> None:
     shutil.copy(REPO / "ARCHITECTURE.md", copy / "ARCHITECTURE.md")
     page = copy / "docs" / "security.md"
     page.write_text(page.read_text() + "\nSee [the missing page](no-such-page.md).\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-        cwd=copy,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
+    result = _build_site(copy, tmp_path / "site")
     assert result.returncode != 0
     assert "no-such-page.md" in result.stdout + result.stderr

@@ -194,7 +194,7 @@ class RewardFLConfig(StrictModel):
     """The last denoising steps the reward's gradient flows back through (K)."""
 
 
-class StudentQuality(StrictModel):
+class StudentEvaluation(StrictModel):
     """What the distillation pipelines share: the teacher, and how the student's samples
     are measured at every evaluation (`rollwire.trainer.pipelines.student_quality`)."""
 
@@ -210,13 +210,13 @@ class StudentQuality(StrictModel):
     reads 1.14x."""
 
     @model_validator(mode="after")
-    def _measurable(self) -> StudentQuality:
+    def _measurable(self) -> StudentEvaluation:
         if not self.eval_steps or min(self.eval_steps) < 1:
             raise ValueError(f"{self.section}.eval_steps must be 1 or more, got {self.eval_steps}")
         return self
 
 
-class ODEDistillConfig(PipelineData, StudentQuality):
+class ODEDistillConfig(PipelineData, StudentEvaluation):
     """`rollwire ode-distill`: a few-step student of a flow-matching teacher, by ODE
     trajectory distillation. The teacher (teacher_model_path, else the built-in digits
     model), served by diffusion rollout-servers, samples `pairs` deterministic ODE
@@ -262,7 +262,7 @@ class ODEDistillConfig(PipelineData, StudentQuality):
         return self
 
 
-class DMDConfig(StudentQuality):
+class DMDConfig(StudentEvaluation):
     """`rollwire dmd`: a one- or few-step generator distilled from a flow-matching teacher
     by distribution matching (DMD, with DMD2's options). The frozen teacher (the real
     score) is served by diffusion rollout-servers (`Denoise`); the generator
