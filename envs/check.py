@@ -45,6 +45,7 @@ from typing import Any, Literal
 import grpc
 import grpc.aio
 
+from rollwire.envs.base import offered_tools
 from rollwire.envs.check_multiplex import MultiplexCheck
 from rollwire.envs.check_probe import (
     DEFAULT_ACTIONS,
@@ -280,6 +281,55 @@ class _Suite(Probe):
         sizes = sorted({f"{image.width}x{image.height}" for image in opened})
         return f"{_count(len(opened), 'distinct image')} opened ({', '.join(sizes)} pixels)"
 
+    async def tool_calls(self) -> str:
+        """An env that offers tools (`info["tools"]`, as the `mcp` envs do): they read as
+        function schemas, and a malformed call and a call to a tool it does not offer are
+        answered with an observation, not refused and not the end of the episode."""
+        session_id, first = await self.reset(seed=0)
+        try:
+            if "tools" not in first.info:
+                raise CheckSkipped("the env offers no tools (no info['tools'] at Reset)")
+            tools = offered_tools(first.info)
+            if tools is None:
+                raise CheckFailed(
+                    "info['tools'] is not JSON text of a non-empty list of tool schemas"
+                    f"{see('tools')}"
+                )
+            names = []
+            for tool in tools:
+                function = tool.get("function", {}) if isinstance(tool, dict) else {}
+                if not isinstance(function.get("name"), str) or not isinstance(
+                    function.get("parameters", {}), dict
+                ):
+                    raise CheckFailed(
+                        f"a tool is not {{'type': 'function', 'function': {{'name', "
+                        f"'parameters'}}}}: {str(tool)[:120]}{see('tools')}"
+                    )
+                names.append(function["name"])
+            unknown = f"no_such_tool_{uuid.uuid4().hex[:6]}"
+            for action, what in (
+                ('<tool_call>{"name": </tool_call>', "a malformed tool call"),
+                (f'<tool_call>{{"name": "{unknown}", "arguments": {{}}}}</tool_call>',
+                 "a call to a tool it does not offer"),
+            ):  # fmt: skip
+                reply = await self.step(session_id, action)
+                if reply.code != "OK" or reply.done or not reply.observation.strip():
+                    how = (
+                        f"refused ({reply.code})" if reply.code != "OK"
+                        else "ended the episode" if reply.done else "answered with nothing"
+                    )  # fmt: skip
+                    raise CheckFailed(
+                        f"{what} was {how}: it must be an observation the policy learns from"
+                        f"{see('tools')}"
+                    )
+        finally:
+            await self.close(session_id)
+        shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+        return (
+            f"{_count(len(names), 'tool')} offered ({shown}); a malformed call and an unknown "
+            "tool were answered as observations"
+        )
+
     async def step_contract(self) -> str:
         session_id, _ = await self.reset(seed=0)
         closed = False
@@ -475,6 +525,7 @@ CHECKS: tuple[tuple[str, Callable[[_Suite], Awaitable[str]]], ...] = (
     ("seed_variation", _Suite.seed_variation),
     ("step_contract", _Suite.step_contract),
     ("image_observations", _Suite.image_observations),
+    ("tool_calls", _Suite.tool_calls),
     ("unknown_env", _Suite.unknown_env),
     ("unknown_session", _Suite.unknown_session),
     ("bad_kwargs", _Suite.bad_kwargs),

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollwire.envs import registry
-from rollwire.envs.base import Act, Demonstrator
+from rollwire.envs.base import Act, Demonstrator, offered_tools
 
 
 def find_demonstrator(env_id: str) -> Demonstrator:
@@ -59,10 +59,14 @@ def demo_batches(
     demo_kwargs: dict[str, Any],
     max_turns: int,
     max_tokens: int,
+    provided: dict[str, Any] | None = None,
 ) -> Callable[[random.Random, int], list[tuple]]:
     """A batch function for `rollwire.trainer.pipelines.warmup.warm_up_on`: scripted episodes
     as (token ids, taught mask), and the images they show (with their offsets) when they
     show any. `make_turns()` renders a fresh episode's turns as the agent loop does.
+
+    `provided`: what the operator gives the env besides `env_kwargs`
+    (`rollwire.envs.registry.provided`: an `mcp` env's MCP servers).
 
     Raises ValueError at once, not at the first batch, when `env_id` has no demonstrator.
     """
@@ -73,11 +77,11 @@ def demo_batches(
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def episode(rng: random.Random) -> tuple:
-        env = registry.make(env_id, **env_kwargs)
+        env = registry.make(env_id, **env_kwargs, **(provided or {}))
         act = play(rng, **demo_kwargs)
         observation, info = env.reset(rng.choice(seeds))
         turns = make_turns()
-        ids, images = turns.first(observation)
+        ids, images = turns.first(observation, offered_tools(info))
         taught = [0] * len(ids)
         try:
             for _ in range(max_turns):
@@ -90,7 +94,8 @@ def demo_batches(
                 observation, _, terminated, truncated, info = env.step(action)
                 if terminated or truncated:
                     break
-                following, shown = turns.then(action, True, observation)
+                role = str(info.get("observation_role", "user"))
+                following, shown = turns.then(action, True, observation, role)
                 if len(ids) + len(following) > max_tokens:
                     break
                 images += [image.with_offset(len(ids) + image.offset) for image in shown]

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollwire.envs import registry
-from rollwire.envs.base import Env, EnvSpec, InvalidAction, Observation, StepResult
+from rollwire.envs.base import Env, EnvSpec, EpisodeAborted, InvalidAction, Observation, StepResult
+from rollwire.envs.mcp_hub import McpUnavailable
 from rollwire.services.core.config import EnvServerConfig
 from rollwire.services.core.images import ImageRef
 from rollwire.services.core.metrics import COUNTERS
@@ -118,6 +119,7 @@ class SessionHost:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self._hubs: list[Any] = []  # the MCP hubs its envs were given, closed at shutdown
         # Resets admitted but not yet registered count toward the session limit,
         # so slow blocking resets cannot overshoot it together.
         self._reserved = 0
@@ -188,6 +190,9 @@ class SessionHost:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
+        hubs, self._hubs = self._hubs, []
+        for hub in hubs:  # the MCP servers the sessions used, after their sessions
+            hub.close()
 
     # ------------------------------------------------------------ async calls
 
@@ -256,7 +261,7 @@ class SessionHost:
                 f"this server holds its limit of {limit} sessions; close finished ones or add servers",
             )
         try:
-            kwargs = self._sandboxed(env_id, kwargs)
+            kwargs = self._provided(env_id, self._sandboxed(env_id, kwargs))
         except EnvCallError:
             self._release_reservation()
             raise
@@ -269,9 +274,10 @@ class SessionHost:
                 "bad_env_kwargs",
                 f"cannot create {env_id!r} with {kwargs}: {error}",
             ) from None
-        except SandboxUnavailable as error:
+        except (SandboxUnavailable, McpUnavailable) as error:
             self._release_reservation()
-            raise self._reject("FAILED_PRECONDITION", "no_sandbox", str(error)) from None
+            reason = "no_sandbox" if isinstance(error, SandboxUnavailable) else "mcp_unavailable"
+            raise self._reject("FAILED_PRECONDITION", reason, str(error)) from None
         except Exception as error:
             self._release_reservation()
             COUNTERS.inc("env_errors", env_id=env_id, phase="create")
@@ -308,6 +314,23 @@ class SessionHost:
             )
         return asked
 
+    def _provided(self, env_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The env's kwargs with what only the operator provides: the MCP servers of
+        `env_server.mcp` for an env that takes `mcp`. A Reset naming them is refused."""
+        if "mcp" not in registry.parameters(env_id):
+            return kwargs
+        if "mcp" in kwargs:
+            raise self._reject(
+                "PERMISSION_DENIED",
+                "mcp",
+                "the MCP servers are the env-server's (env_server.mcp); a Reset names the ones "
+                "a task uses in `servers`, it cannot give its own",
+            )
+        given = registry.provided(env_id, self.config)
+        if given["mcp"] not in self._hubs:
+            self._hubs.append(given["mcp"])
+        return {**kwargs, **given}
+
     def _release_reservation(self) -> None:
         with self._lock:
             self._reserved -= 1
@@ -317,6 +340,15 @@ class SessionHost:
         try:
             observation, info = env.reset(seed)
             _check_types(observation, info)
+        except (EpisodeAborted, McpUnavailable) as error:
+            self._release_reservation()
+            self._close_env(env_id, "-", env)
+            aborted = isinstance(error, EpisodeAborted)
+            raise self._reject(
+                "ABORTED" if aborted else "FAILED_PRECONDITION",
+                "aborted" if aborted else "mcp_unavailable",
+                f"env {env_id!r}: {error}",
+            ) from None
         except Exception as error:
             self._release_reservation()
             COUNTERS.inc("env_errors", env_id=env_id, phase="reset")
@@ -378,6 +410,11 @@ class SessionHost:
                 "INVALID_ARGUMENT",
                 "invalid_action",
                 f"env {session.env_id!r} rejected the action: {error}",
+            ) from None
+        except EpisodeAborted as error:
+            self._drop(session_id, reason="aborted")
+            raise self._reject(
+                "ABORTED", "aborted", f"env {session.env_id!r}: {error}; start the episode again"
             ) from None
         except Exception as error:
             COUNTERS.inc("env_errors", env_id=session.env_id, phase="step")

@@ -16,9 +16,11 @@ from typing import Any, NamedTuple
 from rollwire.envs.base import Demonstrator, Env, EnvSpec
 from rollwire.envs.games import FrozenLake, GuessTheNumber, Sokoban, guess_the_number_demonstrator
 from rollwire.envs.gem import GemEnv
+from rollwire.envs.mcp_env import McpEnv, McpScoredEnv, mcp_demonstrator
 from rollwire.envs.pictures import DigitLock, digit_lock_demonstrator
 from rollwire.envs.tasks import ReasoningGymEnv
 from rollwire.envs.tools import ToolUse, tool_use_demonstrator
+from rollwire.services.core.config import EnvServerConfig
 
 
 class UnknownEnv(KeyError):
@@ -83,6 +85,16 @@ def parameters(env_id: str) -> frozenset[str]:
     except (TypeError, ValueError):
         return frozenset()
     return frozenset(signature.parameters)
+
+
+def provided(env_id: str, env_server: EnvServerConfig) -> dict[str, Any]:
+    """What the operator's config gives an env besides a Reset's kwargs: the MCP servers of
+    `env_server.mcp` to an env that takes `mcp`. Raises UnknownEnv."""
+    if "mcp" not in parameters(env_id):
+        return {}
+    from rollwire.envs.mcp_hub import hub_for
+
+    return {"mcp": hub_for(env_server.mcp)}
 
 
 def demonstrator(env_id: str) -> Demonstrator | None:
@@ -154,6 +166,21 @@ _BUILTINS: tuple[_Builtin, ...] = (
         "Arithmetic questions answered with <answer>, after <calc> or sandboxed <python> calls.",
         domain="tool",
         demonstrator=tool_use_demonstrator,
+    ),
+    _Builtin(
+        "mcp",
+        McpEnv,
+        "Tasks answered with the tools of MCP servers (env_server.mcp); the env judges the answer.",
+        domain="tool",
+        demonstrator=mcp_demonstrator,
+    ),
+    _Builtin(
+        "mcp_scored",
+        McpScoredEnv,
+        "Tasks answered with the tools of MCP servers; the reward-server scores the answer.",
+        domain="math",
+        gives_reward=False,
+        demonstrator=mcp_demonstrator,
     ),
     _Builtin(
         "reasoning_gym",

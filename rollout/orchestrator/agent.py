@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rollwire.envs.base import EnvSpec, Observation, parts
+from rollwire.envs.base import EnvSpec, Observation, offered_tools, parts
 from rollwire.envs.client import EnvBackend, EnvServerLost
 from rollwire.envs.host import EnvCallError
 from rollwire.envs.pool import EnvPool
@@ -51,6 +51,11 @@ class EpisodeFailed(RuntimeError):
     """An episode could not be completed (its env failed, or every start was lost)."""
 
 
+class EpisodeAborted(EnvServerLost):
+    """The env-server ended the episode through no fault of the policy (a tool server it
+    used was lost): started again from its seed, with the env-server kept in the pool."""
+
+
 # ---------------------------------------------------------------- turns as tokens
 
 
@@ -58,27 +63,57 @@ Shown = tuple[list[int], list[ImageRef]]
 """Tokens to append, and the images they show with their offsets among them."""
 
 
+def tool_lines(tools: list[dict[str, Any]]) -> str:
+    """Tools in function-calling form as plain text, one line each:
+    `name(argument: type, ...): description`."""
+    lines = []
+    for tool in tools:
+        function = tool.get("function", tool)
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        arguments = ", ".join(
+            f"{name}: {spec.get('type', 'any')}" if isinstance(spec, dict) else str(name)
+            for name, spec in properties.items()
+        )
+        description = " ".join(str(function.get("description") or "").split())
+        lines.append(
+            f"{function['name']}({arguments})" + (f": {description}" if description else "")
+        )
+    return "\n".join(lines)
+
+
+def takes_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders `tools=` itself."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
 class _Turns:
     """What both renderings share: an observation's pictures go before its text, as the
-    policy's own image placeholders (`VisionSide.marker`, then `expand`)."""
+    policy's own image placeholders (`VisionSide.marker`, then `expand`); the tools an
+    env offers, where the chat template does not render them, as `tool_prompt` before
+    the first observation."""
 
-    def __init__(self, tokenizer: Any, vision: VisionSide | None) -> None:
-        self.tokenizer, self.vision = tokenizer, vision
+    def __init__(self, tokenizer: Any, vision: VisionSide | None, tool_prompt: str) -> None:
+        self.tokenizer, self.vision, self.tool_prompt = tokenizer, vision, tool_prompt
+        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token else ""
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _text(self, observation: str | Observation) -> tuple[str, list[ImageRef]]:
+    def _text(self, observation: str | Observation, before: str = "") -> tuple[str, list[ImageRef]]:
         """The observation's text with one marker per picture before it, and its pictures."""
         text, images = parts(observation)
         if not images:
-            return text, []
+            return before + text, []
         if self.vision is None:
             raise ImageError(
                 f"the observation shows {len(images)} image(s), but the policy is not a "
                 "vision-language model"
             )
-        return self.vision.marker(self.tokenizer, len(images)) + text, list(images)
+        return before + self.vision.marker(self.tokenizer, len(images)) + text, list(images)
+
+    def _tools_text(self, tools: list[dict[str, Any]] | None) -> str:
+        return self.tool_prompt.format(tools=tool_lines(tools)) if tools else ""
 
     def _shown(self, ids: list[int], images: list[ImageRef]) -> Shown:
         if not images:
@@ -90,20 +125,43 @@ class _Turns:
 class PlainTurns(_Turns):
     """Observations written with a format string; the policy's turns end with its stop token."""
 
-    def __init__(self, tokenizer: Any, template: str, vision: VisionSide | None = None) -> None:
-        super().__init__(tokenizer, vision)
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str,
+        vision: VisionSide | None = None,
+        tool_prompt: str = AgentConfig().tool_prompt,
+    ) -> None:
+        super().__init__(tokenizer, vision, tool_prompt)
         self.template = template
+        self.texts: list[str] = []
 
-    def first(self, observation: str | Observation) -> Shown:
-        text, images = self._text(observation)
-        return self._shown(self._encode(self.template.format(observation=text)), images)
+    def first(
+        self, observation: str | Observation, tools: list[dict[str, Any]] | None = None
+    ) -> Shown:
+        text, images = self._text(observation, self._tools_text(tools))
+        rendered = self.template.format(observation=text)
+        self.texts.append(rendered)
+        return self._shown(self._encode(rendered), images)
 
-    def then(self, action_text: str, stopped: bool, observation: str | Observation) -> Shown:
+    def then(
+        self,
+        action_text: str,
+        stopped: bool,
+        observation: str | Observation,
+        role: str = "user",
+    ) -> Shown:
+        self.texts.append(action_text + (self.eos_text if stopped else ""))
         return self.first(observation)
+
+    def transcript(self, action_text: str, stopped: bool) -> str:
+        """The whole episode as text, ending with its last action."""
+        return "".join(self.texts) + action_text + (self.eos_text if stopped else "")
 
 
 class ChatTurns(_Turns):
-    """Observations as user turns and actions as assistant turns of the tokenizer's chat template.
+    """Observations as user turns (tool results as tool turns, where the template renders
+    tools) and actions as assistant turns of the tokenizer's chat template.
 
     The tokens of a new observation are the text the template adds when the
     observation is appended (rendered both ways and subtracted), so whatever
@@ -111,29 +169,47 @@ class ChatTurns(_Turns):
     """
 
     def __init__(
-        self, tokenizer: Any, system_prompt: str | None, vision: VisionSide | None = None
+        self,
+        tokenizer: Any,
+        system_prompt: str | None,
+        vision: VisionSide | None = None,
+        tool_prompt: str = AgentConfig().tool_prompt,
     ) -> None:
-        super().__init__(tokenizer, vision)
+        super().__init__(tokenizer, vision, tool_prompt)
         self.messages: list[dict[str, str]] = []
+        self.tools: list[dict[str, Any]] | None = None
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
-        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token else ""
 
     def _render(self, generation_prompt: bool) -> str:
+        extra = {"tools": self.tools} if self.tools else {}
         return self.tokenizer.apply_chat_template(
-            self.messages, tokenize=False, add_generation_prompt=generation_prompt
+            self.messages, tokenize=False, add_generation_prompt=generation_prompt, **extra
         )
 
-    def first(self, observation: str | Observation) -> Shown:
-        text, images = self._text(observation)
+    def first(
+        self, observation: str | Observation, tools: list[dict[str, Any]] | None = None
+    ) -> Shown:
+        if tools and takes_tools(self.tokenizer):
+            self.tools = list(tools)
+            text, images = self._text(observation)
+        else:
+            text, images = self._text(observation, self._tools_text(tools))
         self.messages.append({"role": "user", "content": text})
         return self._shown(self._encode(self._render(True)), images)
 
-    def then(self, action_text: str, stopped: bool, observation: str | Observation) -> Shown:
+    def then(
+        self,
+        action_text: str,
+        stopped: bool,
+        observation: str | Observation,
+        role: str = "user",
+    ) -> Shown:
         text, images = self._text(observation)
         self.messages.append({"role": "assistant", "content": action_text})
         closed = self._render(False)
-        self.messages.append({"role": "user", "content": text})
+        # A tool result is a tool turn only for a template that renders tools.
+        self.messages.append({"role": role if self.tools else "user", "content": text})
         opened = self._render(True)
         if not opened.startswith(closed):
             raise ValueError("the chat template rewrites earlier turns; use the plain format")
@@ -146,6 +222,25 @@ class ChatTurns(_Turns):
         if stopped and self.eos_text and closing.startswith(self.eos_text):
             closing = closing[len(self.eos_text) :]
         return self._shown(self._encode(closing + opened[len(closed) :]), images)
+
+    def transcript(self, action_text: str, stopped: bool) -> str:
+        """The whole conversation rendered by the template, ending with its last action."""
+        self.messages.append({"role": "assistant", "content": action_text})
+        try:
+            return self._render(False)
+        finally:
+            self.messages.pop()
+
+
+def token_drift(tokenizer: Any, transcript: str, ids: list[int]) -> int | None:
+    """Where the episode's tokens `ids` first differ from its `transcript` tokenised whole
+    (None where they agree; the transcript may go on past them, with what a template
+    writes after the last action)."""
+    again = list(tokenizer(transcript, add_special_tokens=False)["input_ids"])
+    for at, (mine, theirs) in enumerate(zip(ids, again, strict=False)):
+        if mine != theirs:
+            return at
+    return None if len(again) >= len(ids) else len(again)
 
 
 # ---------------------------------------------------------------- one episode
@@ -195,6 +290,8 @@ class EpisodeRunner:
         self.generate, self.score = generate, score
         self.eos = int(tokenizer.eos_token_id)
         self.restarts = 0
+        self.drifts = 0
+        """Episodes whose tokens differed from their conversation tokenised again."""
 
     def spec(self, env_id: str) -> EnvSpec:
         try:
@@ -206,9 +303,14 @@ class EpisodeRunner:
             ) from None
 
     def _turns(self) -> PlainTurns | ChatTurns:
+        settings = self.settings
         if self.use_chat_template:
-            return ChatTurns(self.tokenizer, self.settings.system_prompt, self.vision)
-        return PlainTurns(self.tokenizer, self.settings.observation_template, self.vision)
+            return ChatTurns(
+                self.tokenizer, settings.system_prompt, self.vision, settings.tool_prompt
+            )
+        return PlainTurns(
+            self.tokenizer, settings.observation_template, self.vision, settings.tool_prompt
+        )
 
     def decode(self, ids: list[int]) -> str:
         if ids and ids[-1] == self.eos:
@@ -226,17 +328,26 @@ class EpisodeRunner:
             try:
                 with self.pool.lease(backend):
                     return await self._run_on(backend, spec, task, sample_index, temperature)
+            except EpisodeAborted as error:  # the env-server is fine: it stays in the pool
+                lost.append((backend.address, error))
+                raise
             except EnvServerLost as error:
                 self.pool.report_lost(backend, error)
                 lost.append((backend.address, error))
                 raise
 
-        def restarting(_: BaseException, attempt: int) -> None:
+        def restarting(error: BaseException, attempt: int) -> None:
             self.restarts += 1
-            COUNTERS.inc("orchestrator_episode_restarts", env_id=spec.env_id)
+            why = "aborted" if isinstance(error, EpisodeAborted) else "lost"
+            COUNTERS.inc("orchestrator_episode_restarts", env_id=spec.env_id, why=why)
             log.warning(
-                "episode restarts from its seed on another env-server",
-                extra={"task_id": task.task_id, "lost": lost[-1][0], "attempt": attempt},
+                "episode restarts from its seed",
+                extra={
+                    "task_id": task.task_id,
+                    why: lost[-1][0],
+                    "attempt": attempt,
+                    "error": str(lost[-1][1]),
+                },
             )
 
         try:
@@ -250,8 +361,9 @@ class EpisodeRunner:
             )
         except EnvServerLost:
             address, error = lost[-1]
+            what = "aborted" if isinstance(error, EpisodeAborted) else "env-servers lost"
             raise EpisodeFailed(
-                f"episode {task.task_id}/{sample_index}: env-servers lost {attempts} times; "
+                f"episode {task.task_id}/{sample_index}: {what} {attempts} times; "
                 f"last: {address}: {error}"
             ) from None
 
@@ -277,6 +389,8 @@ class EpisodeRunner:
         except EnvCallError as error:
             if error.code == "DEADLINE_EXCEEDED":
                 raise EnvServerLost(f"{backend.address} did not answer Reset: {error}") from None
+            if error.code == "ABORTED":
+                raise EpisodeAborted(f"{backend.address}: {error.message}") from None
             raise EpisodeFailed(f"env {spec.env_id!r} on {backend.address}: {error}") from None
         timings["env"] += time.perf_counter() - started
         turns = self._turns()
@@ -284,9 +398,11 @@ class EpisodeRunner:
         step_rewards: list[float] = []
         turn_keys: list[str] = []
         first_observation, action_text, finish_reason = parts(observation)[0], "", "truncated"
+        stopped = False
         components: dict[str, float] = {}
         try:
-            tokens.context(*self._shown(spec, backend, turns.first, observation))
+            tools = offered_tools(info)
+            tokens.context(*self._shown(spec, backend, turns.first, observation, tools))
             for turn in range(settings.max_turns):
                 budget = min(self.max_new_tokens, settings.max_episode_tokens - len(tokens.ids))
                 if budget < 1:
@@ -308,6 +424,8 @@ class EpisodeRunner:
                 except EnvServerLost:
                     raise
                 except EnvCallError as error:
+                    if error.code == "ABORTED":  # a tool server it used was lost
+                        raise EpisodeAborted(f"{backend.address}: {error.message}") from None
                     if error.code in ("NOT_FOUND", "DEADLINE_EXCEEDED"):
                         # The server forgot the session (restarted, or expired it) or hangs:
                         # start over elsewhere.
@@ -330,13 +448,16 @@ class EpisodeRunner:
                     if finish_reason != "invalid":
                         finish_reason = "terminated" if terminated else "truncated"
                     break
+                role = str(info.get("observation_role", "user"))
                 following, shown = self._shown(
-                    spec, backend, turns.then, action_text, stopped, observation
+                    spec, backend, turns.then, action_text, stopped, observation, role
                 )
                 if len(tokens.ids) + len(following) + 1 > settings.max_episode_tokens:
                     finish_reason = "length"
                     break
                 tokens.context(following, shown)
+            if settings.check_token_drift and not tokens.images and tokens.ids:
+                self._check_drift(spec, turns, action_text, stopped, tokens.ids)
             if not spec.gives_reward:
                 clock = time.perf_counter()
                 reward, components = await self.score(spec, first_observation, action_text, info)
@@ -364,6 +485,35 @@ class EpisodeRunner:
             step_rewards=step_rewards,
             turn_keys=turn_keys,
         )
+
+    def _check_drift(
+        self,
+        spec: EnvSpec,
+        turns: PlainTurns | ChatTurns,
+        action_text: str,
+        stopped: bool,
+        ids: list[int],
+    ) -> None:
+        """Counts and logs an episode whose tokens are not its conversation tokenised again."""
+        transcript = turns.transcript(action_text, stopped)
+        at = token_drift(self.tokenizer, transcript, ids)
+        if at is None:
+            return
+        self.drifts += 1
+        COUNTERS.inc("orchestrator_token_drift", env_id=spec.env_id)
+        if self.drifts in (1, 10, 100) or self.drifts % 1000 == 0:
+            again = list(self.tokenizer(transcript, add_special_tokens=False)["input_ids"])
+            log.warning(
+                "an episode's tokens differ from its conversation tokenised again "
+                "(counted as orchestrator_token_drift)",
+                extra={
+                    "env_id": spec.env_id,
+                    "episodes_so_far": self.drifts,
+                    "at_token": at,
+                    "episode": self.tokenizer.decode(ids[max(0, at - 8) : at + 8]),
+                    "tokenised_again": self.tokenizer.decode(again[max(0, at - 8) : at + 8]),
+                },
+            )
 
     @staticmethod
     def _shown(

@@ -374,7 +374,8 @@ class Servers:
         """Reward-server score of an episode whose env gives no reward of its own."""
         reference = str(info.get("reference", ""))
         metadata = info.get("metadata") if isinstance(info.get("metadata"), dict) else {}
-        task = Task(0, "", prompt, reference, spec.domain, spec.env_id, metadata)
+        domain = str(info.get("domain") or spec.domain)  # an env may say, task by task
+        task = Task(0, "", prompt, reference, domain, spec.env_id, metadata)
         (result,) = await self.score(task, [response])
         return result.reward, dict(result.components)
 

@@ -342,7 +342,7 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
     from transformers import AutoTokenizer
 
     from rollwire.envs.demos import demo_batches, find_demonstrator
-    from rollwire.envs.registry import load_plugins
+    from rollwire.envs.registry import load_plugins, provided
     from rollwire.rollout.orchestrator.agent import ChatTurns, PlainTurns
     from rollwire.services.core.vision import VisionSide, is_vision_model
     from rollwire.trainer.pipelines.warmup import warm_up_on
@@ -357,6 +357,12 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
             "env": [dataset.env_id, dataset.env_kwargs],
             "agent": agent.model_dump(mode="json"),
             "chat": orchestrator.use_chat_template,
+            # An mcp env's tool results come from the operator's servers.
+            **(
+                {"mcp": config.env_server.mcp.model_dump(mode="json")}
+                if _takes_mcp(dataset.env_id)
+                else {}
+            ),
         }
     )
     target = cache_dir() / f"warm-{key}"
@@ -376,8 +382,8 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
 
     def make_turns() -> ChatTurns | PlainTurns:
         if orchestrator.use_chat_template:
-            return ChatTurns(tokenizer, agent.system_prompt, vision)
-        return PlainTurns(tokenizer, agent.observation_template, vision)
+            return ChatTurns(tokenizer, agent.system_prompt, vision, agent.tool_prompt)
+        return PlainTurns(tokenizer, agent.observation_template, vision, agent.tool_prompt)
 
     # Warm-up seeds lie past the training and evaluation ones.
     first = warmup.seed * 1_000_000_007 % (1 << 40) + (1 << 41)
@@ -390,21 +396,36 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
         warmup.demo_kwargs,
         agent.max_turns,
         agent.max_episode_tokens,
+        given := provided(dataset.env_id, config.env_server),
     )
-    return _built_once(
-        target,
-        lambda staging: warm_up_on(
-            base,
-            staging,
-            batches,
-            warmup.steps,
-            batch_size=warmup.batch_size,
-            learning_rate=warmup.learning_rate,
-            seed=warmup.seed,
-            threads=warm_up_threads(),
-            progress=progress,
-        ),
-    )
+    try:
+        return _built_once(
+            target,
+            lambda staging: warm_up_on(
+                base,
+                staging,
+                batches,
+                warmup.steps,
+                batch_size=warmup.batch_size,
+                learning_rate=warmup.learning_rate,
+                seed=warmup.seed,
+                threads=warm_up_threads(),
+                progress=progress,
+            ),
+        )
+    finally:
+        if "mcp" in given:  # the MCP servers the demonstrations used
+            given["mcp"].close()
+
+
+def _takes_mcp(env_id: str | None) -> bool:
+    """Whether `env_id` is an env the operator's MCP servers serve (unknown ids: no)."""
+    from rollwire.envs import registry
+
+    try:
+        return env_id is not None and "mcp" in registry.parameters(env_id)
+    except registry.UnknownEnv:
+        return False
 
 
 def _built_once(target: Path, build: Callable[[Path], Any]) -> Path:

@@ -576,3 +576,52 @@ class Sandbox:
         return SandboxResult(
             text[: limits.max_output_chars], child.returncode, timed_out, truncated, tail, seconds
         )
+
+
+def confine(
+    argv: Sequence[str],
+    writable: str,
+    read_only: Sequence[str] = (),
+    network: bool = False,
+    environment: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The command that runs a long-lived program (an MCP server speaking over its stdin
+    and stdout) inside bubblewrap.
+
+    It sees the system folders and `read_only` read-only, `writable` (its own folder)
+    read-write at the same path, a fresh `/tmp`, and nothing else of the host's files;
+    it has no network unless `network`, and its environment is `environment` with PATH,
+    HOME (`writable`) and LANG. Unlike `Sandbox.run` it has no time or memory limit of
+    its own: its caller times each request and stops it when it hangs. Raises
+    SandboxUnavailable where bubblewrap is missing.
+    """
+    bwrap = bwrap_path()
+    if bwrap is None:
+        raise SandboxUnavailable(INSTALL_HINT)
+    command = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+    if network:
+        command.append("--share-net")
+    for folder in _SYSTEM:
+        if os.path.islink(folder):
+            command += ["--symlink", os.readlink(folder), folder]
+        elif os.path.isdir(folder):
+            command += ["--ro-bind", folder, folder]
+    if network:
+        for name in ("/etc/resolv.conf", "/etc/hosts", "/etc/ssl", "/etc/ca-certificates"):
+            if os.path.exists(name):
+                command += ["--ro-bind", name, name]
+    for path in dict.fromkeys(str(Path(p).resolve()) for p in read_only):
+        if not path.startswith(_SYSTEM) and os.path.exists(path):
+            command += ["--ro-bind", path, path]
+    folder = str(Path(writable).resolve())
+    command += [
+        "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+        "--bind", folder, folder, "--chdir", folder, "--clearenv",
+        "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+        "--setenv", "HOME", folder, "--setenv", "TMPDIR", "/tmp",
+        "--setenv", "LANG", "C.UTF-8", "--setenv", "LC_ALL", "C.UTF-8",
+        "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+    ]  # fmt: skip
+    for name, value in (environment or {}).items():
+        command += ["--setenv", name, value]
+    return [*command, "--", *argv]

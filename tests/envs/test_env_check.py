@@ -56,6 +56,7 @@ class Faults:
     state_slots: int | None = None  # sessions share state once more than this many are open
     multiplex: str = "ok"  # "ok", "unimplemented", "abort_on_error", "duplicate"
     picture: str = "png"  # each observation's picture: "png", "none", "broken" (not an image)
+    tools: str = "ok"  # "ok" (offers `hop`), "none", "refuse" (a bad call is refused)
 
 
 class Refused(Exception):
@@ -93,7 +94,7 @@ class ToyEnvServicer(env_pb2_grpc.EnvServiceServicer):
         return env_pb2.ResetResponse(
             session_id=session_id,
             observation=f"at {seed % 7}",
-            info=to_struct({"goal": 10}),
+            info=to_struct({"goal": 10, **self.offered()}),
             images=self.picture(seed % 7),
         )
 
@@ -105,6 +106,14 @@ class ToyEnvServicer(env_pb2_grpc.EnvServiceServicer):
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "action over 4096 bytes")
         if session["done"] and not self.faults.step_after_done_ok:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "episode over")
+        if "<tool_call>" in request.action:  # `hop` is offered, but every call is an error
+            if self.faults.tools == "refuse":
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "bad tool call")
+            return env_pb2.StepResponse(
+                observation="error: call hop with its steps",
+                info=to_struct({"observation_role": "tool"}),
+                images=self.picture(self.slots[session["slot"]]["position"]),
+            )
         numbers = LAST_INTEGER.findall(request.action)
         if not numbers:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "no integer in the action")
@@ -119,6 +128,12 @@ class ToyEnvServicer(env_pb2_grpc.EnvServiceServicer):
             info=to_struct({"moves": state["moves"]}),
             images=self.picture(state["position"]),
         )
+
+    def offered(self) -> dict[str, str]:
+        if self.faults.tools == "none":
+            return {}
+        hop = {"name": "hop", "parameters": {"type": "object", "properties": {"steps": {}}}}
+        return {"tools": json.dumps([{"type": "function", "function": hop}])}
 
     def picture(self, position: int) -> list[env_pb2.Image]:
         """The walker's position drawn as a 4x1 strip, one grey level per step."""
@@ -239,6 +254,8 @@ async def test_a_conforming_toy_server_passes_every_check(toy_server) -> None:
         (Faults(multiplex="duplicate"), {"multiplex"}, set()),
         (Faults(picture="broken"), {"image_observations"}, set()),
         (Faults(picture="none"), set(), {"image_observations"}),
+        (Faults(tools="refuse"), {"tool_calls"}, set()),
+        (Faults(tools="none"), set(), {"tool_calls"}),
     ],
     ids=[
         "step-after-done-ok",
@@ -254,6 +271,8 @@ async def test_a_conforming_toy_server_passes_every_check(toy_server) -> None:
         "multiplex-answers-twice",
         "picture-not-an-image",
         "no-pictures",
+        "tool-call-refused",
+        "no-tools",
     ],
 )
 async def test_a_faulty_server_fails_exactly_the_checks_it_breaks(
@@ -310,6 +329,7 @@ async def test_kwargs_the_env_refuses_fail_once_and_skip_the_rest(toy_server) ->
         "step_contract",
         "oversized_action",
         "image_observations",
+        "tool_calls",
         "concurrent_sessions",
         "multiplex",
     }
@@ -362,7 +382,7 @@ async def test_cli_exits_1_and_prints_the_table_for_a_faulty_server(toy_server) 
     assert lines[0].split() == ["check", "result", "detail", "ms"]
     rows = {line.split()[0]: line.split()[1] for line in lines[1:-1]}
     assert rows["oversized_action"] == "FAIL" and rows["health"] == "PASS"
-    assert lines[-1].endswith("FAILED: 13 pass, 1 fail")
+    assert lines[-1].endswith("FAILED: 14 pass, 1 fail")
 
 
 @pytest.mark.multiproc
@@ -414,7 +434,9 @@ async def test_cli_passes_against_the_python_env_server(spawn, tmp_path) -> None
     code, out, err = await run_env_check(address, "--json", "--env-id", "digit_lock")
     assert code == 0, out + err
     results = json_outcomes(out)
-    assert {name for name, outcome in results.items() if outcome != "pass"} <= {"multiplex"}
+    # digit_lock offers no tools (the mcp envs' checks are in tests/envs/test_mcp.py).
+    not_passed = {name for name, outcome in results.items() if outcome != "pass"}
+    assert not_passed - {"multiplex"} == {"tool_calls"} and results["tool_calls"] == "skip"
     assert results["step_contract"] == results["concurrent_sessions"] == "pass"
     assert results["image_observations"] == "pass"
     assert (await asyncio.to_thread(child.terminate))[0] == 0
@@ -480,11 +502,12 @@ async def test_cli_passes_every_check_against_the_node_server(node_server) -> No
     code, out, err = await run_env_check(address, "--json")
     assert code == 0, out + err
     outcomes = json_outcomes(out)
-    # A text game: no picture to open.
+    # A text game: no picture to open, no tools to call.
     assert {name for name, outcome in outcomes.items() if outcome != "pass"} == {
-        "image_observations"
+        "image_observations",
+        "tool_calls",
     }, out
-    assert outcomes["image_observations"] == "skip"
+    assert outcomes["image_observations"] == outcomes["tool_calls"] == "skip"
     exit_code, _, log = await asyncio.to_thread(child.terminate)
     assert exit_code == 0, log
     assert not ready.exists(), "the ready file should be removed on a clean stop"

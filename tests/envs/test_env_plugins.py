@@ -6,6 +6,7 @@ import random
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,10 +47,12 @@ def plain_turns(tokenizer):
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     class Turns:  # (tokens, the images they show): a text env shows none
-        def first(self, observation: str) -> tuple[list[int], list]:
+        def first(self, observation: str, tools: Any = None) -> tuple[list[int], list]:
             return encode(f"{observation}\n"), []
 
-        def then(self, action: str, stopped: bool, observation: str) -> tuple[list[int], list]:
+        def then(
+            self, action: str, stopped: bool, observation: str, role: str = "user"
+        ) -> tuple[list[int], list]:
             return encode(f"{observation}\n"), []
 
     return Turns

@@ -260,6 +260,17 @@ class AgentConfig(StrictModel):
     env_call_timeout_seconds: float = Field(60.0, gt=0)
     """Longest wait for one Reset or Step; past it the env-server is taken as hung and the
     episode starts again on another."""
+    tool_prompt: str = (
+        'Tools:\n{tools}\nCall a tool as <tool_call>{{"name": ..., "arguments": {{...}}}}'
+        "</tool_call>.\n\n"
+    )
+    """How the tools an env offers (`info["tools"]`, as the `mcp` envs give) are written
+    before its first observation when the chat template takes no `tools=` (or is off):
+    `{tools}` is one line per tool, `name(argument: type, ...): description`."""
+    check_token_drift: bool = True
+    """After each episode, render its conversation again and tokenise it whole: where the
+    tokens differ from the episode's (a template or tokenizer that does not round-trip),
+    count it (`orchestrator_token_drift{env_id}`) and log the first difference."""
 
 
 IMAGE_EVAL = {"seed": 1 << 40, "size": 200}

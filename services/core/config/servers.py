@@ -41,6 +41,89 @@ class EnvSandboxConfig(StrictModel):
     PERMISSION_DENIED and counted (`env_rejected{reason="sandbox"}`)."""
 
 
+class McpServerConfig(StrictModel):
+    """One MCP server the env-server may use: a command it starts and speaks to over
+    stdio, the URL of one already running (Streamable HTTP, or the legacy SSE
+    transport), or a Python server object in its own process. Declared by the operator
+    only: a client names servers, never commands."""
+
+    command: str | None = None
+    """The program to start (stdio), e.g. `npx-installed/bin/mcp-server-filesystem`; a
+    relative path is taken from the env-server's working directory."""
+    args: list[str] = []
+    """Its arguments; `{workdir}` in one is the episode's own folder (where the task's
+    fixture files are laid down)."""
+    cwd: str | None = None
+    """Its working directory (`{workdir}` allowed); the episode's folder by default."""
+    env: dict[str, str] = {}
+    """Environment variables set for it, besides PATH, HOME and LANG."""
+    url: str | None = None
+    """The endpoint of a server already running, e.g. `http://127.0.0.1:8000/mcp`."""
+    module: str | None = None
+    """A Python MCP server run inside the env-server's own process, as
+    `package.module:attribute` (an `mcp` `MCPServer` or low-level `Server`): no process
+    to start, and no sandbox, so for servers the operator trusts (a test double, a
+    pure function). Each `episode` session is a new client session of the same object."""
+    transport: Literal["streamable-http", "sse"] = "streamable-http"
+    """How to speak to `url`."""
+    headers: dict[str, str] = {}
+    """HTTP headers sent to `url`."""
+    token_env: str | None = None
+    """An environment variable of the env-server holding a bearer token for `url`
+    (sent as `Authorization: Bearer ...`; kept out of the config file)."""
+    session: Literal["shared", "episode"] = "shared"
+    """`shared`: one connection serves every episode (a stateless server: a calculator,
+    a search). `episode`: a fresh server process (stdio) or session (URL) for each
+    episode, started after its fixture is laid down and stopped when it ends (a
+    filesystem, a memory graph, a database)."""
+    tools: list[str] | None = None
+    """The tools offered to the policy; all the server lists when unset."""
+    prefix: str = ""
+    """Put before each tool's name, to tell apart servers whose tools share names."""
+    sandbox: Literal["bwrap", "none"] = "bwrap"
+    """Where a started server runs. `bwrap`: a bubblewrap sandbox with no network,
+    the system folders and `read_only` paths read-only, the episode's folder writable,
+    nothing else of the host's files. `none`: a plain child process of the env-server
+    (trusted servers only; it can reach everything the env-server's user can)."""
+    read_only: list[str] = []
+    """Paths a sandboxed server may read besides the system folders (its install
+    folder: a virtual environment, a node_modules tree). The folder of `command` and
+    of the interpreter a script names are added."""
+    network: bool = False
+    """Let a sandboxed server use the network (a server that fetches pages)."""
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        given = [n for n in ("command", "url", "module") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give one of `command` (stdio), `url` (HTTP) or `module` (in-process), "
+                f"got {', '.join(given) or 'none'}"
+            )
+        if self.module is not None and ":" not in self.module:
+            raise ValueError(f"module must be `package.module:attribute`, got {self.module!r}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        return self
+
+
+class McpConfig(StrictModel):
+    """The MCP servers whose tools the `mcp` envs offer (see docs/env-servers.md)."""
+
+    servers: dict[str, McpServerConfig] = {}
+    """The servers by name; a task names the ones it uses."""
+    call_timeout_s: float = Field(10.0, gt=0)
+    """One tool call's limit. A server that does not answer within it is taken to
+    hang: it is restarted, and the episode starts again from its seed."""
+    start_timeout_s: float = Field(30.0, gt=0)
+    """Starting (or connecting to) a server and listing its tools."""
+    max_episode_servers: int = Field(8, ge=1)
+    """Per-episode servers running at once on this env-server; a Reset past it waits
+    for one to end (up to `start_timeout_s`)."""
+    max_result_chars: int = Field(2000, ge=16)
+    """A tool result longer than this is cut, with a note saying so."""
+
+
 class EnvServerConfig(StrictModel):
     """The env-server: hosts environment sessions."""
 
@@ -59,6 +142,8 @@ class EnvServerConfig(StrictModel):
     network tools); more blocking calls than this at once wait for a thread."""
     sandbox: EnvSandboxConfig = EnvSandboxConfig()
     """Where envs that run code run it, and how far a client may ask for less."""
+    mcp: McpConfig = McpConfig()
+    """MCP servers whose tools the `mcp` and `mcp_scored` envs offer."""
     plugins: list[str] = []
     """Python modules imported before serving, and by `rollwire train` before its warm-up;
     each registers its envs, and their scripted demonstrators for the warm-up, with
