@@ -98,6 +98,14 @@ def result_text(result: Any, limit: int) -> tuple[str, bool]:
     return text, bool(getattr(result, "is_error", False))
 
 
+def _innermost(error: BaseException | None) -> BaseException | None:
+    """The first exception inside the task groups' exception groups around it (the one
+    that says what went wrong)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
 def _imported(name: str) -> Any:
     """The object `package.module:attribute` names."""
     import importlib
@@ -255,6 +263,7 @@ class Connection:
         if self.client is None:
             error = self.error
             await self.close()
+            error = _innermost(error)
             what = f"{type(error).__name__}: {error}" if error is not None else "it exited"
             if isinstance(error, McpUnavailable):
                 raise error
@@ -278,9 +287,9 @@ class Connection:
                 raise self._lost("exit", f"closed the connection: {error}") from None
             return error  # a protocol-level refusal (unknown tool, bad arguments)
         except Exception as error:
-            if self._closed.is_set():
-                raise self._lost("exit", f"{type(error).__name__}: {error}") from None
-            raise self._lost("error", f"{type(error).__name__}: {error}") from None
+            inner = _innermost(error)
+            what = f"{type(inner).__name__}: {inner}"
+            raise self._lost("exit" if self._closed.is_set() else "error", what) from None
 
     def _lost(self, why: str, what: str) -> McpServerLost:
         COUNTERS.inc("env_mcp_lost", server=self.name, why=why)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -190,10 +191,14 @@ def test_a_sandboxed_server_sees_its_episode_folder_and_not_the_host(hubs, tmp_p
     env.close()
 
 
-def test_a_server_over_streamable_http_with_a_token(hubs, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("transport", ["streamable-http", "sse"])
+def test_a_server_over_http_with_a_token(hubs, tmp_path, monkeypatch, transport) -> None:
     ready = tmp_path / "url"
+    flag = "--http" if transport == "streamable-http" else "--sse"
     process = subprocess.Popen(
-        [sys.executable, SERVER, "--http", str(ready)], start_new_session=True
+        [sys.executable, SERVER, flag, str(ready)],
+        env={**os.environ, "MCP_TEST_TOKEN": "sesame"},
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -202,14 +207,19 @@ def test_a_server_over_streamable_http_with_a_token(hubs, tmp_path, monkeypatch)
             assert time.monotonic() < deadline, "the HTTP server did not start in 60 s"
             time.sleep(0.05)
         monkeypatch.setenv("TEST_MCP_TOKEN", "sesame")
-        hub = hubs({"test": {"url": ready.read_text(), "token_env": "TEST_MCP_TOKEN"}})
+        server = {"url": ready.read_text(), "transport": transport, "token_env": "TEST_MCP_TOKEN"}
+        hub = hubs({"test": server})
         env = McpEnv(mcp=hub, tasks=tasks({"question": "q", "answer": "9"}))
         env.reset(0)
         assert env.step(tool_call_text("add", {"a": 4, "b": 5}))[0] == "9"
         assert env.step("<answer>9</answer>")[1] == 1.0
         env.close()
+        monkeypatch.setenv("TEST_MCP_TOKEN", "wrong")
+        refused = hubs({"test": server}, start_timeout_s=10.0)
+        with pytest.raises(McpUnavailable, match="failed to start"):
+            McpEnv(mcp=refused, tasks=tasks({"question": "q", "answer": "9"})).reset(0)
         monkeypatch.delenv("TEST_MCP_TOKEN")
-        unset = hubs({"test": {"url": ready.read_text(), "token_env": "TEST_MCP_TOKEN"}})
+        unset = hubs({"test": server})
         with pytest.raises(McpUnavailable, match="TEST_MCP_TOKEN"):
             McpEnv(mcp=unset, tasks=tasks({"question": "q", "answer": "9"})).reset(0)
     finally:

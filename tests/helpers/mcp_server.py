@@ -4,6 +4,9 @@ store, and tools that fail, hang, crash and read host files.
     python tests/helpers/mcp_server.py                 # over stdio
     python tests/helpers/mcp_server.py --http FILE     # Streamable HTTP on a free port,
                                                        # its URL written to FILE when ready
+    python tests/helpers/mcp_server.py --sse FILE      # the legacy SSE transport, the same way
+
+Over HTTP, with MCP_TEST_TOKEN set, a request without that bearer token is answered 401.
 
 `server` is the object the in-process tests name (`tests.helpers.mcp_server:server`).
 """
@@ -15,6 +18,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from mcp.server.mcpserver import MCPServer
 
@@ -69,13 +73,31 @@ def read(path: str) -> str:
         return f"cannot read: {type(error).__name__}"
 
 
-def _serve_http(ready: Path) -> None:
+def _requiring(app: Any, token: str) -> Any:
+    """`app` behind a bearer token: any HTTP request without it is answered 401."""
+
+    async def guarded(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != (
+            f"Bearer {token}".encode()
+        ):
+            await send({"type": "http.response.start", "status": 401, "headers": []})
+            await send({"type": "http.response.body", "body": b"a bearer token is required"})
+            return
+        await app(scope, receive, send)
+
+    return guarded
+
+
+def _serve_http(ready: Path, transport: str) -> None:
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = server.streamable_http_app()
+    app = server.streamable_http_app() if transport == "--http" else server.sse_app()
+    path = "/mcp" if transport == "--http" else "/sse"
+    if os.environ.get("MCP_TEST_TOKEN"):
+        app = _requiring(app, os.environ["MCP_TEST_TOKEN"])
     config = uvicorn.Config(app, log_level="warning")
     instance = uvicorn.Server(config)
 
@@ -83,14 +105,14 @@ def _serve_http(ready: Path) -> None:
         task = asyncio.create_task(instance.serve(sockets=[sock]))
         while not instance.started:
             await asyncio.sleep(0.02)
-        ready.write_text(f"http://127.0.0.1:{port}/mcp")
+        ready.write_text(f"http://127.0.0.1:{port}{path}")
         await task
 
     asyncio.run(main())
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--http":
-        _serve_http(Path(sys.argv[2]))
+    if len(sys.argv) == 3 and sys.argv[1] in ("--http", "--sse"):
+        _serve_http(Path(sys.argv[2]), sys.argv[1])
     else:
         server.run()
