@@ -444,3 +444,49 @@ async def test_env_check_checks_an_mcp_env_and_its_tools(start_service, in_proce
     assert report.passed, report.results
     assert report.result("tool_calls").outcome == "pass"
     assert "add" in report.result("tool_calls").detail
+
+
+def test_a_judge_can_ask_the_server_about_its_state(hubs, in_process) -> None:
+    """`judge: tool` calls a tool after the episode: here, was the value stored?"""
+    hub = hubs({"test": in_process})
+    judge = {"type": "tool", "tool": "recall", "arguments": {"key": "colour"}, "contains": "teal"}
+    rows = tasks({"question": "Store teal under colour.", "judge": judge})
+    for value, reward in (("teal", 1.0), ("grey", 0.0)):
+        env = McpEnv(mcp=hub, tasks=rows)
+        env.reset(0)
+        env.step(tool_call_text("remember", {"key": "colour", "value": value}))
+        assert env.step("stored")[1] == reward
+        env.close()
+
+
+def test_the_scored_env_leaves_the_reward_to_the_reward_server(tokenizer, in_process) -> None:
+    from rollwire.rollout.orchestrator.agent import EpisodeRunner
+    from rollwire.services.core.config import AgentConfig, EnvDataset
+    from rollwire.services.core.datasets import EnvTasks
+
+    config = EnvServerConfig(mcp=McpConfig(servers={"test": in_process}))
+    pool = EnvPool([LocalEnvs(config)])
+    rows = tasks({"question": "What is 2 + 3?", "answer": "5", "domain": "reasoning_gym"})
+    task = EnvTasks(EnvDataset(env_id="mcp_scored", env_kwargs={"tasks": rows}, seed=0))[0]
+    actions = [tool_call_text("add", {"a": 2, "b": 3}), "The sum is <answer>5</answer>"]
+    scored = []
+
+    async def score(spec, prompt, response, info):
+        scored.append((spec.env_id, prompt, response, info["reference"], info["domain"]))
+        return 0.75, {"correct": 0.75}
+
+    async def go():
+        specs = await pool.specs()
+        runner = EpisodeRunner(
+            pool, specs, tokenizer, AgentConfig(max_episode_tokens=1024), 64, False,
+            scripted(tokenizer, actions), score,
+        )  # fmt: skip
+        return await runner.run(task, 0, 1.0)
+
+    trajectory = asyncio.run(go())
+    assert scored == [
+        ("mcp_scored", "What is 2 + 3? Use the tools, then reply <answer>...</answer>.",
+         "The sum is <answer>5</answer>", "5", "reasoning_gym"),
+    ]  # fmt: skip
+    assert trajectory.reward == 0.75
+    pool.backends[0].host.close_all()
