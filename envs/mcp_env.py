@@ -1,8 +1,9 @@
 """Any MCP server's tools as an environment: the `mcp` and `mcp_scored` envs.
 
-An episode is a task: a question, the MCP servers whose tools may answer it, the
-files laid down in the episode's own folder before its servers start (its
-fixture), and how the episode is judged. The first observation is the question;
+An episode is a task: a question, the MCP servers whose tools may answer it, its
+fixture (files laid down in the episode's own folder before its servers start, and
+tool calls made once they have, to insert records and the like), and how the
+episode is judged. The first observation is the question;
 `info["tools"]` holds the tools' schemas (JSON text), which the orchestrator renders the way
 the policy's chat template expects (`tools=`) or as plain text.
 
@@ -32,7 +33,8 @@ reach, for a calculator; `task="files"`: a code written in a file, for a file
 reader) or from `tasks`, a JSON-lines file or a list of rows:
 
     {"question": "...", "answer": "...", "servers": ["files"],
-     "fixture": {"files": {"notes/a.txt": "..."}},
+     "fixture": {"files": {"notes/a.txt": "..."},
+                 "calls": [{"name": "remember", "arguments": {"key": "k", "value": "v"}}]},
      "judge": {"type": "file", "path": "out.txt", "contains": "42"},
      "demo": [{"name": "write_file", "arguments": {"path": "out.txt", "content": "42"}}]}
 
@@ -140,6 +142,11 @@ def _rows(tasks: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         files = (row.get("fixture") or {}).get("files", {})
         if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
             raise ValueError(f"{where}: fixture.files maps relative paths to text")
+        calls = (row.get("fixture") or {}).get("calls", [])
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls
+        ):
+            raise ValueError(f"{where}: fixture.calls is a list of {{name, arguments}} tool calls")
     return rows
 
 
@@ -239,6 +246,11 @@ class McpEnv(Env):
             self._episode.open()
         except McpServerLost as error:
             raise EpisodeAborted(str(error)) from None
+        for call in (row.get("fixture") or {}).get("calls") or []:
+            # Records to insert and the like: done through the servers' own tools.
+            result = self._call(call["name"], dict(call.get("arguments") or {}))
+            if result.startswith("error:"):
+                raise ValueError(f"fixture call {call['name']!r} failed: {result[:200]}")
         self._turns, self._done = 0, False
         info = {
             "tools": json.dumps([tool.schema() for tool in self._episode.tools.values()]),

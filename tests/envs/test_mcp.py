@@ -447,8 +447,14 @@ async def test_env_check_checks_an_mcp_env_and_its_tools(start_service, in_proce
 
 
 def test_a_judge_can_ask_the_server_about_its_state(hubs, in_process) -> None:
-    """`judge: tool` calls a tool after the episode: here, was the value stored?"""
+    """A fixture's calls set the server up before the episode; `judge: tool` calls a tool
+    after it: here, was the value stored?"""
     hub = hubs({"test": in_process})
+    fixture = {"calls": [{"name": "remember", "arguments": {"key": "shape", "value": "cube"}}]}
+    seeded = McpEnv(mcp=hub, tasks=tasks({"question": "q", "answer": "x", "fixture": fixture}))
+    seeded.reset(0)
+    assert seeded.step(tool_call_text("recall", {"key": "shape"}))[0] == "cube"
+    seeded.close()
     judge = {"type": "tool", "tool": "recall", "arguments": {"key": "colour"}, "contains": "teal"}
     rows = tasks({"question": "Store teal under colour.", "judge": judge})
     for value, reward in (("teal", 1.0), ("grey", 0.0)):
