@@ -54,16 +54,19 @@ def offered_tools(info: dict[str, Any]) -> list[dict[str, Any]] | None:
     text of a list of function schemas (`{"type": "function", "function": {"name",
     "description", "parameters"}}`, as chat templates take them). Text, not a list:
     the wire's Struct keeps no key order, and a schema's argument order is part of how
-    a tool reads. None when the env offers none."""
+    a tool reads. None when the env offers none, or `info["tools"]` is not that text."""
     import json
 
     tools = info.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
-            return None
-    return tools if isinstance(tools, list) and tools else None
+    if not isinstance(tools, str):
+        return None
+    try:
+        tools = json.loads(tools)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(tools, list) or not tools or not all(isinstance(t, dict) for t in tools):
+        return None
+    return tools
 
 
 class InvalidAction(ValueError):

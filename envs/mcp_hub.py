@@ -255,21 +255,21 @@ class Connection:
         try:
             await asyncio.wait_for(self._ready.wait(), timeout)
         except TimeoutError:
+            tail = self._stderr()  # before close() closes the log
             await self.close()
             raise McpUnavailable(
                 f"MCP server {self.name!r} did not start and list its tools within {timeout:g}s"
-                + (f"; its stderr: {tail}" if (tail := self._stderr()) else "")
+                + (f"; its stderr: {tail}" if tail else "")
             ) from None
         if self.client is None:
-            error = self.error
+            error, tail = _innermost(self.error), self._stderr()
             await self.close()
-            error = _innermost(error)
-            what = f"{type(error).__name__}: {error}" if error is not None else "it exited"
             if isinstance(error, McpUnavailable):
                 raise error
+            what = f"{type(error).__name__}: {error}" if error is not None else "it exited"
             raise McpUnavailable(
                 f"MCP server {self.name!r} failed to start: {what}"
-                + (f"; its stderr: {tail}" if (tail := self._stderr()) else "")
+                + (f"; its stderr: {tail}" if tail else "")
             )
 
     async def call(self, remote: str, arguments: dict[str, Any], timeout: float) -> Any:

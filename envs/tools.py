@@ -253,7 +253,7 @@ class ToolUse(Env):
         info = {
             "reference": str(self._reference),
             "question": question,
-            "tools": list(self.tools),
+            "enabled_tools": list(self.tools),  # not "tools": that key holds tool schemas
             "max_turns": self.max_turns,
         }
         return self.instructions.replace("{question}", question), info

@@ -598,7 +598,8 @@ def confine(
     bwrap = bwrap_path()
     if bwrap is None:
         raise SandboxUnavailable(INSTALL_HINT)
-    command = [bwrap, "--unshare-all", "--die-with-parent", "--new-session"]
+    # /tmp first: a tmpfs mounted after the binds would hide those under it.
+    command = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--tmpfs", "/tmp"]
     if network:
         command.append("--share-net")
     for folder in _SYSTEM:
@@ -615,7 +616,7 @@ def confine(
             command += ["--ro-bind", path, path]
     folder = str(Path(writable).resolve())
     command += [
-        "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+        "--proc", "/proc", "--dev", "/dev",
         "--bind", folder, folder, "--chdir", folder, "--clearenv",
         "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
         "--setenv", "HOME", folder, "--setenv", "TMPDIR", "/tmp",

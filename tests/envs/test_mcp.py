@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rollwire.envs.base import EpisodeAborted
+from rollwire.envs.base import EpisodeAborted, offered_tools
 from rollwire.envs.client import LocalEnvs
 from rollwire.envs.host import EnvCallError, SessionHost
 from rollwire.envs.mcp_env import McpEnv, parse_calls, tool_call_text
@@ -80,6 +80,11 @@ def test_tool_calls_are_read_in_the_hermes_format() -> None:
     assert len(errors) == 3
     assert "not valid JSON" in errors[0] and '{"name"' in errors[1] and "'add'" in errors[2]
     assert parse_calls(tool_call_text("add", {"a": 1})) == ([("add", {"a": 1})], [])
+
+    # `info["tools"]` is JSON text of schemas; another env's list of names there is not.
+    schema = {"type": "function", "function": {"name": "add", "parameters": {}}}
+    assert offered_tools({"tools": json.dumps([schema])}) == [schema]
+    assert offered_tools({"tools": ["calc"]}) is offered_tools({"tools": "[1]"}) is None
 
 
 def test_an_in_process_server_answers_and_every_mistake_is_an_observation(hubs, in_process) -> None:
