@@ -317,7 +317,7 @@ class SessionHost:
     def _provided(self, env_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The env's kwargs with what only the operator provides: the MCP servers of
         `env_server.mcp` for an env that takes `mcp`. A Reset naming them is refused."""
-        if "mcp" not in registry.parameters(env_id):
+        if not registry.takes_mcp(env_id):
             return kwargs
         if "mcp" in kwargs:
             raise self._reject(

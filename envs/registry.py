@@ -87,10 +87,16 @@ def parameters(env_id: str) -> frozenset[str]:
     return frozenset(signature.parameters)
 
 
+def takes_mcp(env_id: str) -> bool:
+    """Whether the env is given the operator's MCP servers (its factory takes `mcp`).
+    Raises UnknownEnv."""
+    return "mcp" in parameters(env_id)
+
+
 def provided(env_id: str, env_server: EnvServerConfig) -> dict[str, Any]:
     """What the operator's config gives an env besides a Reset's kwargs: the MCP servers of
     `env_server.mcp` to an env that takes `mcp`. Raises UnknownEnv."""
-    if "mcp" not in parameters(env_id):
+    if not takes_mcp(env_id):
         return {}
     from rollwire.envs.mcp_hub import hub_for
 

@@ -358,11 +358,7 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
             "agent": agent.model_dump(mode="json"),
             "chat": orchestrator.use_chat_template,
             # An mcp env's tool results come from the operator's servers.
-            **(
-                {"mcp": config.env_server.mcp.model_dump(mode="json")}
-                if _takes_mcp(dataset.env_id)
-                else {}
-            ),
+            "mcp": config.env_server.mcp.model_dump(mode="json"),
         }
     )
     target = cache_dir() / f"warm-{key}"
@@ -416,16 +412,6 @@ def _warm_up_agent(config: RunConfig, base: Path, spec: Any, progress: bool) -> 
     finally:
         if "mcp" in given:  # the MCP servers the demonstrations used
             given["mcp"].close()
-
-
-def _takes_mcp(env_id: str | None) -> bool:
-    """Whether `env_id` is an env the operator's MCP servers serve (unknown ids: no)."""
-    from rollwire.envs import registry
-
-    try:
-        return env_id is not None and "mcp" in registry.parameters(env_id)
-    except registry.UnknownEnv:
-        return False
 
 
 def _built_once(target: Path, build: Callable[[Path], Any]) -> Path:
