@@ -194,10 +194,14 @@ def pack(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def packed_attention(documents: torch.Tensor) -> torch.Tensor:
+def packed_attention(documents: torch.Tensor, *, prefix: bool = False) -> torch.Tensor:
     """[B, 1, T, T] bool attention of packed rows: causal within each document; a padding
-    token sees only itself (a row of nothing would make its softmax NaN)."""
+    token sees only itself (a row of nothing would make its softmax NaN). `prefix`:
+    document 0 is a prompt every document of its row also sees (it comes first:
+    `rollwire.trainer.shared_prefix`)."""
     same = documents[:, :, None] == documents[:, None, :]
+    if prefix:
+        same = same | (documents[:, None, :] == 0)
     length = documents.shape[1]
     causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=documents.device))
     own = torch.eye(length, dtype=torch.bool, device=documents.device)

@@ -154,6 +154,7 @@ class Learner:
         self.config = config
         self.family = family or CausalLM()
         self.family.ranks_in_step = config.backend != "local"
+        self.family.share_prefix = config.batching.share_prefix
         self.model_path = Path(model_path)
         if config.backend == "local":
             # float32 whatever trainer.precision says: these are the master weights. With

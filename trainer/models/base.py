@@ -39,6 +39,10 @@ class ModelFamily(ABC):
     """Set by the learner on a sharded backend: every rank's forward must run the same
     modules, whatever its micro-batch holds (see models/vision_lm.py)."""
 
+    share_prefix: bool = False
+    """Set by the learner (`trainer.batching.share_prefix`): rows that begin with the same
+    prompt compute it once, where the family's forward can (see models/causal_lm.py)."""
+
     weights_stem: str = "model"
     """The stem of a saved folder's safetensors files as the family's `from_pretrained`
     looks for them (`model.safetensors`, or `model-00001-of-00002.safetensors` and

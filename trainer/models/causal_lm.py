@@ -14,6 +14,7 @@ import torch
 
 from rollwire.trainer.batching import TokenBatch, packed_attention
 from rollwire.trainer.models.base import ModelFamily
+from rollwire.trainer.shared_prefix import SharedLayout, share_prefixes, worth_sharing
 
 
 class CausalLM(ModelFamily):
@@ -50,7 +51,13 @@ class CausalLM(ModelFamily):
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
 
     def logits(self, model: Any, batch: TokenBatch, device: torch.device) -> torch.Tensor:
-        """[B, T-1, V] next-token logits for `batch.targets`, in the compute dtype."""
+        """[B, T-1, V] next-token logits for `batch.targets`, in the compute dtype; with
+        `share_prefix`, rows with a common prompt run it once where that costs less
+        (`rollwire.trainer.shared_prefix`), the logits the same."""
+        if self.share_prefix and batch.documents is None:
+            layout = share_prefixes(batch)
+            if layout is not None and worth_sharing(layout, batch, model):
+                return self._shared_logits(model, layout, device)
         inputs: dict[str, torch.Tensor] = {"attention_mask": batch.attention.to(device)}
         if batch.documents is not None:  # packed rows: block-diagonal attention
             inputs = {
@@ -63,6 +70,18 @@ class CausalLM(ModelFamily):
             **inputs,
         )
         return out.logits[:, :-1]
+
+    @staticmethod
+    def _shared_logits(model: Any, layout: SharedLayout, device: torch.device) -> torch.Tensor:
+        """The batch's [B, T-1, V] logits from one forward over `layout`."""
+        out = model(
+            input_ids=layout.input_ids.to(device),
+            attention_mask=packed_attention(layout.documents.to(device), prefix=True),
+            position_ids=layout.positions.to(device),
+            use_cache=False,
+        )
+        flat = out.logits.reshape(-1, out.logits.shape[-1])
+        return flat[layout.index.to(device)]
 
     def save_extras(self, source: Path, folder: Path) -> None:
         """The tokenizer (and the generation config, where the source has one)."""

@@ -86,6 +86,13 @@ class BatchingConfig(StrictModel):
     """Pack sequences, longest first, into forward/backward passes of at most this many
     padded tokens (sequences x the longest of them); a longer sequence goes alone.
     Replaces micro_batch_size when set; the gradient is the same either way."""
+    share_prefix: bool = True
+    """Rows of one pass that begin with the same prompt (a group's samples, a preference
+    pair) compute it once: one row holds the prompt and every response after it, each
+    response attending to the prompt and itself (the logits and gradients are the plain
+    rows', up to float rounding). Used where the model's sizes say it costs less than
+    the plain rows (long responses in large groups stay plain); a causal language model's
+    forward only. False: every row computes its own copy."""
 
 
 class AlgorithmConfig(StrictModel):
