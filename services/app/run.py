@@ -457,17 +457,26 @@ def plot_rewards(run_dir: Path, rows: list[dict], evals: list[dict]) -> Path | N
         return None
     figure, axis = plt.subplots(figsize=(7, 4))
     if rows:
-        axis.plot(
-            [r["step"] for r in rows],
-            [r["reward_mean"] for r in rows],
-            label="training reward (sampled)",
-            alpha=0.6,
-        )
+        steps, rewards = [r["step"] for r in rows], [r["reward_mean"] for r in rows]
+        # Each step's reward is a mean over one batch (noisy): the line to read is the
+        # running mean, the steps stay faint behind it.
+        window = max(1, min(10, len(rows) // 5))
+        axis.plot(steps, rewards, color="tab:blue", alpha=0.25 if window > 1 else 0.6)
+        if window > 1:
+            running = [
+                sum(rewards[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
+                for i in range(len(rewards))
+            ]
+            label = f"training reward (sampled, mean of {window} steps)"
+            axis.plot(steps, running, color="tab:blue", label=label)
+        else:
+            axis.lines[-1].set_label("training reward (sampled)")
     if evals:
         axis.plot(
             [e["policy_version"] for e in evals],
             [e["eval_reward"] for e in evals],
             "o-",
+            color="tab:orange",
             label="held-out eval (greedy)",
         )
     axis.set_xlabel("policy version (optimizer steps)")

@@ -196,7 +196,7 @@ class RLSection(StrictModel):
 class WarmupConfig(StrictModel):
     """A short supervised stage before RL, on the training dataset with another seed."""
 
-    steps: int = Field(300, ge=0)
+    steps: int = Field(800, ge=0)
     """Optimizer steps; 0 skips the stage."""
     batch_size: int = Field(64, ge=1)
     """Examples per step."""
@@ -211,7 +211,7 @@ class WarmupConfig(StrictModel):
     demo_kwargs: dict[str, Any] = {}
     """For an `env` dataset: arguments of the env's scripted demonstrator, whose episodes
     are the warm-up examples (see `rollwire.envs.demos`)."""
-    off_by_one_rate: float = Field(0.6, ge=0, le=1)
+    off_by_one_rate: float = Field(0.9, ge=0, le=1)
     """Fraction of integer answers taught as reference + 1: a deliberately flawed
     starting point, like a model tuned on noisy demonstrations, whose systematic
     mistake the reward can reveal and RL can undo."""

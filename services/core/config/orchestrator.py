@@ -284,7 +284,7 @@ class OrchestratorConfig(StrictModel):
     """Where training prompts come from."""
     eval_dataset: DatasetConfig | None = ReasoningGymDataset(seed=10_000, size=200)
     """Held-out prompts, scored greedily; None disables evaluation."""
-    eval_every: int = Field(20, ge=1)
+    eval_every: int = Field(10, ge=1)
     """Policy versions between evaluations (also at the start and the end)."""
     prompt_template: str = "{expression} ="
     """Python format string over the task's fields (`question` and its metadata keys; chain_sum
