@@ -480,6 +480,51 @@ class Learner:
             )
         return folder
 
+    def checkpoint_writer(
+        self, folder: str | Path, step: int, version: int, extra: dict[str, Any] | None = None
+    ) -> Callable[[], Path] | None:
+        """`save_checkpoint` in two halves, for a checkpoint written while the next steps
+        run: this call copies what the checkpoint holds (the weights, the optimizer's
+        state) and writes what the attached parties save and LoRA's adapters (small); the
+        returned function writes the copies and puts the folder in place whole, from any
+        thread. Until it has, the previous checkpoint stays as it was. None on a sharded
+        backend, whose ranks write their shards together (`save_checkpoint`)."""
+        if self.sharded:
+            return None
+        folder = Path(folder)
+        state = self._trainer_state(step, version, extra)
+        staging = folder.with_name(f".{folder.name}.{os.getpid()}.background")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            with torch.no_grad():
+                if self.config.lora is None:
+                    model, weights = self.model, copied(self.model.state_dict())
+                else:
+                    self.model.save_pretrained(staging / "adapter")
+                    # Merged weights are new tensors already (frozen ones never change).
+                    model, weights = self.model.get_base_model(), dict(self.named_weights())
+            for party in self._parties_with("save_state"):
+                party.save_state(staging, state)
+            optimizer = copied(self.optimizer.state_dict())
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+        def write() -> Path:
+            try:
+                model.save_pretrained(staging, state_dict=weights)
+                self.family.save_extras(self.model_path, staging)
+                torch.save({"optimizer": optimizer, **state}, staging / "trainer_state.pt")
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(staging, folder)
+            return folder
+
+        return write
+
     @collective
     def restore(self, folder: str | Path) -> dict[str, Any]:
         """Loads the weights, optimizer and LR-schedule state of a `save_checkpoint`
@@ -535,6 +580,27 @@ class Learner:
         if "rng" in state:
             torch.set_rng_state(state["rng"])
         return state
+
+
+def copied(tree: Any) -> Any:
+    """`tree` (dicts, lists and tuples of tensors and plain values, as `state_dict`s are)
+    with every tensor copied, tensors that share storage still sharing it (a tied
+    embedding and output head stay one tensor)."""
+    memo: dict[tuple[int, torch.dtype, tuple], torch.Tensor] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            key = (value.data_ptr(), value.dtype, tuple(value.shape))
+            if key not in memo:
+                memo[key] = value.detach().clone()
+            return memo[key]
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    return copy(tree)
 
 
 def seed_initialisation(run_seed: int) -> None:

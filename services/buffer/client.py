@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, TypeVar
@@ -262,8 +263,18 @@ class BufferTrainerClient:
         self._bad_ids: dict[str, list[str]] = {}  # batch id -> ids its ack reports as bad
         self._curve = _client_keys(curve)
         self._socket = _dealer(zmq.Context.instance(), endpoint, self._curve)
+        # One request at a time: the socket is not thread-safe, and the trainer calls from
+        # worker threads (its loop's get and ack beside a background checkpoint's commit),
+        # whose replies would otherwise cross.
+        self._lock = threading.Lock()
 
     def _call(self, parts: list[bytes], expect: tuple[bytes, ...], timeout: float) -> list[bytes]:
+        with self._lock:
+            return self._call_alone(parts, expect, timeout)
+
+    def _call_alone(
+        self, parts: list[bytes], expect: tuple[bytes, ...], timeout: float
+    ) -> list[bytes]:
         deadline = time.monotonic() + timeout
         sent = self._send(parts, deadline)
         remaining = max(0.0, deadline - time.monotonic())

@@ -141,6 +141,31 @@ async def test_a_waiting_get_is_answered_when_data_arrives(buffer_server) -> Non
         trainer.close()
 
 
+def test_the_trainer_client_answers_calls_from_several_threads_in_step(buffer_server) -> None:
+    """The trainer's loop waits for a batch on one thread while a background
+    checkpoint's commit runs on another: each call must get its own reply."""
+    trainer = BufferTrainerClient(buffer_server.endpoints["trainer"], timeout=5)
+    answers: list[object] = []
+
+    def waits() -> None:
+        for _ in range(3):
+            answers.append(trainer.get_batch(0, 1, 0.2))  # nothing there: None each time
+
+    def commits() -> None:
+        for _ in range(20):
+            answers.append(trainer.commit(["never-served"]))
+
+    try:
+        threads = [threading.Thread(target=waits), threading.Thread(target=commits)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert sorted(map(repr, answers)) == sorted(["None"] * 3 + ["0"] * 20)
+    finally:
+        trainer.close()
+
+
 @pytest.mark.integration
 def test_garbage_gets_an_answer_and_the_buffer_keeps_serving(buffer_server) -> None:
     socket = zmq.Context.instance().socket(zmq.DEALER)

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,14 @@ async def train(
             due = trainer.checkpointing.every and state.step % trainer.checkpointing.every == 0
             if due or state.checkpoint_requests:
                 with phases.phase("checkpoint"):
-                    await checkpoint(policy, state, run_dir, buffer, trainer.batch_timeout_seconds)
+                    await checkpoint(
+                        policy,
+                        state,
+                        run_dir,
+                        buffer,
+                        trainer.batch_timeout_seconds,
+                        background=trainer.checkpointing.background,
+                    )
             # The step's breakdown: waiting, the model's phases (`train_step` timed them),
             # publishing, acknowledging, checkpointing; and the CPU the process used.
             metrics.update(phases.take())
@@ -167,6 +175,10 @@ async def train(
     finally:
         if state.publishing is not None:
             state.publishing.cancel()
+        if state.writing is not None and not state.writing.done():
+            # Stopped on an error: let the write end (or fail) on its own; the folder
+            # appears whole or not at all.
+            await asyncio.wait([state.writing], timeout=trainer.batch_timeout_seconds)
         watchdog.stop()
         metrics_log.close()
         trained_log.close()
@@ -348,34 +360,106 @@ async def checkpoint(
     run_dir: Path,
     buffer: BufferTrainerClient | None = None,
     patience: float = 60.0,
+    *,
+    background: bool = False,
 ) -> str:
     """Writes a checkpoint (atomically), then lets the buffer go of what it holds.
 
     The ids trained since the last checkpoint are saved in it: a trainer that dies
     between writing it and the buffer's commit sends them again when it resumes.
+
+    `background`: the weights and optimizer state are copied now and written while the
+    next steps run (`Policy.checkpoint_writer`); the commit, the log line and the
+    answers to checkpoint requests wait for the write, and the next checkpoint (or the
+    end) waits for this one. Returns the folder's path either way (in the background,
+    before it exists). A sharded backend writes before returning.
     """
+    if state.writing is not None:
+        await state.writing  # one checkpoint at a time, in order
+        state.writing = None
     state.state = "checkpointing"
-    folder = run_dir / "checkpoints" / f"step_{state.step:06d}"
+    step = state.step
+    folder = run_dir / "checkpoints" / f"step_{step:06d}"
     uncommitted = list(state.uncommitted_ids)
-    path = str(
-        await asyncio.to_thread(
-            policy.save_checkpoint,
-            folder,
-            state.step,
-            state.version,
-            {"uncommitted_ids": uncommitted},
+    # The requests made until now are answered by this checkpoint; later ones by the next.
+    requests, state.checkpoint_requests = state.checkpoint_requests, []
+    done = Written(step, uncommitted, requests, time.perf_counter())
+    extra = {"uncommitted_ids": uncommitted}
+    writer = None
+    if background:
+        writer = await asyncio.to_thread(
+            policy.checkpoint_writer, folder, step, state.version, extra
         )
+    if writer is None:
+        path = await asyncio.to_thread(policy.save_checkpoint, folder, step, state.version, extra)
+        return await done.settle(str(path), state, buffer, patience, background=False)
+    state.writing = asyncio.create_task(
+        _write_in_background(writer, done, state, buffer, patience), name=f"checkpoint {step}"
     )
-    state.last_checkpoint = path
-    log.info("checkpoint written", extra={"path": path, "step": state.step})
-    if buffer is not None and uncommitted:
-        await _buffer_call(functools.partial(buffer.commit, uncommitted), "commit", patience, state)
-        del state.uncommitted_ids[: len(uncommitted)]
-    for request in state.checkpoint_requests:
-        if not request.done():
-            request.set_result(path)
-    state.checkpoint_requests.clear()
-    return path
+    return str(folder)
+
+
+async def _write_in_background(
+    writer: Callable[[], Path],
+    done: Written,
+    state: TrainerState,
+    buffer: BufferTrainerClient | None,
+    patience: float,
+) -> str:
+    try:
+        path = str(await asyncio.to_thread(writer))
+    except Exception as error:
+        # Nothing is committed: the buffer keeps the batches, a restart trains them again.
+        COUNTERS.inc("trainer_checkpoint_failures")
+        log.error("checkpoint not written", extra={"step": done.step, "error": repr(error)})
+        for request in done.requests:
+            if not request.done():
+                request.set_exception(error)
+        raise
+    return await done.settle(path, state, buffer, patience, background=True)
+
+
+class Written:
+    """What follows a checkpoint once its folder is in place."""
+
+    def __init__(
+        self, step: int, uncommitted: list[str], requests: list[asyncio.Future[str]], started: float
+    ) -> None:
+        self.step, self.uncommitted, self.requests, self.started = (
+            step,
+            uncommitted,
+            requests,
+            started,
+        )
+
+    async def settle(
+        self,
+        path: str,
+        state: TrainerState,
+        buffer: BufferTrainerClient | None,
+        patience: float,
+        *,
+        background: bool,
+    ) -> str:
+        """The buffer commits the batches the checkpoint holds; its requests are answered."""
+        state.last_checkpoint = path
+        log.info(
+            "checkpoint written",
+            extra={
+                "path": path,
+                "step": self.step,
+                "seconds": round(time.perf_counter() - self.started, 3),
+                "background": background,
+            },
+        )
+        if buffer is not None and self.uncommitted:
+            commit = functools.partial(buffer.commit, self.uncommitted)
+            await _buffer_call(commit, "commit", patience, state)
+            del state.uncommitted_ids[: len(self.uncommitted)]
+        for request in self.requests:
+            if not request.done():
+                request.set_result(path)
+        return path
 
 
 async def run(config: RunConfig, model_path: Path) -> int:

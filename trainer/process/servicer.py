@@ -39,6 +39,9 @@ class TrainerState:
         self.publishing: asyncio.Task[float] | None = None
         """The weights of the last step on their way to the rollout-servers
         (`trainer.weights.overlap_publish`), until the next step waits for them."""
+        self.writing: asyncio.Task[str] | None = None
+        """A checkpoint being written while the steps go on
+        (`trainer.checkpointing.background`), until the next checkpoint waits for it."""
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):

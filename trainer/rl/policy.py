@@ -13,6 +13,7 @@ family and step may be given: a run's pipeline names them (the trainer process's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,12 @@ class Policy:
     ) -> Path:
         """A checkpoint with the step's state (`Learner.save_checkpoint`)."""
         return self.learner.save_checkpoint(folder, step, version, extra)
+
+    def checkpoint_writer(
+        self, folder: str | Path, step: int, version: int, extra: dict[str, Any] | None = None
+    ) -> Callable[[], Path] | None:
+        """A checkpoint written while the next steps run (`Learner.checkpoint_writer`)."""
+        return self.learner.checkpoint_writer(folder, step, version, extra)
 
     def restore(self, folder: str | Path) -> dict[str, Any]:
         """Back to a checkpoint (`Learner.restore`); its trainer state."""

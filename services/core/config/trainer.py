@@ -172,6 +172,12 @@ class CheckpointingConfig(StrictModel):
     resume: bool = True
     """Start from the newest checkpoint under run.output_dir/checkpoints when there is one
     (a restarted trainer carries on where its checkpoint left off)."""
+    background: bool = True
+    """Write checkpoints while the next steps run: the weights and optimizer state are
+    copied at the step (memory for one more copy of each) and written by a thread; the
+    buffer lets go of the checkpoint's batches only once it is in place, and a crash
+    while it is written leaves the previous one whole. The final checkpoint, and any on
+    a sharded backend (its ranks write together), are written before going on."""
 
 
 class WeightsConfig(StrictModel):
