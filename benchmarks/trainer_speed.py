@@ -54,9 +54,16 @@ def model_folder(path: Path | None, scratch: Path) -> Path:
         return path
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from transformers import AutoTokenizer
+
+    from rollwire.services.core.tiny import ensure_tiny_model
+
     torch.manual_seed(0)
     folder = scratch / "smollm2-shape"
     LlamaForCausalLM(LlamaConfig(**SMOLLM2)).save_pretrained(folder)
+    # A checkpoint saves the tokenizer beside the weights: the built-in one stands in
+    # (the random weights' vocabulary is only a size).
+    AutoTokenizer.from_pretrained(ensure_tiny_model(scratch / "tiny")).save_pretrained(folder)
     return folder
 
 
