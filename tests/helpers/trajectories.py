@@ -17,28 +17,42 @@ REWARDS = [1.0, 0.0, 1.0, 0.0]
 _ORDINALS: dict[str, int] = {}
 
 
+def tokens(
+    ids: list[int],
+    mask: list[int],
+    index: int = 0,
+    reward: float = 0.0,
+    version: int = 0,
+    group_id: str = "g",
+    ordinal: int = 0,
+) -> Trajectory:
+    """Sample `index` of `group_id` with these token ids and loss mask; behaviour logprobs
+    all 0 (a fixed, off-policy mu), generated tokens of policy `version`."""
+    loss = np.array(mask, np.uint8)
+    return Trajectory(
+        trajectory_id=f"{group_id}{index}",
+        group_id=group_id,
+        task_id=group_id,
+        sample_index=index,
+        prompt_ordinal=ordinal,
+        source="test",
+        domain="test",
+        token_ids=np.array(ids, np.int32),
+        loss_mask=loss,
+        behaviour_logprobs=np.zeros(len(ids), np.float32),
+        policy_versions=np.where(loss == 1, version, -1).astype(np.int64),
+        reward=reward,
+    )
+
+
 def group(rewards: list[float] = REWARDS, version: int = 0) -> list[Trajectory]:
-    """One group of RESPONSES to PROMPT; behaviour logprobs all 0 (a fixed, off-policy mu)."""
+    """One group of RESPONSES to PROMPT (`tokens`), trajectory ids t0, t1, ..."""
     out = []
     for index, (response, reward) in enumerate(zip(RESPONSES, rewards, strict=True)):
-        ids = np.array(PROMPT + response, np.int32)
-        mask = np.array([0] * len(PROMPT) + [1] * len(response), np.uint8)
-        out.append(
-            Trajectory(
-                trajectory_id=f"t{index}",
-                group_id="g",
-                task_id="g",
-                sample_index=index,
-                prompt_ordinal=0,
-                source="test",
-                domain="test",
-                token_ids=ids,
-                loss_mask=mask,
-                behaviour_logprobs=np.zeros(len(ids), np.float32),
-                policy_versions=np.where(mask == 1, version, -1).astype(np.int64),
-                reward=reward,
-            )
-        )
+        mask = [0] * len(PROMPT) + [1] * len(response)
+        sample = tokens(PROMPT + response, mask, index, reward, version)
+        sample.trajectory_id = f"t{index}"
+        out.append(sample)
     return out
 
 

@@ -3,7 +3,6 @@ the logprobs, the proximal pass and the gradients equal to the plain rows'."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from rollwire.services.core.config import RLSection, TrainerConfig
@@ -11,36 +10,18 @@ from rollwire.services.core.wire import Trajectory
 from rollwire.trainer.batching import collate, packed_attention, per_token_advantages
 from rollwire.trainer.rl.policy import Policy
 from rollwire.trainer.shared_prefix import pass_cost, share_prefixes
-from tests.helpers.trajectories import PROMPT, group
+from tests.helpers.trajectories import PROMPT, group, tokens
 
 
 def other_prompt() -> list[Trajectory]:
     """Two samples of a second prompt that begins like PROMPT and then differs, one of
     them a two-turn episode (an observation between its generated spans)."""
-    out = []
     prompt = [*PROMPT[:3], 5, 6]
-    for index, (response, mask) in enumerate(
-        [([41, 42, 1], [1, 1, 1]), ([43, 7, 8, 44, 1], [1, 0, 0, 1, 1])]
-    ):
-        ids = np.array(prompt + response, np.int32)
-        loss = np.array([0] * len(prompt) + mask, np.uint8)
-        out.append(
-            Trajectory(
-                trajectory_id=f"o{index}",
-                group_id="o",
-                task_id="o",
-                sample_index=index,
-                prompt_ordinal=1,
-                source="test",
-                domain="test",
-                token_ids=ids,
-                loss_mask=loss,
-                behaviour_logprobs=np.zeros(len(ids), np.float32),
-                policy_versions=np.where(loss == 1, 0, -1).astype(np.int64),
-                reward=float(index),
-            )
-        )
-    return out
+    spans = [([41, 42, 1], [1, 1, 1]), ([43, 7, 8, 44, 1], [1, 0, 0, 1, 1])]
+    return [
+        tokens(prompt + response, [0] * len(prompt) + mask, i, float(i), group_id="o", ordinal=1)
+        for i, (response, mask) in enumerate(spans)
+    ]
 
 
 def test_the_layout_by_hand() -> None:
@@ -50,23 +31,7 @@ def test_the_layout_by_hand() -> None:
         ([5, 6, 7, 10], [0, 0, 0, 1]),
         ([5, 4, 11], [0, 0, 1]),
     ]
-    trajectories = [
-        Trajectory(
-            trajectory_id=str(i),
-            group_id="g",
-            task_id="g",
-            sample_index=i,
-            prompt_ordinal=0,
-            source="test",
-            domain="test",
-            token_ids=np.array(ids, np.int32),
-            loss_mask=np.array(mask, np.uint8),
-            behaviour_logprobs=np.zeros(len(ids), np.float32),
-            policy_versions=np.zeros(len(ids), np.int64),
-            reward=0.0,
-        )
-        for i, (ids, mask) in enumerate(rows)
-    ]
+    trajectories = [tokens(ids, mask, i) for i, (ids, mask) in enumerate(rows)]
     batch = collate(trajectories, 0)
     layout = share_prefixes(batch)
     assert layout is not None
