@@ -52,9 +52,7 @@ SMOLLM2 = {
 def model_folder(path: Path | None, scratch: Path) -> Path:
     if path is not None and path.exists():
         return path
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from rollwire.services.core.tiny import ensure_tiny_model
 

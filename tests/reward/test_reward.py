@@ -82,6 +82,10 @@ def length(item):
 def slow(item):
     time.sleep(0.5)
     return Score(-1.0, {})
+
+def slower(item):
+    time.sleep(1.0)
+    return Score(-1.0, {})
 """
 
 
@@ -94,6 +98,7 @@ async def reward_stub(start_service, tmp_path, monkeypatch):
         "test_hang": "my_scorers:hang",
         "length": "my_scorers:length",
         "slow": "my_scorers:slow",
+        "slower": "my_scorers:slower",
     }
     config = RewardServerConfig(
         max_batch_items=4,
@@ -170,16 +175,21 @@ async def test_a_failing_or_slow_scorer_costs_only_its_item(reward_stub) -> None
 async def test_slow_items_end_before_the_calls_deadline_instead_of_failing_it(
     reward_stub,
 ) -> None:
-    """Four 0.5 s items on two workers need 1 s; a 0.8 s deadline gets the two that fit and
-    error flags for the rest, where the whole call used to fail with DEADLINE_EXCEEDED."""
+    """Four 1 s items on two workers need 2 s; a 2.1 s deadline gets the two that fit and
+    error flags for the rest, where the whole call used to fail with DEADLINE_EXCEEDED.
+
+    The server ends items 10% before the deadline (1.89 s): the second pair cannot be done
+    by then (2 s at the least), and the first pair has 0.89 s to spare for a busy machine's
+    scheduling (0.5 s items under a 0.8 s deadline left 0.2 s, and a loaded CI run once
+    got only one of them back in time)."""
     reward_stub, servicer = reward_stub
     warm = [item(str(i), domain="length") for i in range(2)]  # both workers started
     await reward_stub.Score(reward_pb2.ScoreRequest(items=warm), timeout=30)
     reply = await reward_stub.Score(
         reward_pb2.ScoreRequest(
-            items=[item(str(i), domain="slow") for i in range(4)], item_timeout_seconds=5
+            items=[item(str(i), domain="slower") for i in range(4)], item_timeout_seconds=5
         ),
-        timeout=0.8,
+        timeout=2.1,
     )
     results = sorted(reply.results, key=lambda r: r.item_id)
     assert len(results) == 4
