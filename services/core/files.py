@@ -91,6 +91,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def remove_unfinished_checkpoints(run_dir: Path) -> list[Path]:
+    """Removes the staging folders of checkpoints a trainer did not finish writing (it
+    died mid-write: `.step_*` beside the `step_*` folders); returns what it removed. Only
+    for a trainer starting up: no write of its run is in flight then."""
+    removed = []
+    for staging in sorted((Path(run_dir) / "checkpoints").glob(".step_*")):
+        if staging.is_dir():
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """The records of a JSON-lines log another process may be writing: none when it does
     not exist yet, and up to (not including) a last line still being written."""

@@ -106,3 +106,22 @@ def test_the_buffer_commits_once_the_folder_is_in_place(tiny_model_path, tmp_pat
     assert buffer.commits == [(["a", "b"], True), (["c"], True)]
     assert state.uncommitted_ids == []
     assert state.last_checkpoint.endswith("step_000004")
+
+
+def test_a_trainer_starting_up_removes_what_a_dead_one_left_half_written(tmp_path) -> None:
+    from rollwire.services.core.files import latest_checkpoint, remove_unfinished_checkpoints
+
+    checkpoints = tmp_path / "checkpoints"
+    whole = checkpoints / "step_000003"
+    whole.mkdir(parents=True)
+    (whole / "trainer_state.pt").write_bytes(b"state")
+    for name in (".step_000004.123.background", ".step_000004.partial"):
+        (checkpoints / name).mkdir()
+        (checkpoints / name / "model.safetensors").write_bytes(b"half")
+    removed = remove_unfinished_checkpoints(tmp_path)
+    assert sorted(p.name for p in removed) == [
+        ".step_000004.123.background",
+        ".step_000004.partial",
+    ]
+    assert [p.name for p in checkpoints.iterdir()] == ["step_000003"]
+    assert latest_checkpoint(tmp_path) == whole

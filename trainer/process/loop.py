@@ -27,7 +27,7 @@ from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc
 from rollwire.services.buffer.client import BufferError, BufferTrainerClient
 from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.core.config import RunConfig
-from rollwire.services.core.files import latest_checkpoint
+from rollwire.services.core.files import latest_checkpoint, remove_unfinished_checkpoints
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.retry import RetryPolicy, call_with_retries
 from rollwire.services.core.server import Registration, ServiceRuntime
@@ -76,6 +76,8 @@ async def resume(
     version j + 1, so policy versions run ahead of steps from then on.
     """
     run_dir = Path(config.run.output_dir)
+    for staging in remove_unfinished_checkpoints(run_dir):
+        log.warning("removed a checkpoint left half-written", extra={"path": str(staging)})
     folder = latest_checkpoint(run_dir) if config.trainer.checkpointing.resume else None
     committed: list[str] = []
     if folder is not None:
