@@ -30,7 +30,6 @@ from typing import Any, TypeVar
 import torch
 
 from rollwire.services.core.config import LoraConfig, RunConfig, TrainerConfig
-from rollwire.services.core.files import staged_directory
 from rollwire.trainer.backends import (
     LocalBackend,
     TrainBackend,
@@ -463,22 +462,7 @@ class Learner:
                 os.replace(staging, folder)
             self.backend.barrier()
             return folder
-        with staged_directory(folder) as staging:
-            if self.config.lora is None:
-                self.model.save_pretrained(staging)
-            else:
-                self.model.save_pretrained(staging / "adapter")
-                # The plain model's config and names, the merged weights.
-                self.model.get_base_model().save_pretrained(
-                    staging, state_dict=dict(self.named_weights())
-                )
-            self.family.save_extras(self.model_path, staging)
-            for party in self._parties_with("save_state"):
-                party.save_state(staging, state)
-            torch.save(
-                {"optimizer": self.optimizer.state_dict(), **state}, staging / "trainer_state.pt"
-            )
-        return folder
+        return self._local_writer(folder, state, copy=False)()
 
     def checkpoint_writer(
         self, folder: str | Path, step: int, version: int, extra: dict[str, Any] | None = None
@@ -491,22 +475,30 @@ class Learner:
         backend, whose ranks write their shards together (`save_checkpoint`)."""
         if self.sharded:
             return None
-        folder = Path(folder)
         state = self._trainer_state(step, version, extra)
-        staging = folder.with_name(f".{folder.name}.{os.getpid()}.background")
+        return self._local_writer(Path(folder), state, copy=True)
+
+    def _local_writer(self, folder: Path, state: dict, *, copy: bool) -> Callable[[], Path]:
+        """A local backend's checkpoint: the parties' state and LoRA's adapters go into a
+        staging folder now, the weights and optimizer state are taken now (copied with
+        `copy`, so that steps may run before the write) and written by the function
+        returned, which then puts the folder in place whole."""
+        staging = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
+        taken = copied if copy else (lambda tree: tree)
         try:
             with torch.no_grad():
                 if self.config.lora is None:
-                    model, weights = self.model, copied(self.model.state_dict())
+                    model, weights = self.model, taken(self.model.state_dict())
                 else:
                     self.model.save_pretrained(staging / "adapter")
-                    # Merged weights are new tensors already (frozen ones never change).
+                    # The plain model's config and names, the merged weights (new tensors
+                    # already; frozen ones never change).
                     model, weights = self.model.get_base_model(), dict(self.named_weights())
             for party in self._parties_with("save_state"):
                 party.save_state(staging, state)
-            optimizer = copied(self.optimizer.state_dict())
+            optimizer = taken(self.optimizer.state_dict())
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -461,16 +461,18 @@ def plot_rewards(run_dir: Path, rows: list[dict], evals: list[dict]) -> Path | N
         # Each step's reward is a mean over one batch (noisy): the line to read is the
         # running mean, the steps stay faint behind it.
         window = max(1, min(10, len(rows) // 5))
-        axis.plot(steps, rewards, color="tab:blue", alpha=0.25 if window > 1 else 0.6)
-        if window > 1:
+        if window == 1:
+            axis.plot(
+                steps, rewards, color="tab:blue", alpha=0.6, label="training reward (sampled)"
+            )
+        else:
             running = [
-                sum(rewards[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
+                sum(rewards[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
                 for i in range(len(rewards))
             ]
+            axis.plot(steps, rewards, color="tab:blue", alpha=0.25)
             label = f"training reward (sampled, mean of {window} steps)"
             axis.plot(steps, running, color="tab:blue", label=label)
-        else:
-            axis.lines[-1].set_label("training reward (sampled)")
     if evals:
         axis.plot(
             [e["policy_version"] for e in evals],

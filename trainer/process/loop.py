@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -421,18 +422,15 @@ async def _write_in_background(
     return await done.settle(path, state, buffer, patience, background=True)
 
 
+@dataclass
 class Written:
-    """What follows a checkpoint once its folder is in place."""
+    """What follows a checkpoint once its folder is in place: the batches it holds to
+    commit, the requests it answers."""
 
-    def __init__(
-        self, step: int, uncommitted: list[str], requests: list[asyncio.Future[str]], started: float
-    ) -> None:
-        self.step, self.uncommitted, self.requests, self.started = (
-            step,
-            uncommitted,
-            requests,
-            started,
-        )
+    step: int
+    uncommitted: list[str]
+    requests: list[asyncio.Future[str]]
+    started: float
 
     async def settle(
         self,
