@@ -142,6 +142,8 @@ def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_a_stopped_student_resumes_from_its_checkpoint_exactly(tmp_path, teacher) -> None:
+    """The losses and the EMA's samples of a run stopped at step 4 and resumed from its
+    step-2 checkpoint equal an unbroken run's."""
     pairs = tmp_path / "pairs"
     small = [*SMALL, f"ode_distill.teacher_model_path={teacher}"]
 
@@ -154,15 +156,20 @@ def test_a_stopped_student_resumes_from_its_checkpoint_exactly(tmp_path, teacher
             *small,
             "ode_distill.checkpoint_every=2",
             "ode_distill.eval_steps=[1]",
+            "ode_distill.ema_decay=0.5",
             *sets,
         )
         return jsonl(tmp_path / name / "metrics" / "ode-distill.jsonl")
 
-    straight = [row for row in run("straight", "ode_distill.max_steps=6") if row["step"]]
+    straight = run("straight", "ode_distill.max_steps=6")
     first = run("cut", "ode_distill.max_steps=4")
     again = run("cut", "ode_distill.max_steps=6")[len(first) :]
     assert [row["step"] for row in again] == [3, 4, 5, 6]
     for ours in again:
         theirs = next(row for row in straight if row["step"] == ours["step"])
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6), ours["step"]
-    assert Path(tmp_path / "cut" / "checkpoints" / "step_000002").is_dir()
+    # The evaluation after the last step samples the EMA, restored from step 2's checkpoint.
+    assert again[-1]["steps1_frechet"] == pytest.approx(straight[-1]["steps1_frechet"], rel=1e-6)
+    assert straight[-1]["steps1_frechet"] != pytest.approx(straight[0]["steps1_frechet"])
+    assert Path(tmp_path / "cut" / "checkpoints" / "step_000002" / "ema").is_dir()
+    assert (tmp_path / "cut" / "final_ema" / "config.json").exists()

@@ -32,7 +32,6 @@ GAN head and its optimizer (`gan_head.pt`) and the EMA (`ema/`).
 
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ import torch
 
 from rollwire.services.core.config import RunConfig
 from rollwire.trainer.learner import Learner
+from rollwire.trainer.pipelines.average import WeightAverage
 
 FAMILY = "rollwire.trainer.models.flow_denoiser:FlowDenoiser"
 
@@ -82,8 +82,6 @@ class DMDStep:
                 "local and trainer.world_size 1"
             )
         dmd = config.dmd
-        if dmd.ema_decay is not None and config.trainer.lora is not None:
-            raise ValueError("dmd.ema_decay averages full weights: unset it or trainer.lora")
         self.learner, self.dmd, self.run_seed = learner, dmd, config.run.seed
         fake_optimizer = config.trainer.optimizer.model_copy(
             update={
@@ -97,9 +95,11 @@ class DMDStep:
             family_for(FAMILY, teacher, config),
             total_updates=dmd.steps * dmd.fake_updates,
         )
-        self.ema = None
-        if dmd.ema_decay is not None:
-            self.ema = copy.deepcopy(learner.model).eval().requires_grad_(False)
+        self.ema = (
+            None
+            if dmd.ema_decay is None
+            else WeightAverage(learner, dmd.ema_decay, "dmd.ema_decay")
+        )
         self.head: GanHead | None = None
         self._features: list[torch.Tensor] = []
         self._recording = False
@@ -262,9 +262,7 @@ class DMDStep:
         backend.backward(loss)
         metrics.update(self.learner.optimizer_update())
         if self.ema is not None:
-            from rollwire.diffusion.distill import ema_update
-
-            ema_update(self.ema, self.learner.model, self.dmd.ema_decay)
+            self.ema.update()
         metrics["step_seconds"] = time.perf_counter() - started
         return metrics
 
@@ -281,7 +279,7 @@ class DMDStep:
         generators = [torch.Generator().manual_seed(int(seed) + 1) for seed in seeds]
         with torch.no_grad():
             images = few_step_sample(
-                self.generator(self.ema),
+                self.generator(None if self.ema is None else self.ema.model),
                 noise.to(self.learner.device),
                 labels.to(self.learner.device),
                 student_times(steps),
@@ -301,13 +299,7 @@ class DMDStep:
                 folder / "gan_head.pt",
             )
         if self.ema is not None:
-            self.save_ema(folder / "ema")
-
-    def save_ema(self, folder: Path) -> Path:
-        """The EMA as a model folder the flow-denoiser family loads."""
-        self.ema.save_pretrained(folder)
-        self.learner.family.save_extras(self.learner.model_path, folder)
-        return folder
+            self.ema.save(folder / "ema")
 
     def load_state(self, folder: Path, state: dict[str, Any]) -> None:
         rng = torch.get_rng_state()
@@ -318,7 +310,7 @@ class DMDStep:
             self.head.load_state_dict(saved["head"])
             self.head_optimizer.load_state_dict(saved["optimizer"])
         if self.ema is not None:
-            self.ema.load_state_dict(self.learner.family.load_weights(folder / "ema"))
+            self.ema.load(folder / "ema")
 
     def close(self) -> None:
         self.fake.backend.close()
@@ -381,7 +373,7 @@ def _lead(config: RunConfig, step: DMDStep, teacher: Path) -> int:
         checkpoint_every=dmd.checkpoint_every,
     )
     print(f"{dmd.steps} steps in {seconds:.0f} s")
-    ema = step.save_ema(run_dir / "final_ema") if step.ema is not None else None
+    ema = step.ema.save(run_dir / "final_ema") if step.ema is not None else None
     plot = quality.summary(path)
     print(
         f"generator: {final}"

@@ -27,6 +27,7 @@ import torch
 
 from rollwire.services.core.config import RunConfig
 from rollwire.trainer.learner import Learner, collective
+from rollwire.trainer.pipelines.average import WeightAverage
 from rollwire.trainer.pipelines.common import run_pipeline, split_data, train_steps
 
 FAMILY = "rollwire.trainer.models.flow_denoiser:FlowDenoiser"
@@ -81,14 +82,22 @@ def _stack(rows: list[Row]) -> tuple[torch.Tensor, ...]:
 class ODEDistillStep:
     """The student's update and its sampling, on every rank (see the module docstring)."""
 
-    def __init__(self, learner: Learner) -> None:
+    def __init__(self, learner: Learner, ema_decay: float | None = None) -> None:
         self.learner = learner
+        self.ema = (
+            None
+            if ema_decay is None
+            else WeightAverage(learner, ema_decay, "ode_distill.ema_decay")
+        )
         learner.attach(self, "ode_distill")
 
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def velocity(
+        self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, model: Any = None
+    ) -> torch.Tensor:
+        """The student's velocity (another module's, such as its EMA, with `model`)."""
         from rollwire.trainer.models.flow_denoiser import Noised
 
-        return self.learner.forward(Noised(x, t, labels)).float()
+        return self.learner.forward(Noised(x, t, labels), model).float()
 
     def _share(self, count: int) -> list[int]:
         from rollwire.trainer.batching import rank_share
@@ -137,6 +146,8 @@ class ODEDistillStep:
         metrics = {"loss": summed["loss"] / len(x), "rows": float(len(x))}
         if update:
             metrics.update(learner.optimizer_update())
+            if self.ema is not None:
+                self.ema.update()
             metrics["step_seconds"] = time.perf_counter() - started
         return metrics
 
@@ -144,15 +155,16 @@ class ODEDistillStep:
     def sample(
         self, noise: torch.Tensor, labels: torch.Tensor, steps: int, renoise: str, seeds: list[int]
     ) -> np.ndarray:
-        """The student's samples of `labels` from `noise` in `steps` steps (fresh noise from
-        each sample's seed), as [N, C, H, W] numpy."""
+        """The student's (its EMA's) samples of `labels` from `noise` in `steps` steps
+        (fresh noise from each sample's seed), as [N, C, H, W] numpy."""
         from rollwire.diffusion.distill import few_step_sample, student_times
 
         device = self.learner.device
         generators = [torch.Generator().manual_seed(int(seed) + 1) for seed in seeds]
         with torch.no_grad():
+            model = None if self.ema is None else self.ema.model
             images = few_step_sample(
-                self.velocity,
+                lambda x, t, labels: self.velocity(x, t, labels, model),
                 noise.to(device),
                 labels.to(device),
                 student_times(steps),
@@ -161,11 +173,26 @@ class ODEDistillStep:
             )
         return images.float().clamp(-1, 1).cpu().numpy()
 
+    def save_state(self, folder: Path, state: dict[str, Any]) -> None:
+        if self.ema is not None:
+            self.ema.save(folder / "ema")
+
+    def load_state(self, folder: Path, state: dict[str, Any]) -> None:
+        if self.ema is not None:
+            self.ema.load(folder / "ema")
+
 
 def run_student(config: RunConfig, argv: list[str] | None = None) -> int:
     """The student phase: `run_pipeline` with `ODEDistillStep` on the flow denoiser."""
     return run_pipeline(
-        config, "ode-distill", config.ode_distill, prepare, _lead, argv, ODEDistillStep, FAMILY
+        config,
+        "ode-distill",
+        config.ode_distill,
+        prepare,
+        _lead,
+        argv,
+        lambda learner: ODEDistillStep(learner, config.ode_distill.ema_decay),
+        FAMILY,
     )
 
 
@@ -225,6 +252,12 @@ def _lead(
         lambda metrics: {"loss": f"{metrics['loss']:.4f}"},
     )
     print(f"{steps} steps in {seconds:.0f} s")
+    ema = step.ema.save(run_dir / "final_ema") if step.ema is not None else None
     plot = quality.summary(path)
-    print(f"model: {final}\nmetrics: {path}" + (f"\nplot: {plot}" if plot else ""))
+    print(
+        f"model: {final}"
+        + (f"\nits EMA (measured above): {ema}" if ema else "")
+        + f"\nmetrics: {path}"
+        + (f"\nplot: {plot}" if plot else "")
+    )
     return 0

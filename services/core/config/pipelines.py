@@ -248,6 +248,9 @@ class ODEDistillConfig(PipelineData, StudentEvaluation):
     """Steps between evaluations (also before the first and after the last); 0: those two."""
     data_batch: int = Field(256, ge=1)
     """Trajectories a rollout-server is asked for at once (one file of `data` each)."""
+    ema_decay: float | None = Field(None, gt=0, lt=1)
+    """An exponential moving average of the student's weights with this decay, saved
+    beside it (`final_ema`) and evaluated in its place; unset: none."""
 
     @model_validator(mode="after")
     def _fits(self) -> ODEDistillConfig:
