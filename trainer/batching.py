@@ -244,25 +244,66 @@ def split_rows(size: int, parts: int) -> list[list[int]]:
     return runs
 
 
-def pack_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def prefix_runs(batch: TokenBatch) -> tuple[list[list[int]], list[int], list[int]]:
+    """(the runs of rows that share their tokens up to their first trained token, in
+    batch order; each row's count of shareable tokens before its segment; each row's
+    length): the rows `shared_prefix.share_prefixes` lays out as one row, and what
+    `micro_batches` keeps in one pass."""
+    lengths = batch.attention.sum(dim=1).tolist()
+    size = batch.mask.shape[0]
+    trained = batch.mask > 0
+    has = trained.any(dim=1).tolist()
+    first = trained.float().argmax(dim=1).tolist()
+    runs: dict[bytes, list[int]] = {}
+    heads: list[int] = []  # tokens before each row's segment: the shared part's length
+    for row in range(size):
+        # Tokens 0..first are never trained (target t is token t + 1): they can be shared.
+        before = first[row] + 1 if has[row] else lengths[row]
+        heads.append(before - 1)
+        key = batch.input_ids[row, :before].numpy().tobytes()
+        runs.setdefault(key, []).append(row)
+    return list(runs.values()), heads, lengths
+
+
+def pack_by_tokens(
+    lengths: list[int], max_tokens: int, runs: list[list[int]] | None = None
+) -> list[list[int]]:
     """Row indices in groups whose padded size (rows x longest row) is at most
-    `max_tokens`, filled greedily longest first; a row longer than the budget goes alone."""
-    order = sorted(range(len(lengths)), key=lambda row: (-lengths[row], row))
+    `max_tokens`, filled greedily longest first; a row longer than the budget goes alone.
+
+    With `runs` (rows that belong together, such as a group's samples of one prompt),
+    the runs are taken whole in turn, the one with the longest row first, each longest
+    row first, and a run is cut only where the budget ends: the rows of one prompt meet
+    in one pass (`shared_prefix`)."""
+    if runs is None:
+        order = sorted(range(len(lengths)), key=lambda row: (-lengths[row], row))
+    else:
+        by_longest = sorted(runs, key=lambda run: (-max(lengths[row] for row in run), run[0]))
+        order = [
+            row for run in by_longest for row in sorted(run, key=lambda row: (-lengths[row], row))
+        ]
     packs: list[list[int]] = []
+    longest = 0  # the last pack's longest row
     for row in order:
-        # Longest first: a pack's first row is its longest.
-        if packs and (len(packs[-1]) + 1) * lengths[packs[-1][0]] <= max_tokens:
+        wider = max(longest, lengths[row])
+        if packs and (len(packs[-1]) + 1) * wider <= max_tokens:
             packs[-1].append(row)
+            longest = wider
         else:
             packs.append([row])
+            longest = lengths[row]
     return packs
 
 
 def micro_batches(
-    batch: TokenBatch, micro_batch_size: int, max_tokens: int | None = None
+    batch: TokenBatch,
+    micro_batch_size: int,
+    max_tokens: int | None = None,
+    keep_prompts_together: bool = False,
 ) -> list[TokenBatch]:
     """`batch` in the parts one forward/backward pass takes: packed by `max_tokens` when
-    set, else runs of `micro_batch_size` rows in order."""
+    set (the rows of one prompt kept together with `keep_prompts_together`, as
+    `trainer.batching.share_prefix` asks), else runs of `micro_batch_size` rows in order."""
     size = batch.input_ids.shape[0]
     if max_tokens is None:
         groups = [
@@ -270,7 +311,8 @@ def micro_batches(
             for s in range(0, size, micro_batch_size)
         ]
     else:
-        groups = pack_by_tokens(batch.lengths, max_tokens)
+        runs = prefix_runs(batch)[0] if keep_prompts_together else None
+        groups = [sorted(rows) for rows in pack_by_tokens(batch.lengths, max_tokens, runs)]
     if len(groups) == 1 and len(groups[0]) == size:
         return [batch]  # one pass over all of it: no copy
     return [batch.select(rows) for rows in groups]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rollwire.trainer.batching import TokenBatch
+from rollwire.trainer.batching import TokenBatch, prefix_runs
 
 
 @dataclass
@@ -57,20 +57,8 @@ def share_prefixes(batch: TokenBatch, pad_token_id: int = 0) -> SharedLayout | N
 
     Rows share when their tokens up to their first trained token are the same; rows in
     a shared row keep the batch's order among themselves."""
-    lengths = batch.attention.sum(dim=1).tolist()
+    groups, heads, lengths = prefix_runs(batch)
     size, targets = batch.mask.shape
-    trained = batch.mask > 0
-    has = trained.any(dim=1).tolist()
-    first = trained.float().argmax(dim=1).tolist()
-    runs: dict[bytes, list[int]] = {}
-    heads: list[int] = []  # tokens before each row's segment: the shared part's length
-    for row in range(size):
-        # Tokens 0..first are never trained (target t is token t + 1): they can be shared.
-        before = first[row] + 1 if has[row] else lengths[row]
-        heads.append(before - 1)
-        key = batch.input_ids[row, :before].numpy().tobytes()
-        runs.setdefault(key, []).append(row)
-    groups = list(runs.values())
     if all(len(group) == 1 or heads[group[0]] == 0 for group in groups):
         return None
     widths = [heads[g[0]] + sum(lengths[row] - heads[row] for row in g) for g in groups]

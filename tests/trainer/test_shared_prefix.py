@@ -7,7 +7,12 @@ import torch
 
 from rollwire.services.core.config import RLSection, TrainerConfig
 from rollwire.services.core.wire import Trajectory
-from rollwire.trainer.batching import collate, packed_attention, per_token_advantages
+from rollwire.trainer.batching import (
+    collate,
+    micro_batches,
+    packed_attention,
+    per_token_advantages,
+)
 from rollwire.trainer.rl.policy import Policy
 from rollwire.trainer.shared_prefix import pass_cost, share_prefixes
 from tests.helpers.trajectories import PROMPT, group, tokens
@@ -53,6 +58,26 @@ def test_the_layout_by_hand() -> None:
     assert attention[1].tolist() == [True, True] + [False] * 5  # the prompt sees itself only
     # Rows that share nothing: the plain rows are as good.
     assert share_prefixes(collate(trajectories[1:], 0)) is None
+
+
+def test_a_token_budget_keeps_a_prompts_rows_in_one_pass() -> None:
+    # Prompt "5 6 7" in rows 0 and 2 (6 and 9 tokens), "5 4 3 2" in rows 1 and 3 (8, 7).
+    # In 18 padded tokens longest first pairs 9 with 8 and 7 with 6: each pass holds two
+    # prompts and shares nothing. Kept together, each prompt's pair is one pass.
+    rows = [
+        ([5, 6, 7, 8, 9, 1], [0, 0, 0, 1, 1, 1]),
+        ([5, 4, 3, 2, 12, 13, 14, 1], [0, 0, 0, 0, 1, 1, 1, 1]),
+        ([5, 6, 7, 8, 9, 10, 11, 12, 1], [0, 0, 0, 1, 1, 1, 1, 1, 1]),
+        ([5, 4, 3, 2, 8, 9, 1], [0, 0, 0, 0, 1, 1, 1]),
+    ]
+    batch = collate([tokens(ids, mask, i) for i, (ids, mask) in enumerate(rows)], 0)
+    apart = micro_batches(batch, 64, max_tokens=18)
+    together = micro_batches(batch, 64, max_tokens=18, keep_prompts_together=True)
+    assert [p.lengths for p in apart] == [[8, 9], [6, 7]]  # rows in the batch's order
+    assert all(share_prefixes(p) is None for p in apart)
+    assert [p.lengths for p in together] == [[6, 9], [8, 7]]
+    assert all(share_prefixes(p) is not None for p in together)
+    assert all(p.input_ids.numel() <= 18 for p in together)
 
 
 def prepared(policy: Policy, trajectories: list[Trajectory]):

@@ -61,6 +61,13 @@ def test_split_rows_and_pack_by_tokens_by_hand() -> None:
     # row would make 27; 5 and 3 pad to 10; 20 is over the budget and goes alone.
     assert pack_by_tokens([5, 9, 3, 9, 20], 18) == [[4], [1, 3], [0, 2]]
     assert pack_by_tokens([4, 4, 4], 100) == [[0, 1, 2]]
+    # Two prompts' rows, 0/2/4 and 1/3/5, in 36 tokens. Longest first spreads each
+    # prompt over three passes. Kept together, prompt 1's run (its longest row 13) goes
+    # first, 13 and 9 fill a pass (a third row would pad to 39), 8 starts the next one and
+    # prompt 0's 12 and 11 join it (3 x 12 = 36), 10 is left: each prompt in two passes.
+    lengths, runs = [12, 13, 10, 9, 11, 8], [[0, 2, 4], [1, 3, 5]]
+    assert pack_by_tokens(lengths, 36) == [[1, 0], [4, 2, 3], [5]]
+    assert pack_by_tokens(lengths, 36, runs) == [[1, 3], [5, 0, 4], [2]]
 
 
 def test_micro_batches_within_the_token_budget_give_the_one_batch_gradient(

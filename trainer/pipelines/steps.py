@@ -117,7 +117,10 @@ class SupervisedStep:
         """A batch as the micro-batches of one forward/backward pass each."""
         config = self.learner.config
         return micro_batches(
-            batch, config.batching.micro_batch_size, config.batching.max_tokens_per_micro_batch
+            batch,
+            config.batching.micro_batch_size,
+            config.batching.max_tokens_per_micro_batch,
+            config.batching.share_prefix,
         )
 
 

@@ -124,6 +124,7 @@ class Updater:
             batch,
             self.config.batching.micro_batch_size,
             self.config.batching.max_tokens_per_micro_batch,
+            self.config.batching.share_prefix,
         )
 
     def logits(self, model: Callable[..., Any], batch: TokenBatch) -> torch.Tensor:

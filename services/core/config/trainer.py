@@ -84,8 +84,9 @@ class BatchingConfig(StrictModel):
     gradients accumulate over a minibatch."""
     max_tokens_per_micro_batch: int | None = Field(None, ge=1)
     """Pack sequences, longest first, into forward/backward passes of at most this many
-    padded tokens (sequences x the longest of them); a longer sequence goes alone.
-    Replaces micro_batch_size when set; the gradient is the same either way."""
+    padded tokens (sequences x the longest of them); a longer sequence goes alone. With
+    share_prefix the rows of one prompt are packed together, a group split only where the
+    budget ends. Replaces micro_batch_size when set; the gradient is the same either way."""
     share_prefix: bool = True
     """Rows of one pass that begin with the same prompt (a group's samples, a preference
     pair) compute it once: one row holds the prompt and every response after it, each
