@@ -1,7 +1,7 @@
 """The trainer's RL step against a bare PyTorch loop, and with each group's prompt once.
 
     .venv/bin/python benchmarks/trainer_speed.py [--model models/smollm2-135m-instruct]
-        [--prompt 60] [--response 24-48] [--groups 4] [--group-size 8] [--steps 3]
+        [--prompt 60] [--response 24-48] [--groups 4] [--group-size 8] [--steps 3] [--bf16]
 
 One RL step's batch of `--groups` groups of `--group-size` samples (a `--prompt`-token
 prompt per group, responses of a length drawn from `--response`, random tokens,
@@ -14,6 +14,9 @@ advantages of both signs) trains three ways, each on a fresh copy of the model:
   process's own step (advantages, ratio, clip, importance weights, metrics), one
   micro-batch per group, `trainer.batching.share_prefix: false`.
 - `rollwire, shared prompt`: the same with each group's prompt computed once.
+- with `--bf16`, `rollwire, shared prompt, bf16`: the same in `trainer.precision: bf16`
+  (autocast over float32 master weights), the question being which precision is the
+  faster on this CPU.
 
 The model is SmolLM2-135M's shape: the converted model at `--model` when it exists
 (examples/smollm2_from_gguf.py), else the same configuration randomly initialised (the
@@ -96,7 +99,7 @@ def batch(args: argparse.Namespace, vocab: int) -> list:
     return out
 
 
-def measure(model: Path, share: bool, args: argparse.Namespace) -> dict:
+def measure(model: Path, share: bool, args: argparse.Namespace, precision: str = "fp32") -> dict:
     from rollwire.services.core.config import RLSection, TrainerConfig
     from rollwire.trainer.batching import collate
     from rollwire.trainer.rl.policy import Policy
@@ -106,6 +109,7 @@ def measure(model: Path, share: bool, args: argparse.Namespace) -> dict:
         batching={"micro_batch_size": args.group_size, "share_prefix": share},
         optimizer={"learning_rate": 1e-7},
         threads=args.threads,
+        precision=precision,
     )
     policy = Policy(model, config, RLSection(group_size=args.group_size, max_steps=args.steps + 2))
     rows = batch(args, policy.learner.model.config.vocab_size)
@@ -124,7 +128,9 @@ def measure(model: Path, share: bool, args: argparse.Namespace) -> dict:
         policy.step.train_step(rows, trainer_version=step)
         times.append(time.perf_counter() - started)
     result = {"tokens": tokens, "seconds": statistics.median(times[1:]), "logprobs": logprobs}
-    if share:  # the checkpoint's cost on the step's path, written inline and in the background
+    if (
+        share and precision == "fp32"
+    ):  # the checkpoint's cost on the step's path, written inline and in the background
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
             policy.save_checkpoint(Path(scratch) / "inline", args.steps, args.steps)
@@ -186,6 +192,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="also the shared prompt in bf16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
@@ -193,28 +200,35 @@ def main() -> None:
         shown = model if model == args.model else "SmolLM2-135M's shape, random weights"
         print(
             f"model: {shown}; {args.groups} groups x {args.group_size}, prompt {args.prompt} "
-            f"tokens, responses {args.response}; float32, {args.threads} threads"
+            f"tokens, responses {args.response}; float32 unless said, {args.threads} threads"
         )
         bare = bare_loop(model, args)
         plain = measure(model, False, args)
         shared = measure(model, True, args)
+        bf16 = measure(model, True, args, "bf16") if args.bf16 else None
     batch_tokens = bare["tokens"]
     print()
     print(
         "| way | tokens through the model a step | step (s) | batch tokens/s | speed vs bare loop |"
     )
     print("|---|---|---|---|---|")
-    for name, row in (
+    ways = [
         ("bare loop", bare),
         ("rollwire, plain rows", plain),
         ("rollwire, shared prompt", shared),
-    ):
+    ]
+    if bf16 is not None:
+        ways.append(("rollwire, shared prompt, bf16", bf16))
+    for name, row in ways:
         speed = bare["seconds"] / row["seconds"]
         rate = batch_tokens / row["seconds"]
         print(f"| {name} | {row['tokens']} | {row['seconds']:.2f} | {rate:.0f} | {speed:.2f}x |")
     gap = float((shared["logprobs"] - plain["logprobs"]).abs().max())
     count = plain["logprobs"].numel()
     print(f"\nlargest logprob difference over {count} generated tokens: {gap:.2e}")
+    if bf16 is not None:
+        gap = float((bf16["logprobs"] - shared["logprobs"]).abs().max())
+        print(f"largest logprob difference, bf16 against float32: {gap:.2e}")
     print(
         f"a checkpoint on the step's path: written inline {shared['inline']:.2f} s; "
         f"in the background {shared['copy']:.2f} s to copy the weights and optimizer state, "

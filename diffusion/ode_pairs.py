@@ -103,12 +103,22 @@ def files_for(count: int, per_file: int) -> int:
 
 
 def missing_files(folder: Path, settings: PairSettings, count: int) -> list[int]:
-    """The files of the first `count` trajectories not yet in `folder`."""
-    return [
-        index
-        for index in range(files_for(count, settings.per_file))
-        if not (Path(folder) / file_name(index)).exists()
-    ]
+    """The files of the first `count` trajectories not yet in `folder`, or holding fewer
+    than `count` asks of them: the short last file of a run that made fewer, made again
+    whole."""
+    missing = []
+    for index in range(files_for(count, settings.per_file)):
+        path = Path(folder) / file_name(index)
+        wanted = len(file_trajectories(index, settings, count))
+        if not path.exists() or _held(path) < wanted:
+            missing.append(index)
+    return missing
+
+
+def _held(path: Path) -> int:
+    """The trajectories a pairs file holds (its labels' length, read alone)."""
+    with np.load(path) as data:
+        return len(data["labels"])
 
 
 def file_trajectories(index: int, settings: PairSettings, count: int) -> range:

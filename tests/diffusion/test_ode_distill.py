@@ -62,6 +62,8 @@ def test_a_pairs_folder_is_filled_file_by_file_and_refuses_other_settings(tmp_pa
             np.arange(count),
         )
     assert missing_files(tmp_path, made, 10) == [1]
+    # Asked for 12, the short last file (2 of its 4) is made again whole.
+    assert missing_files(tmp_path, made, 12) == [1, 2]
     with pytest.raises(ValueError, match="pairs-000001.npz is missing"):
         load_pairs(tmp_path, 10)
     assert len(load_pairs(tmp_path, 4)) == 4 and load_pairs(tmp_path, 4).times == [1.0, 0.5]
