@@ -13,7 +13,9 @@ Every evaluation (before the first step, every `eval_every`, after the last) wri
 `metrics/ode-distill.jsonl`: the held-out loss, and the student's sample quality at each
 of `eval_steps` (sampled by `few_step_sample`, re-noising `renoise`) against the teacher's
 at `teacher_steps` (`student_quality.StudentQuality`: the measures, the collapse warning,
-the grids, the curves in `metrics/ode-distill.png`).
+the grids, the curves in `metrics/ode-distill.png`). With `ema_decay` an exponential
+moving average of the student (`average.WeightAverage`) is what is sampled there; it is
+saved in every checkpoint and as `final_ema`.
 """
 
 from __future__ import annotations
