@@ -110,7 +110,8 @@ def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(
     assert "student at 1 step(s): frechet" in out
     for name in ("teacher", "steps1", "steps2", "steps4"):
         assert (tmp_path / "run" / "metrics" / "images" / f"{name}.png").exists()
-    # More pairs later: only the new file is made; other settings: refused.
+    # More pairs later: the new file, and the short last one (20 of its 50) made again
+    # whole, so all 160 are there; other settings: refused.
     more = rollwire(
         tmp_path,
         "ode-distill",
@@ -120,7 +121,8 @@ def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(
         "ode_distill.pairs=160",
         "ode_distill.max_steps=1",
     )
-    assert "pairs: 1 files to make" in more, more
+    assert "pairs: 2 files to make" in more, more
+    assert "data: 160 teacher trajectories" in more, more
     import subprocess
 
     from tests.helpers.runs import child_env
