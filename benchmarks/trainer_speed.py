@@ -128,9 +128,8 @@ def measure(model: Path, share: bool, args: argparse.Namespace, precision: str =
         policy.step.train_step(rows, trainer_version=step)
         times.append(time.perf_counter() - started)
     result = {"tokens": tokens, "seconds": statistics.median(times[1:]), "logprobs": logprobs}
-    if (
-        share and precision == "fp32"
-    ):  # the checkpoint's cost on the step's path, written inline and in the background
+    # The checkpoint's cost on the step's path, written inline and in the background.
+    if share and precision == "fp32":
         with tempfile.TemporaryDirectory() as scratch:
             started = time.perf_counter()
             policy.save_checkpoint(Path(scratch) / "inline", args.steps, args.steps)

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 
 from rollwire.services.core.config import LoraConfig, RunConfig, TrainerConfig
+from rollwire.services.core.files import staging_folder
 from rollwire.trainer.backends import (
     LocalBackend,
     TrainBackend,
@@ -483,9 +484,8 @@ class Learner:
         staging folder now, the weights and optimizer state are taken now (copied with
         `copy`, so that steps may run before the write) and written by the function
         returned, which then puts the folder in place whole."""
-        staging = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        staging = staging_folder(folder)
+        staging.mkdir()
         taken = copied if copy else (lambda tree: tree)
         try:
             with torch.no_grad():

@@ -26,6 +26,16 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
+def staging_folder(folder: Path) -> Path:
+    """Where to write `folder` before it is put in place whole (`.<name>.<pid>.tmp`
+    beside it, cleared, not made): `staged_directory`'s, and the trainer's background
+    checkpoints'."""
+    staging = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    return staging
+
+
 @contextlib.contextmanager
 def staged_directory(folder: Path, keep_if_present: str | None = None) -> Iterator[Path]:
     """Yields an empty staging folder; on success it replaces `folder` whole, on error it is removed.
@@ -35,9 +45,7 @@ def staged_directory(folder: Path, keep_if_present: str | None = None) -> Iterat
     is kept and the staging dropped: for a cache entry keyed by everything that makes it,
     which another process may have built meanwhile and may be reading.
     """
-    staging = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_folder(folder)
     try:
         yield staging
     except BaseException:
