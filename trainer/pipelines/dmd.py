@@ -22,7 +22,8 @@ run draws what an unbroken one would):
    `gan_weight` times the generator's GAN loss; then the EMA (`ema_decay`).
 With `student_steps` above 1 the generator samples in that many steps
 (`student_times`); each batch trains one of them, chosen at random, on the input the
-generator's earlier steps make without gradient (backward simulation).
+generator's earlier steps make without gradient (backward simulation). With a list of
+step counts, each batch first draws which schedule it trains.
 
 Evaluation and checkpoints: `student_quality.StudentQuality` at every `eval_every` (the
 EMA's samples when there is one); a checkpoint holds the generator (the learner's folder,
@@ -159,7 +160,11 @@ class DMDStep:
         simulation: the earlier steps without gradient)."""
         from rollwire.diffusion.distill import clean_of, few_step_sample, student_times
 
-        times = student_times(self.dmd.student_steps)
+        schedules = self.dmd.schedules()
+        steps = schedules[0]
+        if len(schedules) > 1:  # one draw more only then: a single schedule's stream is kept
+            steps = schedules[int(torch.randint(len(schedules), (1,), generator=draw))]
+        times = student_times(steps)
         last = int(torch.randint(len(times), (1,), generator=draw))
         x = noise
         if last > 0:

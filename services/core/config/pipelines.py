@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollwire.services.core.config.names import PreferenceLoss, SupervisedLoss
 from rollwire.services.core.config.runtime import StrictModel
@@ -291,10 +291,26 @@ class DMDConfig(StudentEvaluation):
     time_range: tuple[float, float] = (0.02, 0.98)
     """The noise levels t the generated samples are diffused to, uniform in this range,
     for both scores."""
-    student_steps: int = Field(1, ge=1)
+    student_steps: int | list[int] = 1
     """The generator's own sampling schedule (`diffusion.distill.student_times`): above 1
     every update trains one of its steps, chosen at random, on the input the generator's
-    earlier steps make (backward simulation)."""
+    earlier steps make (backward simulation). A list, e.g. [1, 2, 4], trains each of
+    those schedules (one chosen at random per batch): the generator then samples as well
+    in each of those step counts."""
+
+    @field_validator("student_steps")
+    @classmethod
+    def _schedules_take_steps(cls, value: int | list[int]) -> int | list[int]:
+        counts = [value] if isinstance(value, int) else value
+        if not counts or min(counts) < 1:
+            raise ValueError(f"student_steps needs step counts of at least 1, got {value}")
+        return value
+
+    def schedules(self) -> list[int]:
+        """`student_steps` as a list of step counts."""
+        steps = self.student_steps
+        return [steps] if isinstance(steps, int) else list(steps)
+
     renoise: Literal["fresh", "ddim"] = "fresh"
     """How few-step sampling, in training and evaluation, takes a clean prediction to
     the next time: fresh noise, or the noise the step implies."""
