@@ -8,61 +8,28 @@ restarted server rejoins on its own. The episode itself is restarted
 elsewhere, from the same seed, by the caller.
 
 Addresses are `host:port`, or `dns:///name:port` for every address the name
-resolves to (a Kubernetes headless service, say), resolved when the pool is
-built.
+resolves to (a compose service scaled with `--scale`, a Kubernetes headless
+service). The members can change during the run (`rollwire.services.core.members`):
+a server that joins gets new episodes at once; one that leaves gets none, and is
+closed once its running episodes end (an episode whose server is gone restarts
+elsewhere, as for a lost one).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from rollwire.envs.base import EnvSpec
 from rollwire.envs.client import EnvBackend, EnvServerLost, LocalEnvs, RemoteEnvs
-from rollwire.services.core.config import ClientConfig, EnvServerConfig
+from rollwire.services.core.config import ClientConfig, EndpointsConfig, EnvServerConfig
+from rollwire.services.core.members import Membership
 from rollwire.services.core.metrics import COUNTERS
 
 log = logging.getLogger(__name__)
-
-
-def expand_addresses(
-    addresses: Sequence[str],
-    resolve: Callable[[str, int], list[str]] | None = None,
-) -> list[str]:
-    """`host:port` entries as they are; each `dns:///name:port` as every address it resolves to."""
-    resolve = resolve or _resolve
-    expanded: list[str] = []
-    for address in addresses:
-        if not address.startswith("dns:///"):
-            expanded.append(address)
-            continue
-        target = address.removeprefix("dns:///")
-        host, _, port = target.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"env-server address {address!r} must look like dns:///name:port")
-        found = resolve(host, int(port))
-        if not found:
-            raise ValueError(f"{address!r} resolves to no address")
-        expanded.extend(a for a in found if a not in expanded)
-    return expanded
-
-
-def _resolve(host: str, port: int) -> list[str]:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
-        raise ValueError(f"cannot resolve env-server name {host!r}: {error}") from None
-    addresses = []
-    for family, _, _, _, sockaddr in infos:
-        ip = sockaddr[0]
-        address = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
-        if address not in addresses:
-            addresses.append(address)
-    return addresses
 
 
 class EnvPool:
@@ -73,10 +40,18 @@ class EnvPool:
         backends: Sequence[EnvBackend],
         retry_after_seconds: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        membership: Membership | None = None,
+        connect: Callable[[str], EnvBackend] | None = None,
     ) -> None:
         if not backends:
             raise ValueError("an env pool needs at least one backend")
         self.backends = list(backends)
+        self.membership = membership
+        """Where the env-servers come from when they can change; `connect` makes a
+        backend of a joining one."""
+        self._connect = connect
+        self._leaving: list[EnvBackend] = []
+        """Backends whose server left: no new episodes, closed when their last ends."""
         self.retry_after_seconds = retry_after_seconds
         self._clock = clock
         self._active = {id(b): 0 for b in self.backends}
@@ -87,12 +62,52 @@ class EnvPool:
 
     @classmethod
     def from_config(
-        cls, addresses: Sequence[str], client: ClientConfig, env_server: EnvServerConfig
+        cls,
+        endpoints: EndpointsConfig,
+        client: ClientConfig,
+        env_server: EnvServerConfig,
     ) -> EnvPool:
-        """Remote backends for `addresses`, or in-process environments when there are none."""
-        if not addresses:
+        """Remote backends for the run's env-servers (which may change during the run), or
+        in-process environments when there are none."""
+        membership = Membership(
+            "env-server",
+            endpoints.env_servers,
+            endpoints.members_file,
+            endpoints.refresh_seconds,
+        )
+        if not membership.members:
             return cls([LocalEnvs(env_server)])
-        return cls([RemoteEnvs(address, client) for address in expand_addresses(addresses)])
+
+        def connect(address: str) -> EnvBackend:
+            return RemoteEnvs(address, client)
+
+        backends = [connect(address) for address in membership.members]
+        return cls(backends, membership=membership, connect=connect)
+
+    def refresh(self) -> None:
+        """Takes in the env-servers that joined and lets go of those that left."""
+        if self.membership is None or self._connect is None:
+            return
+        change = self.membership.refresh()
+        for address in change.joined:
+            backend = self._connect(address)
+            self.backends.append(backend)
+            self._active[id(backend)] = 0
+            self._down_until[id(backend)] = 0.0
+            self._last_pick[id(backend)] = -1
+        for address in change.left:
+            for backend in [b for b in self.backends if b.address == address]:
+                if len(self.backends) == 1:
+                    log.warning("the last env-server left; it stays in use until another joins")
+                    continue
+                self.backends.remove(backend)
+                self._leaving.append(backend)
+
+    async def close_left(self) -> None:
+        """Closes the backends of servers that left, once their episodes have ended."""
+        for backend in [b for b in self._leaving if self._active[id(b)] == 0]:
+            self._leaving.remove(backend)
+            await backend.aclose()
 
     def healthy(self) -> list[EnvBackend]:
         now = self._clock()
@@ -104,6 +119,7 @@ class EnvPool:
         When every backend is resting, the one whose rest ends first: trying it
         is better than stalling, and the caller bounds the attempts.
         """
+        self.refresh()
         candidates = self.healthy()
         if not candidates:
             return min(self.backends, key=lambda b: self._down_until[id(b)])
@@ -146,5 +162,5 @@ class EnvPool:
         raise EnvServerLost(f"no env-server answered ListEnvs: {last}")
 
     async def aclose(self) -> None:
-        for backend in self.backends:
+        for backend in self.backends + self._leaving:
             await backend.aclose()

@@ -117,7 +117,13 @@ class EnvServicer(env_pb2_grpc.EnvServiceServicer):
         if finished:
             await asyncio.wait(finished, timeout=self.config.server.grace_seconds)
         # Clients close their sessions when they stop; what is left here they did not.
-        log.info("closing the sessions left open", extra={"open_sessions": self.host.session_count})
+        log.info(
+            "closing the sessions left open",
+            extra={
+                "open_sessions": self.host.session_count,
+                "sessions_opened": COUNTERS.get("env_sessions_opened"),
+            },
+        )
         self.host.close_all()
 
     async def ListEnvs(

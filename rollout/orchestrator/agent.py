@@ -335,6 +335,8 @@ class EpisodeRunner:
                 self.pool.report_lost(backend, error)
                 lost.append((backend.address, error))
                 raise
+            finally:
+                await self.pool.close_left()  # servers that left, once idle
 
         def restarting(error: BaseException, attempt: int) -> None:
             self.restarts += 1

@@ -184,7 +184,7 @@ class Orchestrator:
         await self.sampler.servers.wait_until_serving()
         if self.config.trainer.algorithm.advantage.type == "on_policy_distill":
             self.teacher = Teacher(self.config)
-            await self.teacher.connect(self.sampler.servers.rollout)
+            await self.teacher.connect(self.sampler.servers.rollout_stubs())
         if self.agentic:
             await self.sampler.start_episodes()
 

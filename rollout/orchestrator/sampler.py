@@ -63,9 +63,7 @@ class Sampler:
             env_client = config.client.model_copy(
                 update={"default_timeout_seconds": self.settings.agent.env_call_timeout_seconds}
             )
-            self.pool = EnvPool.from_config(
-                config.endpoints.env_servers, env_client, config.env_server
-            )
+            self.pool = EnvPool.from_config(config.endpoints, env_client, config.env_server)
 
     async def start_episodes(self) -> None:
         """Asks the env-servers what they offer (waiting for them to come up) and sets up

@@ -9,6 +9,13 @@ is counted in `orchestrator_retries{call}`. A reward-server that failed so is pa
 over for `REWARD_SERVER_PAUSE_SECONDS` while another serves the domain, so a lost
 server's items are scored by the others.
 
+The members can change during the run (`rollwire.services.core.members`: DNS names
+re-resolved, the launcher's members file). A rollout-server that joins gets work once
+it serves the policy version the others do (the trainer sends it the weights); one
+that leaves gets no new calls and is closed when its calls in flight end. Every
+attempt of a call picks its server anew, so a retry after a server was lost goes to
+another one: a group's request is answered once, by one server, whoever serves it.
+
 A Score call's deadline grows with its batch: the server scores `parallel_items` at
 once, each within its item limit, so `ceil(items / parallel_items) x item limit`, plus
 a margin, leaves every item its own limit (the server cuts late items at the
@@ -22,6 +29,7 @@ import hashlib
 import itertools
 import logging
 import math
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,6 +43,7 @@ from rollwire.services.core.client import describe_error, open_channel, wait_for
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.datasets import Task
 from rollwire.services.core.images import ImageRef, to_proto
+from rollwire.services.core.members import Membership
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.retry import RetryPolicy, call_with_retries, grpc_codes
 from rollwire.services.core.seeds import stream_seed
@@ -55,8 +64,30 @@ SCORE_DEADLINE_MARGIN_SECONDS = 5.0
 """Added to a Score call's deadline beyond its items' limits: transport and queueing."""
 
 
+ADMIT_POLL_SECONDS = 0.5
+"""How often a joining rollout-server is asked whether it serves the current version."""
+
+
 class NoScorer(ValueError):
     """No reward-server serves a domain the run scores."""
+
+
+class NoRolloutServer(RuntimeError):
+    """No rollout-server has been ready to take work for the connect timeout."""
+
+
+@dataclass(eq=False)
+class RolloutServer:
+    """One rollout-server: its channel, and whether it takes work yet."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: rollout_pb2_grpc.RolloutServiceStub
+    ready: bool = False
+    """Serving the version the others serve (a joining server is not, at first)."""
+    joined_at: float = 0.0
+    in_flight: int = 0
+    leaving: bool = False
 
 
 @dataclass(eq=False)
@@ -65,6 +96,8 @@ class RewardServer:
 
     address: str
     stub: reward_pb2_grpc.RewardServiceStub
+    channel: grpc.aio.Channel | None = None
+    leaving: bool = False
     domains: frozenset[str] = frozenset()
     parallel_items: int = 1
     item_timeout_seconds: float = 10.0
@@ -129,26 +162,178 @@ class Servers:
         """Seconds in each kind of call (summed over calls in flight at once), and the
         rollout-servers' own account of generation: queueing and generating."""
         endpoints = config.endpoints
-        self.addresses = endpoints.rollout_servers + endpoints.reward_servers
-        self.rollout_channels = [open_channel(a, config.client) for a in endpoints.rollout_servers]
-        self.reward_channels = [open_channel(a, config.client) for a in endpoints.reward_servers]
-        self.rollout = [rollout_pb2_grpc.RolloutServiceStub(c) for c in self.rollout_channels]
-        self.reward = [
-            RewardServer(address, reward_pb2_grpc.RewardServiceStub(channel))
-            for address, channel in zip(endpoints.reward_servers, self.reward_channels, strict=True)
-        ]
-        self._next_rollout = itertools.cycle(range(len(self.rollout)))
+        self.rollout_members = Membership(
+            "rollout-server",
+            endpoints.rollout_servers,
+            endpoints.members_file,
+            endpoints.refresh_seconds,
+        )
+        self.reward_members = Membership(
+            "reward-server",
+            endpoints.reward_servers,
+            endpoints.members_file,
+            endpoints.refresh_seconds,
+        )
+        self.rollout: dict[str, RolloutServer] = {}
+        """The rollout-servers by address (those that left are not here)."""
+        self.reward: list[RewardServer] = []
+        for address in self.rollout_members.members:
+            self._add_rollout(address)
+        for address in self.reward_members.members:
+            self._add_reward(address)
+        self._turn = itertools.count()
         self._discovery = asyncio.Lock()
+        self._admitting: dict[str, asyncio.Task[None]] = {}
+        self._refreshing: asyncio.Task[None] | None = None
+
+    def _add_rollout(self, address: str) -> RolloutServer:
+        channel = open_channel(address, self.config.client)
+        server = RolloutServer(
+            address,
+            channel,
+            rollout_pb2_grpc.RolloutServiceStub(channel),
+            joined_at=time.monotonic(),
+        )
+        self.rollout[address] = server
+        return server
+
+    def _add_reward(self, address: str) -> RewardServer:
+        channel = open_channel(address, self.config.client)
+        server = RewardServer(address, reward_pb2_grpc.RewardServiceStub(channel), channel)
+        self.reward.append(server)
+        return server
+
+    def rollout_stubs(self) -> list[rollout_pb2_grpc.RolloutServiceStub]:
+        """The stubs of the rollout-servers that take work now."""
+        return [server.stub for server in self.rollout.values() if server.ready]
 
     async def wait_until_serving(self) -> None:
         """Returns once every server reports SERVING (or raises past the connect timeout)."""
-        for address, channel in zip(
-            self.addresses, self.rollout_channels + self.reward_channels, strict=True
-        ):
-            await wait_for_serving(
-                channel, timeout=self.config.client.connect_timeout_seconds, target=address
-            )
+        timeout = self.config.client.connect_timeout_seconds
+        for server in self.rollout.values():
+            await wait_for_serving(server.channel, timeout=timeout, target=server.address)
+            server.ready = True
+        for reward in self.reward:
+            assert reward.channel is not None
+            await wait_for_serving(reward.channel, timeout=timeout, target=reward.address)
         await self.discover_scorers()
+
+    # ------------------------------------------------------------ members joining and leaving
+
+    def _refresh(self) -> None:
+        """Looks at the members again when due (in a thread: a DNS lookup can block)."""
+        due = self.rollout_members.due() or self.reward_members.due()
+        if due and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.create_task(self._apply_changes(), name="members")
+
+    async def _apply_changes(self) -> None:
+        rollout = await asyncio.to_thread(self.rollout_members.refresh)
+        reward = await asyncio.to_thread(self.reward_members.refresh)
+        for address in rollout.joined:
+            server = self._add_rollout(address)
+            self._admitting[address] = asyncio.create_task(
+                self._admit(server), name=f"admit {address}"
+            )
+        for address in rollout.left:
+            server = self.rollout.pop(address)
+            server.leaving = True
+            if (task := self._admitting.pop(address, None)) is not None:
+                task.cancel()
+            log.info("rollout-server %s left: no new work goes to it", address)
+            if server.in_flight == 0:
+                await server.channel.close()
+        for address in reward.joined:
+            self._add_reward(address)
+            log.info(
+                "reward-server %s joined; it is asked what it scores at the next call", address
+            )
+        for address in reward.left:
+            for server in [s for s in self.reward if s.address == address]:
+                self.reward.remove(server)
+                server.leaving = True
+                if server.in_flight == 0 and server.channel is not None:
+                    await server.channel.close()
+
+    async def _admit(self, server: RolloutServer) -> None:
+        """Sends work to a joining rollout-server once it serves the policy version the
+        others serve (a new one starts from the initial weights until the trainer sends
+        it the current ones). Polls while it stays a member; says so if that is long."""
+        patience = self.config.client.connect_timeout_seconds
+        warned = False
+        request = rollout_pb2.RolloutStatusRequest()
+        while not server.leaving:
+            try:
+                status = await server.stub.GetStatus(request, timeout=2.0)
+                floor = await self._served_version()
+                if status.policy_version >= floor:
+                    server.ready = True
+                    COUNTERS.inc("orchestrator_rollout_servers_admitted")
+                    log.info(
+                        "rollout-server %s serves version %d: it takes work now (%.1f s after it joined)",
+                        server.address,
+                        status.policy_version,
+                        time.monotonic() - server.joined_at,
+                    )
+                    return
+                why = f"it serves version {status.policy_version}, the others {floor}"
+            except grpc.aio.AioRpcError as error:
+                why = describe_error(error)[:200]
+            if not warned and time.monotonic() - server.joined_at > patience:
+                warned = True
+                log.warning(
+                    "rollout-server %s joined %.0f s ago and takes no work yet: %s",
+                    server.address,
+                    time.monotonic() - server.joined_at,
+                    why,
+                )
+            await asyncio.sleep(ADMIT_POLL_SECONDS)
+
+    async def _served_version(self) -> int:
+        """The newest policy version a ready rollout-server reports (0 when none answers)."""
+        request = rollout_pb2.RolloutStatusRequest()
+        versions = [0]
+        for server in [s for s in self.rollout.values() if s.ready]:
+            try:
+                status = await server.stub.GetStatus(request, timeout=2.0)
+            except grpc.aio.AioRpcError:
+                continue
+            versions.append(status.policy_version)
+        return max(versions)
+
+    async def _rollout_server(self) -> RolloutServer:
+        """The next ready rollout-server, round-robin; waits (up to the connect timeout)
+        while none is ready: NoRolloutServer past it."""
+        self._refresh()
+        deadline = time.monotonic() + self.config.client.connect_timeout_seconds
+        while True:
+            ready = [server for server in self.rollout.values() if server.ready]
+            if ready:
+                return ready[next(self._turn) % len(ready)]
+            if time.monotonic() > deadline:
+                raise NoRolloutServer(
+                    "no rollout-server has taken work for "
+                    f"{self.config.client.connect_timeout_seconds:g}s; members: "
+                    f"{sorted(self.rollout) or 'none'}"
+                )
+            await asyncio.sleep(0.2)
+            self._refresh()
+
+    async def _on_rollout(
+        self, call: Callable[[rollout_pb2_grpc.RolloutServiceStub], Awaitable[T]], what: str
+    ) -> T:
+        """`call(stub)` on a rollout-server picked for each attempt, retried as `_call` does."""
+
+        async def attempt() -> T:
+            server = await self._rollout_server()
+            server.in_flight += 1
+            try:
+                return await call(server.stub)
+            finally:
+                server.in_flight -= 1
+                if server.leaving and server.in_flight == 0:
+                    await server.channel.close()
+
+        return await self._call(attempt, what)
 
     async def discover_scorers(self) -> None:
         """Asks each reward-server (until it answers) which domains it scores, how many
@@ -215,9 +400,8 @@ class Servers:
             sampling=self._sampling(temperature, max_new_tokens),
             images=[to_proto(image) for image in images],
         )
-        stub = self.rollout[next(self._next_rollout)]
-        return await self._call(
-            lambda: stub.Generate(request, timeout=self.settings.generate_timeout_seconds),
+        return await self._on_rollout(
+            lambda stub: stub.Generate(request, timeout=self.settings.generate_timeout_seconds),
             "generate",
         )
 
@@ -241,9 +425,10 @@ class Servers:
             num_samples=samples or self.rl.group_size,
             images=[to_proto(image) for image in images],
         )
-        stub = self.rollout[next(self._next_rollout)]
-        reply = await self._call(
-            lambda: stub.GenerateGroup(request, timeout=self.settings.generate_timeout_seconds),
+        reply = await self._on_rollout(
+            lambda stub: stub.GenerateGroup(
+                request, timeout=self.settings.generate_timeout_seconds
+            ),
             "generate",
         )
         if reply.samples:  # the server's side of the call: the slowest sample's
@@ -259,9 +444,10 @@ class Servers:
         request = rollout_pb2.GenerateImagesRequest(
             request_id=uuid.uuid4().hex, prompts=prompts, seeds=seeds, sampling=sampling
         )
-        stub = self.rollout[next(self._next_rollout)]
-        reply = await self._call(
-            lambda: stub.GenerateImages(request, timeout=self.settings.generate_timeout_seconds),
+        reply = await self._on_rollout(
+            lambda stub: stub.GenerateImages(
+                request, timeout=self.settings.generate_timeout_seconds
+            ),
             "generate",
         )
         if reply.samples:
@@ -283,9 +469,8 @@ class Servers:
             labels=list(labels),
             guidance=guidance,
         )
-        stub = self.rollout[next(self._next_rollout)]
-        reply = await self._call(
-            lambda: stub.Denoise(request, timeout=self.settings.generate_timeout_seconds),
+        reply = await self._on_rollout(
+            lambda stub: stub.Denoise(request, timeout=self.settings.generate_timeout_seconds),
             "denoise",
         )
         clean = array_from_bytes(reply.clean, "clean")
@@ -309,9 +494,8 @@ class Servers:
             ],
             top_k=top_k,
         )
-        stub = self.rollout[next(self._next_rollout)]
-        reply = await self._call(
-            lambda: stub.ScoreTokens(request, timeout=self.settings.generate_timeout_seconds),
+        reply = await self._on_rollout(
+            lambda stub: stub.ScoreTokens(request, timeout=self.settings.generate_timeout_seconds),
             "score tokens",
         )
         return list(reply.sequences)
@@ -346,6 +530,7 @@ class Servers:
         request = reward_pb2.ScoreRequest(items=items)
 
         async def attempt() -> reward_pb2.ScoreResponse:
+            self._refresh()
             await self.discover_scorers()
             server = self._reward_server_for(task.domain)
             rounds = math.ceil(len(items) / server.parallel_items)
@@ -364,6 +549,8 @@ class Servers:
                 raise
             finally:
                 server.in_flight -= len(items)
+                if server.leaving and server.in_flight == 0 and server.channel is not None:
+                    await server.channel.close()
 
         reply = await self._call(attempt, "score")
         return sorted(reply.results, key=lambda r: int(r.item_id))
@@ -385,5 +572,10 @@ class Servers:
 
     async def close(self) -> None:
         """Closes the connection to every server."""
-        for channel in self.rollout_channels + self.reward_channels:
-            await channel.close()
+        for task in self._admitting.values():
+            task.cancel()
+        for server in self.rollout.values():
+            await server.channel.close()
+        for reward in self.reward:
+            if reward.channel is not None:
+                await reward.channel.close()

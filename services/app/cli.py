@@ -512,6 +512,39 @@ def _add_status(commands: Any) -> None:
     sub.set_defaults(handler=run)
 
 
+SCALE_HELP = "add or remove rollout-, env- and reward-servers of a running run"
+SCALE_EPILOG = """\
+CHANGE is ROLE=+N or ROLE=-N, ROLE one of rollout-server, env-server,
+reward-server. The run's launcher (`rollwire train` or `up` on RUN_DIR) starts
+or stops the servers and updates the run's members file, which the orchestrator
+and the trainer read every endpoints.refresh_seconds: a server added takes work
+once it serves the current weights; one removed takes no new work and is stopped
+when its calls have ended. A role keeps at least one server. Exit status 0 when
+all was done, 1 when part of it could not be, 2 for a bad request."""
+
+
+def _add_scale(commands: Any) -> None:
+    sub = commands.add_parser(
+        "scale",
+        help=SCALE_HELP,
+        description=SCALE_HELP,
+        epilog=SCALE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run's folder")
+    sub.add_argument("changes", nargs="+", metavar="CHANGE", help="ROLE=+N or ROLE=-N")
+    sub.add_argument(
+        "--timeout", type=_positive, default=330.0, metavar="S", help="seconds to wait (330)"
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        from rollwire.services.app.scale import request_scale
+
+        return request_scale(args.run_dir, args.changes, args.timeout)
+
+    sub.set_defaults(handler=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollwire",
@@ -555,6 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distill(commands)
     _add_prepare(commands)
     _add_status(commands)
+    _add_scale(commands)
     _add_env_check(commands)
     _add_mismatch(commands)
     health = commands.add_parser("health", help="ask a service for its gRPC health status")

@@ -64,6 +64,8 @@ class Service:
     address: str | None = None
     """What it wrote to its ready file; a restart listens on the same port(s)."""
     restarts: int = 0
+    retired: bool = False
+    """Stopped on purpose (`rollwire scale` took it out): not restarted, not a failure."""
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -182,7 +184,7 @@ class Stack:
         LaunchError if another died (or finished when it should not have)."""
         for service in self.services:
             code = service.process.poll()
-            if code is None:
+            if code is None or service.retired:
                 continue
             if service.name in expected_to_finish and code == 0:
                 continue
@@ -204,7 +206,10 @@ class Stack:
                 self.restart(service)
                 continue
             if service.replica_of is not None and any(
-                other.replica_of == service.replica_of and other.process.poll() is None
+                other is not service
+                and service.replica_of in (other.replica_of, other.name)
+                and other.process.poll() is None
+                and not other.retired
                 for other in self.services
             ):
                 if not service.reported:

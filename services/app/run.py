@@ -27,6 +27,7 @@ from rollwire.services.app.launcher import (
     thread_budget,
 )
 from rollwire.services.app.liveness import Liveness, Target
+from rollwire.services.app.scaler import Scaler
 from rollwire.services.core.config import RunConfig, scored_domains, write_resolved_config
 from rollwire.services.core.files import latest_checkpoint, read_jsonl, staged_directory
 from rollwire.services.core.sandbox import INSTALL_HINT, bwrap_path
@@ -182,11 +183,18 @@ def run_up(config: RunConfig) -> int:
     stack = Stack(run_dir, write_resolved_config(config, run_dir), thread_budget(config))
     try:
         config = start_servers(config, stack)
+        scaler = Scaler(stack, config, run_dir)
+        config = scaler.with_members_file(config)
         path = write_resolved_config(config, run_dir)
         print(json.dumps(config.endpoints.model_dump(mode="json"), indent=2))
-        print(f"resolved config with these endpoints: {path}\nCtrl-C stops everything.")
+        print(
+            f"resolved config with these endpoints: {path}\n"
+            f"`rollwire scale {run_dir} rollout-server=+1` adds a server; Ctrl-C stops everything."
+        )
         while True:
             stack.check()
+            for line in scaler.poll():
+                print(line)
             time.sleep(0.5)
     except KeyboardInterrupt:
         return 0
@@ -211,11 +219,13 @@ def run_train(config: RunConfig) -> int:
     try:
         services = pipeline_of(config).services  # the pipeline table's entry of this run
         config = start_servers(config, stack, services=services)
+        scaler = Scaler(stack, config, run_dir)
+        config = scaler.with_members_file(config)
         write_resolved_config(config, run_dir)
         for name in ("trainer", "orchestrator"):  # the processes that train, once served
             if name in services:
                 stack.start(name, ready=False)
-        _follow(config, stack, run_dir)
+        _follow(config, stack, run_dir, scaler)
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: stopping every service")
@@ -229,7 +239,7 @@ def run_train(config: RunConfig) -> int:
     return 130 if interrupted else 0
 
 
-def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
+def _follow(config: RunConfig, stack: Stack, run_dir: Path, scaler: Scaler) -> None:
     """Shows progress until the trainer finishes and the orchestrator's final evaluation is in."""
     from tqdm import tqdm
 
@@ -250,6 +260,8 @@ def _follow(config: RunConfig, stack: Stack, run_dir: Path) -> None:
     try:
         while True:
             stack.check(expected_to_finish=("trainer", "orchestrator"))
+            for line in scaler.poll():
+                bar.write(line)
             rows = read_jsonl(run_dir / "metrics" / "trainer.jsonl")
             evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
             if rows and rows[-1]["step"] > shown:

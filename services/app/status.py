@@ -35,6 +35,7 @@ from rollwire.proto.v1 import (
 )
 from rollwire.services.core.client import check_health, describe_error, open_channel
 from rollwire.services.core.config import ClientConfig, ConfigError, load_config
+from rollwire.services.core.members import DNS_PREFIX, Membership
 
 PROBE_SECONDS = 2.0
 """Deadline of every call a refresh makes: a frozen service shows as not answering."""
@@ -75,22 +76,31 @@ def targets_of_run(run_dir: Path) -> list[Target]:
     endpoints = config.endpoints
     found: list[Target] = []
 
-    def add(kind: str, addresses: list[str], names: list[str]) -> None:
+    # Each service the launcher started wrote its address into logs/NAME.ready.
+    names = {}
+    for ready in logs.glob("*.ready"):
+        with contextlib.suppress(OSError):
+            names[ready.read_text().strip()] = ready.stem
+
+    def add(kind: str, addresses: list[str], numbered: bool = False) -> None:
+        """`numbered`: the launcher names them KIND-0, KIND-1, ... (else KIND, KIND-1, ...)."""
         for index, address in enumerate(addresses):
-            name = names[index] if index < len(names) else f"{kind}-{index}"
+            name = names.get(address, f"{kind}-{index}" if index or numbered else kind)
             log = logs / f"{name}.log"
             found.append(Target(name, kind, address, log if log.exists() else None))
 
-    add("reward-server", endpoints.reward_servers, ["reward-server"])
-    # One rollout-server's log is rollout-server.log, more add rollout-server-1.log, ...
-    rollout_names = sorted(
-        (p.stem for p in logs.glob("rollout-server*.log")),
-        key=lambda name: int(name.rsplit("-", 1)[1]) if name[-1].isdigit() else 0,
-    )
-    add("rollout-server", endpoints.rollout_servers, rollout_names or ["rollout-server"])
-    add("rollout-server", endpoints.teacher_servers, ["teacher-server"])
-    env_names = sorted(p.stem for p in logs.glob("env-server*.log"))
-    add("env-server", [a for a in endpoints.env_servers if not a.startswith("dns:")], env_names)
+    def members(role: str, entries: list[str]) -> list[str]:
+        """The role's members now: the members file (`rollwire scale` changes it), DNS
+        names resolved; the configured list without its names when they do not resolve."""
+        try:
+            return Membership(role, entries, endpoints.members_file).members
+        except ValueError:
+            return [entry for entry in entries if not entry.startswith(DNS_PREFIX)]
+
+    add("reward-server", members("reward-server", endpoints.reward_servers))
+    add("rollout-server", members("rollout-server", endpoints.rollout_servers))
+    add("rollout-server", endpoints.teacher_servers)
+    add("env-server", members("env-server", endpoints.env_servers), numbered=True)
     if endpoints.buffer_producer:
         log = logs / "buffer.log"
         found.append(

@@ -13,11 +13,12 @@ from rollwire.envs.base import EnvSpec
 from rollwire.envs.client import EnvServerLost, LocalEnvs
 from rollwire.envs.demos import demo_batches, demonstrator
 from rollwire.envs.host import EnvCallError
-from rollwire.envs.pool import EnvPool, expand_addresses
+from rollwire.envs.pool import EnvPool
 from rollwire.proto.v1 import rollout_pb2
 from rollwire.rollout.orchestrator.agent import ChatTurns, EpisodeFailed, EpisodeRunner, PlainTurns
 from rollwire.services.core.config import AgentConfig, EnvDataset, EnvServerConfig
 from rollwire.services.core.datasets import EnvTasks
+from rollwire.services.core.members import expand_addresses
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}[{{ m.role }}]\n{{ m.content }}<eos>\n{% endfor %}"

@@ -24,9 +24,9 @@ from typing import Any
 
 import grpc.aio
 
-from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc
+from rollwire.proto.v1 import rollout_pb2, trainer_pb2_grpc
 from rollwire.services.buffer.client import BufferError, BufferTrainerClient
-from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
+from rollwire.services.core.client import describe_error
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.files import latest_checkpoint, remove_unfinished_checkpoints
 from rollwire.services.core.metrics import COUNTERS
@@ -42,6 +42,7 @@ from rollwire.trainer.process.records import Clock, MetricsLog, open_trained_log
 from rollwire.trainer.process.servicer import TrainerServicer, TrainerState
 from rollwire.trainer.process.thread_plan import ThreadPlan
 from rollwire.trainer.process.weight_sender import (
+    RolloutPeers,
     catch_up,
     form_weight_group,
     publish,
@@ -65,7 +66,7 @@ async def resume(
     config: RunConfig,
     policy: Policy,
     state: TrainerState,
-    rollout_stubs: list[Any],
+    peers: RolloutPeers,
     buffer: BufferTrainerClient,
 ) -> None:
     """Puts the trainer where its newest checkpoint left it, and the buffer and the
@@ -87,7 +88,7 @@ async def resume(
         committed = list(saved.get("uncommitted_ids", []))
         state.last_checkpoint = str(folder)
         state.resumed_from_step = state.step
-    seen = [state.version, *await served_versions(rollout_stubs)]
+    seen = [state.version, *await served_versions(peers.stubs())]
     status = await _buffer_call(
         buffer.status, "status", config.trainer.batch_timeout_seconds, state
     )
@@ -102,7 +103,7 @@ async def resume(
     )
     # A server at the checkpoint's version holds its very weights (a version is never
     # reused); the others get them now.
-    await catch_up(rollout_stubs, policy, state.version, config.trainer.weights.chunk_bytes)
+    await catch_up(peers.stubs(), policy, state.version, config.trainer.weights.chunk_bytes)
     if folder is not None or counts.requeued_groups:
         log.info(
             "resumed",
@@ -120,7 +121,7 @@ async def train(
     config: RunConfig,
     policy: Policy,
     state: TrainerState,
-    rollout_stubs: list[Any],
+    peers: RolloutPeers,
     buffer: BufferTrainerClient,
 ) -> None:
     """Steps until rl.max_steps or a stop, checkpointing as configured and at the end."""
@@ -135,22 +136,20 @@ async def train(
     plan = None
     if config.run.cpu_threads:
         sync = config.rl.mode == "sync"
-        plan = ThreadPlan.start(config.run.cpu_threads, sync, len(rollout_stubs))
-        await follow_plan(plan, policy, rollout_stubs)  # whatever threads they started with
+        plan = ThreadPlan.start(config.run.cpu_threads, sync, len(peers.stubs()))
+        await follow_plan(plan, policy, peers.stubs())  # whatever threads they started with
     try:
         while state.step < config.rl.max_steps and not state.stop_requested:
             state.state = "waiting_for_batch"
             waited_from = time.perf_counter()
             with watchdog.watch("batch wait", f"for step {state.step + 1}", watch_seconds):
-                batch = await _wait_for_batch(config, policy, state, rollout_stubs, buffer)
+                batch = await _wait_for_batch(config, policy, state, peers, buffer)
             if batch is None:
                 break
             clock.idle += time.perf_counter() - waited_from
             phases.add("wait", time.perf_counter() - waited_from)
             with watchdog.watch("step", f"{state.step + 1}", watch_seconds):
-                await _step(
-                    config, policy, state, rollout_stubs, buffer, batch, trained_log, phases
-                )
+                await _step(config, policy, state, peers, buffer, batch, trained_log, phases)
             metrics = state.last_metrics
             due = trainer.checkpointing.every and state.step % trainer.checkpointing.every == 0
             if due or state.checkpoint_requests:
@@ -169,7 +168,7 @@ async def train(
             if plan is not None:
                 waited, wall = metrics.get("time_wait_seconds", 0.0), metrics["wall_seconds"]
                 if plan.observe(waited, wall):
-                    await follow_plan(plan, policy, rollout_stubs)
+                    await follow_plan(plan, policy, peers.stubs())
                 metrics["threads_trainer"], metrics["threads_rollout"] = plan.trainer, plan.rollout
             metrics.update(clock.rates(state))
             metrics_log.write(state.step, metrics)
@@ -192,10 +191,10 @@ async def _wait_for_batch(
     config: RunConfig,
     policy: Policy,
     state: TrainerState,
-    rollout_stubs: list[Any],
+    peers: RolloutPeers,
     buffer: BufferTrainerClient,
 ) -> Batch | None:
-    """The next batch; meanwhile brings restarted rollout-servers up to date. None when
+    """The next batch; meanwhile brings restarted and joining rollout-servers up to date. None when
     a stop was asked for; TimeoutError past trainer.batch_timeout_seconds."""
     trainer = config.trainer
     waited_from = time.perf_counter()
@@ -204,7 +203,8 @@ async def _wait_for_batch(
         sending = state.publishing is not None and not state.publishing.done()
         if state.version and not sending and time.monotonic() - last_catch_up > 2.0:
             last_catch_up = time.monotonic()
-            await catch_up(rollout_stubs, policy, state.version, trainer.weights.chunk_bytes)
+            await peers.refresh()
+            await catch_up(peers.stubs(), policy, state.version, trainer.weights.chunk_bytes)
         await asyncio.to_thread(policy.heartbeat)
         batch = await _buffer_call(
             functools.partial(
@@ -228,7 +228,7 @@ async def _step(
     config: RunConfig,
     policy: Policy,
     state: TrainerState,
-    rollout_stubs: list[Any],
+    peers: RolloutPeers,
     buffer: BufferTrainerClient,
     batch: Batch,
     trained_log: Any,
@@ -254,7 +254,7 @@ async def _step(
         metrics.update(await finish_publishing(state))
         overlap = trainer.weights.overlap_publish and config.rl.staleness > 0
         sending = publish(
-            rollout_stubs,
+            peers.stubs(),
             policy,
             state.version,
             trainer.weights.chunk_bytes,
@@ -478,7 +478,7 @@ async def run(config: RunConfig, model_path: Path) -> int:
             )
         ]
     )
-    channels = [open_channel(address, config.client) for address in endpoints.rollout_servers]
+    peers = RolloutPeers(config)
     # A short timeout: a request lost with a restarting buffer is re-sent soon.
     buffer = BufferTrainerClient(
         endpoints.buffer_trainer,
@@ -487,13 +487,9 @@ async def run(config: RunConfig, model_path: Path) -> int:
         token=config.buffer.trainer_token(),
     )
     try:
-        for address, channel in zip(endpoints.rollout_servers, channels, strict=True):
-            await wait_for_serving(
-                channel, timeout=config.client.connect_timeout_seconds, target=address
-            )
+        await peers.wait_until_serving()
         seed_initialisation(config.run.seed)
         policy = await asyncio.to_thread(policy_of, config, model_path)
-        stubs = [rollout_pb2_grpc.RolloutServiceStub(channel) for channel in channels]
         loop = asyncio.get_running_loop()
 
         def request_stop() -> None:
@@ -503,11 +499,11 @@ async def run(config: RunConfig, model_path: Path) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, request_stop)
         dump_tasks_on_signal(loop, "trainer")
-        await resume(config, policy, state, stubs, buffer)
+        await resume(config, policy, state, peers, buffer)
         if config.trainer.weights.transport == "group":
-            state.weight_group = await form_weight_group(config, policy, stubs)
+            state.weight_group = await form_weight_group(config, policy, peers.stubs())
         try:
-            await train(config, policy, state, stubs, buffer)
+            await train(config, policy, state, peers, buffer)
         finally:
             if state.weight_group is not None:
                 state.weight_group.close()
@@ -516,8 +512,7 @@ async def run(config: RunConfig, model_path: Path) -> int:
         return 0
     finally:
         buffer.close()
-        for channel in channels:
-            await channel.close()
+        await peers.close()
         await runtime.stop(grace=1)
 
 

@@ -6,6 +6,12 @@ by broadcast from rank 0 of the weight group (`GroupPublisher`). A server that
 missed a version (it was restarting) is found by `catch_up` and sent the current
 one; `served_versions` tells a resuming trainer which versions the servers hold.
 The receiving side, and the group itself, are `rollwire.rollout.server.weights`.
+
+The rollout-servers are the run's members now (`RolloutPeers`): one that joins is
+behind (it starts from the initial weights) and `catch_up` sends it the current
+version; one that leaves is sent nothing more. A weight group is formed once, with
+the members of the start: when they change, it is left for good and weights go as
+gRPC streams (said and counted in `weight_group_failures`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import grpc
 import grpc.aio
 import torch
 
-from rollwire.proto.v1 import rollout_pb2
+from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.server.weights import (
     WeightGroup,
     WeightGroupError,
@@ -30,8 +36,9 @@ from rollwire.rollout.server.weights import (
     open_store,
     tensor_specs,
 )
-from rollwire.services.core.client import describe_error
+from rollwire.services.core.client import describe_error, open_channel, wait_for_serving
 from rollwire.services.core.config import RunConfig
+from rollwire.services.core.members import Membership
 from rollwire.services.core.metrics import COUNTERS
 
 if TYPE_CHECKING:
@@ -62,6 +69,10 @@ async def publish(
     started = time.perf_counter()
     if named is None:  # the weights as they are now (`Policy.weights_snapshot`: a copy)
         named = policy.named_weights()
+    if group is not None and group.usable and list(stubs) != group.members:
+        COUNTERS.inc("weight_group_failures")
+        log.warning("the rollout-servers changed: weights go as gRPC streams from now on")
+        group.close()
     if group is not None and group.usable:
         try:
             await group.publish(stubs, named, version)
@@ -149,9 +160,13 @@ async def form_weight_group(
 class GroupPublisher:
     """Rank 0 of the weight group, and the gRPC calls that go with each broadcast."""
 
-    def __init__(self, group: WeightGroup, timeout_seconds: float) -> None:
+    def __init__(
+        self, group: WeightGroup, timeout_seconds: float, members: list[Any] | None = None
+    ) -> None:
         self.group = group
         self.timeout_seconds = timeout_seconds
+        self.members = list(members or [])
+        """The rollout-servers' stubs the group was formed with, in rank order."""
         self.usable = True
 
     @classmethod
@@ -205,7 +220,7 @@ class GroupPublisher:
             "weight group formed",
             extra={"group_id": group_id, "world_size": world_size, "backend": backend},
         )
-        return cls(results[0], timeout_seconds)
+        return cls(results[0], timeout_seconds, stubs)
 
     async def publish(
         self, stubs: list[Any], named: Iterable[tuple[str, torch.Tensor]], version: int
@@ -241,3 +256,54 @@ class GroupPublisher:
         """Leaves the group for good: `publish` sends streams from then on."""
         self.usable = False
         self.group.close()
+
+
+class RolloutPeers:
+    """The rollout-servers the trainer sends weights to: the run's members now
+    (`rollwire.services.core.members`), each with its channel."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        endpoints = config.endpoints
+        self.membership = Membership(
+            "rollout-server",
+            endpoints.rollout_servers,
+            endpoints.members_file,
+            endpoints.refresh_seconds,
+        )
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, rollout_pb2_grpc.RolloutServiceStub] = {}
+        for address in self.membership.members:
+            self._open(address)
+
+    def _open(self, address: str) -> None:
+        channel = open_channel(address, self.config.client)
+        self._channels[address] = channel
+        self._stubs[address] = rollout_pb2_grpc.RolloutServiceStub(channel)
+
+    def stubs(self) -> list[rollout_pb2_grpc.RolloutServiceStub]:
+        """The members' stubs, in the order they joined."""
+        return list(self._stubs.values())
+
+    async def wait_until_serving(self) -> None:
+        """Waits for every member of the start (TimeoutError past the connect timeout)."""
+        for address, channel in self._channels.items():
+            await wait_for_serving(
+                channel, timeout=self.config.client.connect_timeout_seconds, target=address
+            )
+
+    async def refresh(self) -> None:
+        """Takes in the members that joined (`catch_up` sends them the current version) and
+        lets go of those that left."""
+        if not self.membership.due():
+            return
+        change = await asyncio.to_thread(self.membership.refresh)
+        for address in change.joined:
+            self._open(address)
+        for address in change.left:
+            self._stubs.pop(address)
+            await self._channels.pop(address).close()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()

@@ -151,9 +151,11 @@ class EndpointsConfig(StrictModel):
     """Where the services are. `rollwire up`/`train` fill these in; on a cluster, write them."""
 
     rollout_servers: list[str] = []
-    """Rollout-server addresses (host:port)."""
+    """Rollout-server addresses (host:port); a `dns:///name:port` entry stands for every
+    address the name resolves to, looked up again during the run (replicas join and
+    leave)."""
     reward_servers: list[str] = []
-    """Reward-server addresses (host:port)."""
+    """Reward-server addresses (host:port, or `dns:///name:port` as for rollout-servers)."""
     teacher_servers: list[str] = []
     """Rollout-server addresses of on-policy distillation's teacher (`trainer.algorithm.advantage:
     on_policy_distill`); `rollwire train` starts one on distill.teacher_model_path when
@@ -168,6 +170,12 @@ class EndpointsConfig(StrictModel):
     """Buffer endpoint for the trainer."""
     trainer: str | None = None
     """TrainerService address (host:port)."""
+    members_file: str | None = None
+    """A JSON file of role -> addresses (`rollout-server`, `reward-server`, `env-server`)
+    read again during the run, replacing a role's list above where it names the role:
+    `rollwire train` writes one in the run folder and `rollwire scale` changes it."""
+    refresh_seconds: float = Field(5.0, gt=0)
+    """How often DNS names and the members file are looked at again."""
 
 
 class RLSection(StrictModel):
