@@ -6,6 +6,14 @@
 #   bash deploy/compose/run.sh --set rl.max_steps=20 --out runs/compose
 #   bash deploy/compose/run.sh -c run.yaml --model models/my-model   # a model folder of yours
 #   bash deploy/compose/run.sh -c guess.yaml --node-env      # episodes on the Node env server
+#   bash deploy/compose/run.sh --rollout-servers 2            # two rollout-servers from the start
+#   bash deploy/compose/run.sh --project NAME --scale rollout-server=3   # a running stack's
+#
+# `--scale SERVICE=N` (rollout-server, env-server, reward-server; repeatable) changes the
+# replicas of a stack this script started and is still running (`--project`, default
+# rollwire): the orchestrator and the trainer look the services' DNS names up again every
+# endpoints.refresh_seconds, so servers added join the run (a rollout-server takes work
+# once the trainer has sent it the weights) and servers removed leave it.
 #
 # Starts a Docker engine if none answers (and stops it after), builds rollwire:light and
 # rollwire:full if they are missing (--build: always), brings the stack up, follows the
@@ -25,12 +33,16 @@ timeout_s=3600
 name="rollwire"
 model=""
 sets=()
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "options: -c FILE, --set KEY=VALUE, --env-servers N, --node-env, --model DIR, --out DIR, --build, --keep, --timeout S, --project NAME"; }
+rollout_servers=1
+rescale=()
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; echo "options: -c FILE, --set KEY=VALUE, --env-servers N, --rollout-servers N, --node-env, --model DIR, --out DIR, --build, --keep, --timeout S, --project NAME, --scale SERVICE=N"; }
 while [ $# -gt 0 ]; do
   case "$1" in
   -c | --config) config="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
   --set) sets+=("$2"); shift 2 ;;
   --env-servers) env_servers="$2"; shift 2 ;;
+  --rollout-servers) rollout_servers="$2"; shift 2 ;;
+  --scale) rescale+=("$2"); shift 2 ;;
   --node-env) node_env=1; shift ;;
   --out) out="$2"; shift 2 ;;
   --model) model="$(cd "$2" && pwd)"; shift 2 ;;
@@ -42,6 +54,22 @@ while [ $# -gt 0 ]; do
   *) echo "run.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
   esac
 done
+# A running stack's replicas: the settings it was started with are in its registry file.
+registry="${TMPDIR:-/tmp}/rollwire-compose"
+if [ "${#rescale[@]}" -gt 0 ]; then
+  [ -f "$registry/$name.sh" ] || { echo "run.sh: no running stack $name started by this script (--project)" >&2; exit 2; }
+  # shellcheck source=/dev/null
+  . "$registry/$name.sh"
+  for change in "${rescale[@]}"; do
+    service="${change%%=*}"
+    case "$service" in rollout-server | env-server | reward-server) ;; *)
+      echo "run.sh: --scale $change: the service must be rollout-server, env-server or reward-server" >&2; exit 2 ;;
+    esac
+    "${compose[@]}" "${profile[@]}" up -d --no-recreate --no-deps --scale "$change" "$service" 2>&1 | grep -v '^Creating\|^Starting' || true
+    echo "compose: $service now $(("${compose[@]}" ps -q "$service" | wc -l)) container(s)"
+  done
+  exit 0
+fi
 [ -f "$config" ] || { echo "run.sh: no config file $config" >&2; exit 2; }
 
 state="$(mktemp -d)"
@@ -68,6 +96,7 @@ finish() {
     "${compose[@]}" --profile env --profile node down --volumes --remove-orphans --timeout 20 >/dev/null 2>&1 || true
   fi
   bash "$here/../images/dockerd.sh" stop "$state/docker" >/dev/null || true
+  rm -f "$registry/$name.sh"
   rm -rf "$state"
   exit "$status"
 }
@@ -99,16 +128,24 @@ done
 export ROLLWIRE_SECRETS="$state/secrets"
 
 profile=()
-scale=()
+scale=(--scale "rollout-server=$rollout_servers")
 if [ "$env_servers" -gt 0 ]; then
   profile=(--profile env)
-  scale=(--scale "env-server=$env_servers")
+  scale+=(--scale "env-server=$env_servers")
 fi
 if [ "$node_env" -eq 1 ]; then
   profile+=(--profile node)
   export ROLLWIRE_ENV_SERVERS='["dns:///node-env-server:7004"]'
 fi
-echo "compose: project $name, config $config, env-servers $env_servers$([ "$node_env" -eq 1 ] && echo ', the Node env server')"
+echo "compose: project $name, config $config, rollout-servers $rollout_servers, env-servers $env_servers$([ "$node_env" -eq 1 ] && echo ', the Node env server')"
+# What `run.sh --project $name --scale ...` needs to reach this stack while it runs.
+mkdir -p "$registry"
+{
+  declare -p compose profile
+  for variable in ROLLWIRE_CONFIG ROLLWIRE_ENV_FILE ROLLWIRE_SECRETS ROLLWIRE_ENV_SERVERS; do
+    if [ -n "${!variable:-}" ]; then printf 'export %s=%q\n' "$variable" "${!variable}"; fi
+  done
+} >"$registry/$name.sh"
 started=$(date +%s)
 "${compose[@]}" "${profile[@]}" up -d "${scale[@]}" 2>&1 | grep -v '^Creating\|^Starting' || true
 "${compose[@]}" logs -f --no-color --tail 0 prepare trainer orchestrator &

@@ -203,7 +203,8 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
 ) -> None:
     """examples/agentic.yaml with `--env-servers 3`: the orchestrator finds all three by
     DNS; one is killed mid-run (its process, SIGKILL: `restart: on-failure` brings the
-    container back), and no episode is lost. The model is not warmed up (the example's
+    container back), and no episode is lost; a second rollout-server is added mid-run
+    (`run.sh --scale`) and takes work. The model is not warmed up (the example's
     learning is test_agentic_run.py's, and learning in containers the default run's):
     its untrained answers are rejected actions, so every episode plays all its turns."""
     project = f"rwtest{os.getpid()}a"
@@ -241,6 +242,16 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
             assert time.monotonic() < deadline, "the stack was not up within 600 s"
             time.sleep(1)
         env_servers = _service_containers(project, "env-server")
+        # A second rollout-server added to the running stack joins the run by DNS and
+        # takes work once the trainer has sent it the weights (checked at the end).
+        scaled = subprocess.run(
+            ["bash", str(RUN_SH), "--project", project, "--scale", "rollout-server=2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+        assert "rollout-server now 2 container(s)" in scaled.stdout, scaled.stdout
         # Mid-run: the first evaluation is done and groups are being played on all three.
         orchestrator = _service_containers(project, "orchestrator")[0]
         while '"evaluated"' not in _logs(orchestrator):
@@ -271,6 +282,8 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
     run = tmp_path / "run"
     steps = jsonl(run / "metrics" / "trainer.jsonl")
     assert [row["step"] for row in steps] == list(range(1, 11))
+    orchestrator_log = (run / "logs" / "orchestrator.compose.log").read_text()
+    assert "rollout-server joined" in orchestrator_log and "takes work now" in orchestrator_log
     # Every trained group was whole: 8 episodes of each of 8 groups per step.
     assert all(row["sequences"] == 64 for row in steps), [row["sequences"] for row in steps]
     progress = jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
