@@ -162,3 +162,33 @@ def test_the_ema_moves_a_fraction_of_the_way() -> None:
         model.weight.fill_(3.0)
     ema_update(average, model, decay=0.9)
     assert torch.allclose(average.weight, torch.full_like(average.weight, 1.2))
+
+
+def test_train_nodes_keep_some_of_a_pairs_folders_nodes_and_the_schedules_are_step_counts() -> None:
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rollwire.services.core.config import ConfigError, load_config
+    from rollwire.trainer.pipelines.ode_distill import _rows
+
+    pairs = SimpleNamespace(
+        latents=np.arange(2 * 3, dtype=np.float32).reshape(2, 3),
+        times=[1.0, 0.75, 0.5],
+        labels=[4, 7],
+        clean=np.array([10.0, 20.0]),
+    )
+    rows = _rows(pairs, [1], kept=[0, 2])
+    assert [(x, t, label, end) for x, t, label, end in rows] == [
+        (3, 1.0, 7, 20.0),
+        (5, 0.5, 7, 20.0),
+    ]
+    config = load_config(None, overrides=["ode_distill.train_nodes=[0, 24]"], environ={})
+    assert config.ode_distill.train_nodes == [0, 24]
+    with pytest.raises(ConfigError, match="train_nodes must be some of"):
+        load_config(None, overrides=["ode_distill.train_nodes=[5]"], environ={})
+    dmd = load_config(None, overrides=["dmd.student_steps=[1, 2, 4]"], environ={}).dmd
+    assert dmd.schedules() == [1, 2, 4]
+    assert load_config(None, overrides=["dmd.student_steps=4"], environ={}).dmd.schedules() == [4]
+    with pytest.raises(ConfigError, match="at least 1"):
+        load_config(None, overrides=["dmd.student_steps=[2, 0]"], environ={})

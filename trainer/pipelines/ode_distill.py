@@ -46,11 +46,12 @@ class _Counts:
         return f"{self.trajectories} teacher trajectories, {self.rows} (node, end) rows"
 
 
-def _rows(pairs: Any, trajectories: list[int]) -> list[Row]:
+def _rows(pairs: Any, trajectories: list[int], kept: list[int]) -> list[Row]:
+    """The (node, end) rows of `trajectories` at the node positions `kept`."""
     return [
-        (pairs.latents[i, k], float(time_), int(pairs.labels[i]), pairs.clean[i])
+        (pairs.latents[i, k], float(pairs.times[k]), int(pairs.labels[i]), pairs.clean[i])
         for i in trajectories
-        for k, time_ in enumerate(pairs.times)
+        for k in kept
     ]
 
 
@@ -61,14 +62,16 @@ def prepare(config: RunConfig, model_path: Path) -> tuple[list[Row], list[Row], 
     ode = config.ode_distill
     loaded: dict[Path, Any] = {}
 
+    kept = [k for k, node in enumerate(ode.nodes) if node in (ode.train_nodes or ode.nodes)]
+
     def build(folder: Path) -> tuple[list[int], _Counts]:
         pairs = load_pairs(folder, ode.pairs if folder == ode.data else None)
         loaded[folder] = pairs
-        return list(range(len(pairs))), _Counts(len(pairs), len(pairs) * len(pairs.times))
+        return list(range(len(pairs))), _Counts(len(pairs), len(pairs) * len(kept))
 
     train, held, report = split_data("ode_distill", ode, build, "trajectories")
     held_pairs = loaded[ode.eval_data] if ode.eval_data is not None else loaded[ode.data]
-    return _rows(loaded[ode.data], train), _rows(held_pairs, held), report
+    return _rows(loaded[ode.data], train, kept), _rows(held_pairs, held, kept), report
 
 
 def _stack(rows: list[Row]) -> tuple[torch.Tensor, ...]:

@@ -239,6 +239,10 @@ class ODEDistillConfig(PipelineData, StudentEvaluation):
     """The teacher grid's time shift (1: uniform)."""
     nodes: list[int] = [0, 12, 24, 36]
     """Grid indices whose latents are kept and trained on (0: the noise at t = 1)."""
+    train_nodes: list[int] | None = None
+    """Of `nodes`, those the student trains on (and is held-out-scored on); unset: all.
+    [0] spends the whole student on the one-step jump from noise, without making the
+    pairs again."""
     renoise: Literal["fresh", "ddim"] = "fresh"
     """How the student's few-step sampling takes a clean prediction to the next time:
     with fresh noise, or with the noise the step implies (the ODE's Euler step)."""
@@ -262,6 +266,13 @@ class ODEDistillConfig(PipelineData, StudentEvaluation):
             )
         if sorted(set(self.nodes)) != self.nodes:
             raise ValueError(f"ode_distill.nodes must increase without repeats, got {self.nodes}")
+        if self.train_nodes is not None and (
+            not self.train_nodes or not set(self.train_nodes) <= set(self.nodes)
+        ):
+            raise ValueError(
+                f"ode_distill.train_nodes must be some of ode_distill.nodes {self.nodes}, "
+                f"got {self.train_nodes}"
+            )
         return self
 
 
