@@ -202,7 +202,7 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "total_bytes")
+    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "total_bytes", "base_version", "encoding", "sha256", "keep_base")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,10 @@ class WeightChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    KEEP_BASE_FIELD_NUMBER: _ClassVar[int]
     version: int
     name: str
     dtype: str
@@ -217,7 +221,11 @@ class WeightChunk(_message.Message):
     offset: int
     data: bytes
     total_bytes: int
-    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    base_version: int
+    encoding: str
+    sha256: bytes
+    keep_base: bool
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., base_version: _Optional[int] = ..., encoding: _Optional[str] = ..., sha256: _Optional[bytes] = ..., keep_base: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "bytes_received", "tensors", "apply_seconds")

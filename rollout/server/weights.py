@@ -10,6 +10,19 @@ Streams: the sender cuts each tensor's bytes into chunks of at most
 and the new version. The receiver checks every chunk against the parameters it
 serves and only hands over a complete, consistent set: a bad stream changes nothing.
 
+Deltas (`trainer.weights.deltas`): a stream may carry a tensor as the elements that
+changed since `base_version` (`encoding: sparse`: their indices, then their new
+values), and leave out tensors that did not change; each tensor names the SHA-256
+of its whole bytes once applied. The receiver applies them to its own copy of the
+base, the bytes it last received with `keep_base` (the engine is not asked for its
+weights: a fused or sharded engine holds them in another layout), checks every
+checksum and hands the engine a whole version as for a full stream. A receiver
+that does not hold the base answers FAILED_PRECONDITION and one whose result does
+not match its checksum DATA_LOSS, changing nothing; the trainer then sends the
+version whole. Only the bytes that differ travel: with 16-bit weights most
+elements of a step's update keep their bytes, with float32 almost none do (the
+trainer sends a tensor whole when its delta would not be smaller).
+
 The weight group: the trainer opens a rendezvous store (a torch.distributed
 `TCPStore`, port picked by the OS), joins as rank 0 and asks each rollout-server
 over gRPC to join as rank 1..n (`JoinWeightGroup`). The group is a
@@ -31,6 +44,7 @@ import datetime
 import logging
 import time
 from collections.abc import AsyncIterable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -73,6 +87,126 @@ class NotInWeightGroup(LookupError):
 # Streams: the chunk codec.
 
 
+def wire_bytes(tensor: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes as they travel (bfloat16 as its raw 16-bit pattern)."""
+    tensor = tensor.detach().contiguous().cpu()
+    if tensor.dtype not in DTYPE_NAMES:
+        raise TypeError(f"dtype {tensor.dtype} cannot be sent; use float32, float16 or bfloat16")
+    raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    return raw.numpy().tobytes()
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers of their size, flat: equal bits, equal integers."""
+    return tensor.detach().contiguous().cpu().view(_BITS[tensor.element_size()]).reshape(-1)
+
+
+def sparse_delta(base: torch.Tensor, new: torch.Tensor) -> bytes | None:
+    """`new` as the elements whose bytes differ from `base`'s (int32 indices, then the
+    new elements); None when that would not be smaller than `new` whole."""
+    if base.shape != new.shape or base.dtype != new.dtype:
+        return None
+    old_bits, new_bits = _bits(base), _bits(new)
+    if new_bits.numel() >= 2**31:
+        return None
+    changed = torch.nonzero(old_bits != new_bits).reshape(-1)
+    itemsize = new.element_size()
+    if changed.numel() * (4 + itemsize) >= new_bits.numel() * itemsize:
+        return None
+    return changed.to(torch.int32).numpy().tobytes() + new_bits[changed].numpy().tobytes()
+
+
+def apply_sparse_delta(base: torch.Tensor, payload: bytes) -> torch.Tensor:
+    """`base` with a `sparse_delta` payload applied (a new tensor); WeightStreamError if
+    the payload does not fit it."""
+    itemsize = base.element_size()
+    if len(payload) % (4 + itemsize):
+        raise WeightStreamError(f"a sparse delta of {len(payload)} bytes is not whole elements")
+    count = len(payload) // (4 + itemsize)
+    indices = torch.frombuffer(bytearray(payload[: 4 * count]), dtype=torch.int32).long()
+    values = torch.frombuffer(bytearray(payload[4 * count :]), dtype=_BITS[itemsize])
+    bits = _bits(base).clone()
+    if count and (int(indices.min()) < 0 or int(indices.max()) >= bits.numel()):
+        raise WeightStreamError("a sparse delta names elements outside its tensor")
+    bits[indices] = values
+    return bits.view(base.dtype).reshape(base.shape)
+
+
+@dataclass
+class Encoded:
+    """One tensor of an update as it travels."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    data: bytes
+    encoding: str = ""
+    """"" (whole) or "sparse" (`sparse_delta`)."""
+    sha256: bytes = b""
+
+
+def encode_update(
+    named: Iterable[tuple[str, torch.Tensor]],
+    base: dict[str, torch.Tensor] | None = None,
+    checksums: bool = False,
+) -> list[Encoded]:
+    """The tensors of one version as they travel: whole, or with `base` (the version the
+    receivers hold) as sparse deltas where smaller, unchanged tensors left out.
+    `checksums`: each carries the SHA-256 of its whole bytes."""
+    import hashlib
+
+    encoded = []
+    for name, tensor in named:
+        tensor = tensor.detach().contiguous().cpu()
+        whole = wire_bytes(tensor)
+        digest = hashlib.sha256(whole).digest() if checksums else b""
+        kept = base.get(name) if base is not None else None
+        if kept is not None and torch.equal(_bits(kept), _bits(tensor)):
+            continue  # unchanged: the receiver keeps its own
+        delta = sparse_delta(kept, tensor) if kept is not None else None
+        encoded.append(
+            Encoded(
+                name,
+                DTYPE_NAMES[tensor.dtype],
+                list(tensor.shape),
+                whole if delta is None else delta,
+                "" if delta is None else "sparse",
+                digest,
+            )
+        )
+    return encoded
+
+
+def iter_encoded_chunks(
+    encoded: Iterable[Encoded],
+    version: int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    base_version: int = 0,
+    keep_base: bool = False,
+) -> Iterator[rollout_pb2.WeightChunk]:
+    """Cuts encoded tensors into WeightChunk messages of at most `chunk_bytes` each;
+    `base_version`: the version `encode_update`'s base was (0: a whole update)."""
+    for tensor in encoded:
+        total = len(tensor.data)
+        for offset in range(0, max(total, 1), chunk_bytes):
+            yield rollout_pb2.WeightChunk(
+                version=version,
+                name=tensor.name,
+                dtype=tensor.dtype,
+                shape=tensor.shape,
+                offset=offset,
+                data=tensor.data[offset : offset + chunk_bytes],
+                total_bytes=total,
+                base_version=base_version,
+                encoding=tensor.encoding,
+                sha256=tensor.sha256 if offset == 0 else b"",
+                keep_base=keep_base,
+            )
+
+
 def iter_weight_chunks(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     version: int,
@@ -85,20 +219,11 @@ def iter_weight_chunks(
             raise TypeError(
                 f"{name}: dtype {tensor.dtype} cannot be sent; use float32, float16 or bfloat16"
             )
-        # bfloat16 has no numpy dtype: send its raw 16-bit pattern.
-        raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-        data = raw.numpy().tobytes()
-        total = len(data)
-        for offset in range(0, max(total, 1), chunk_bytes):
-            yield rollout_pb2.WeightChunk(
-                version=version,
-                name=name,
-                dtype=DTYPE_NAMES[tensor.dtype],
-                shape=list(tensor.shape),
-                offset=offset,
-                data=data[offset : offset + chunk_bytes],
-                total_bytes=total,
-            )
+        yield from iter_encoded_chunks(
+            [Encoded(name, DTYPE_NAMES[tensor.dtype], list(tensor.shape), wire_bytes(tensor))],
+            version,
+            chunk_bytes,
+        )
 
 
 class WeightAssembler:
@@ -112,7 +237,10 @@ class WeightAssembler:
         self._version: int | None = None
         self._buffers: dict[str, bytearray] = {}
         self._filled: dict[str, int] = {}
-        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._meta: dict[str, tuple[str, tuple[int, ...], str, int]] = {}
+        """name -> (dtype name, shape, encoding, base version)."""
+        self._digests: dict[str, bytes] = {}
+        self.keep_base = False
         self.bytes_received = 0
 
     def add(self, chunk: rollout_pb2.WeightChunk) -> None:
@@ -124,6 +252,7 @@ class WeightAssembler:
                     code="FAILED_PRECONDITION",
                 )
             self._version = chunk.version
+            self.keep_base = chunk.keep_base
         elif chunk.version != self._version:
             raise WeightStreamError(
                 f"chunk of {chunk.name!r} has version {chunk.version}, the stream began with {self._version}"
@@ -141,9 +270,24 @@ class WeightAssembler:
             raise WeightStreamError(
                 f"{chunk.name}: unsupported dtype {chunk.dtype!r} (use {sorted(DTYPES)})"
             )
+        if chunk.encoding not in ("", "sparse") or (
+            chunk.encoding == "sparse" and chunk.base_version <= 0
+        ):
+            raise WeightStreamError(
+                f"{chunk.name}: encoding {chunk.encoding!r} with base version "
+                f"{chunk.base_version} (a sparse delta names the version it applies to)"
+            )
         itemsize = torch.empty(0, dtype=DTYPES[chunk.dtype]).element_size()
-        expected = itemsize * int(torch.Size(shape).numel())
-        if chunk.total_bytes != expected:
+        elements = int(torch.Size(shape).numel())
+        expected = itemsize * elements
+        if chunk.encoding == "sparse":
+            if chunk.total_bytes % (4 + itemsize) or chunk.total_bytes > (4 + itemsize) * elements:
+                raise WeightStreamError(
+                    f"{chunk.name}: a sparse delta of {chunk.total_bytes} bytes does not fit "
+                    f"{elements} elements of {itemsize} bytes"
+                )
+            expected = chunk.total_bytes
+        elif chunk.total_bytes != expected:
             raise WeightStreamError(
                 f"{chunk.name}: total_bytes {chunk.total_bytes} where {expected} are expected"
             )
@@ -151,20 +295,29 @@ class WeightAssembler:
         if buffer is None:
             buffer = self._buffers[chunk.name] = bytearray(expected)
             self._filled[chunk.name] = 0
-            self._meta[chunk.name] = (chunk.dtype, shape)
-        elif self._meta[chunk.name][0] != chunk.dtype:
-            raise WeightStreamError(f"{chunk.name}: chunks disagree on dtype")
+            self._meta[chunk.name] = (chunk.dtype, shape, chunk.encoding, chunk.base_version)
+        elif self._meta[chunk.name] != (chunk.dtype, shape, chunk.encoding, chunk.base_version):
+            raise WeightStreamError(f"{chunk.name}: chunks disagree on dtype or encoding")
         if chunk.offset != self._filled[chunk.name] or chunk.offset + len(chunk.data) > expected:
             raise WeightStreamError(
                 f"{chunk.name}: chunk at offset {chunk.offset} with {len(chunk.data)} bytes does not follow "
                 f"the {self._filled[chunk.name]} bytes received (chunks must arrive in order, without gaps)"
             )
+        if chunk.sha256:
+            self._digests[chunk.name] = chunk.sha256
         buffer[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
         self._filled[chunk.name] += len(chunk.data)
         self.bytes_received += len(chunk.data)
 
-    def finish(self) -> tuple[dict[str, torch.Tensor], int]:
-        """The complete tensors (in the model's dtypes) and the version; raises if anything is missing."""
+    def finish(
+        self, base: dict[str, torch.Tensor] | None = None, base_version: int = 0
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        """The complete tensors as they travelled (their wire dtypes) and the version;
+        raises if anything is missing, a delta's base is not `base` at `base_version`
+        (the bytes kept from the last `keep_base` stream), or a checksum does not match.
+        A delta stream's tensors that did not change come from `base`."""
+        import hashlib
+
         if self._version is None:
             raise WeightStreamError("the stream carried no chunks")
         incomplete = sorted(
@@ -172,15 +325,48 @@ class WeightAssembler:
         )
         if incomplete:
             raise WeightStreamError(f"tensors ended before all their bytes arrived: {incomplete}")
+        bases = {meta[3] for meta in self._meta.values() if meta[3]}
+        if bases and (base is None or bases != {base_version}):
+            held = f"holds version {base_version}" if base is not None else "holds no base"
+            raise WeightStreamError(
+                f"a delta on version {sorted(bases)} where this server {held}: send it whole",
+                code="FAILED_PRECONDITION",
+            )
         tensors = {}
         for name, buffer in self._buffers.items():
-            dtype_name, shape = self._meta[name]
+            dtype_name, shape, encoding, _ = self._meta[name]
             dtype = DTYPES[dtype_name]
-            if dtype == torch.bfloat16:
+            if encoding == "sparse":
+                assert base is not None
+                kept = base.get(name)
+                if kept is None or kept.dtype != dtype or tuple(kept.shape) != shape:
+                    raise WeightStreamError(
+                        f"{name}: a delta on a tensor this server does not hold as {dtype_name}",
+                        code="FAILED_PRECONDITION",
+                    )
+                tensor = apply_sparse_delta(kept, bytes(buffer))
+            elif dtype == torch.bfloat16:
                 tensor = torch.frombuffer(buffer, dtype=torch.int16).view(torch.bfloat16)
             else:
                 tensor = torch.frombuffer(buffer, dtype=dtype)
-            tensors[name] = tensor.reshape(shape).to(self._parameters[name][1])
+            tensor = tensor.reshape(shape)
+            digest = self._digests.get(name)
+            if digest and hashlib.sha256(wire_bytes(tensor)).digest() != digest:
+                COUNTERS.inc("rollout_weight_checksum_mismatches")
+                raise WeightStreamError(
+                    f"{name}: its bytes do not match the checksum sent with them", code="DATA_LOSS"
+                )
+            tensors[name] = tensor
+        if bases:
+            assert base is not None
+            missing = sorted(set(self._parameters) - set(tensors) - set(base))
+            if missing:
+                raise WeightStreamError(
+                    f"a delta stream left out tensors this server holds no base of: {missing[:5]}",
+                    code="FAILED_PRECONDITION",
+                )
+            for name in self._parameters:
+                tensors.setdefault(name, base[name])
         return tensors, self._version
 
 
@@ -342,17 +528,25 @@ class WeightReceiver:
     def __init__(self, engine: ServedModel) -> None:
         self.engine = engine
         self.group: WeightGroup | None = None  # this server's membership, once it joined one
+        self.kept: dict[str, torch.Tensor] | None = None
+        """The last stream's tensors as they travelled, when it asked (`keep_base`)."""
+        self.kept_version = 0
 
     async def take_stream(
         self, chunks: AsyncIterable[rollout_pb2.WeightChunk]
     ) -> rollout_pb2.UpdateWeightsResponse:
-        """Assembles an UpdateWeights stream and applies it as one version."""
+        """Assembles an UpdateWeights stream (whole, or deltas on the bytes kept from the
+        last `keep_base` stream) and applies it as one version."""
         started = time.perf_counter()
-        assembler = WeightAssembler(self.engine.parameter_specs(), self.engine.version)
+        specs = self.engine.parameter_specs()
+        assembler = WeightAssembler(specs, self.engine.version)
         async for chunk in chunks:
             assembler.add(chunk)
-        tensors, version = assembler.finish()
+        wire, version = await asyncio.to_thread(assembler.finish, self.kept, self.kept_version)
+        tensors = {name: tensor.to(specs[name][1]) for name, tensor in wire.items()}
         apply_seconds = await self.engine.update_weights(tensors, version)
+        # The base of the next delta: these bytes as they travelled (freed when not asked).
+        self.kept, self.kept_version = (wire, version) if assembler.keep_base else (None, 0)
         COUNTERS.inc("rollout_weight_updates")
         log.info(
             "weights updated",

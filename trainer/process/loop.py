@@ -42,6 +42,7 @@ from rollwire.trainer.process.records import Clock, MetricsLog, open_trained_log
 from rollwire.trainer.process.servicer import TrainerServicer, TrainerState
 from rollwire.trainer.process.thread_plan import ThreadPlan
 from rollwire.trainer.process.weight_sender import (
+    Deltas,
     RolloutPeers,
     catch_up,
     form_weight_group,
@@ -103,7 +104,9 @@ async def resume(
     )
     # A server at the checkpoint's version holds its very weights (a version is never
     # reused); the others get them now.
-    await catch_up(peers.stubs(), policy, state.version, config.trainer.weights.chunk_bytes)
+    await catch_up(
+        peers.stubs(), policy, state.version, config.trainer.weights.chunk_bytes, state.deltas
+    )
     if folder is not None or counts.requeued_groups:
         log.info(
             "resumed",
@@ -204,7 +207,9 @@ async def _wait_for_batch(
         if state.version and not sending and time.monotonic() - last_catch_up > 2.0:
             last_catch_up = time.monotonic()
             await peers.refresh()
-            await catch_up(peers.stubs(), policy, state.version, trainer.weights.chunk_bytes)
+            await catch_up(
+                peers.stubs(), policy, state.version, trainer.weights.chunk_bytes, state.deltas
+            )
         await asyncio.to_thread(policy.heartbeat)
         batch = await _buffer_call(
             functools.partial(
@@ -260,6 +265,7 @@ async def _step(
             trainer.weights.chunk_bytes,
             group=state.weight_group,
             named=await asyncio.to_thread(policy.weights_snapshot) if overlap else None,
+            deltas=state.deltas,
         )
         if overlap:  # sent while this step is acknowledged and the next batch awaited
             state.publishing = asyncio.create_task(sending, name=f"publish-{state.version}")
@@ -268,6 +274,9 @@ async def _step(
     metrics["weights_by_group"] = float(
         state.weight_group is not None and state.weight_group.usable
     )
+    if state.deltas is not None:  # the last publish that finished (with overlap: the one before)
+        metrics["publish_bytes"] = float(state.deltas.bytes_sent)
+        metrics["publish_bytes_whole"] = float(state.deltas.bytes_whole)
     trained_ids = [t.trajectory_id for t in trajectories]
     record = {
         "step": state.step,
@@ -468,6 +477,8 @@ async def run(config: RunConfig, model_path: Path) -> int:
     if endpoints.buffer_trainer is None or not endpoints.rollout_servers:
         raise ValueError("the trainer needs endpoints.buffer_trainer and endpoints.rollout_servers")
     state = TrainerState()
+    if config.trainer.weights.deltas and config.trainer.weights.transport == "stream":
+        state.deltas = Deltas()
     runtime = ServiceRuntime("trainer", config.trainer.server)
     await runtime.start(
         [

@@ -15,7 +15,7 @@ import grpc.aio
 from rollwire.proto.v1 import trainer_pb2, trainer_pb2_grpc
 
 if TYPE_CHECKING:
-    from rollwire.trainer.process.weight_sender import GroupPublisher
+    from rollwire.trainer.process.weight_sender import Deltas, GroupPublisher
 
 
 class TrainerState:
@@ -36,6 +36,8 @@ class TrainerState:
         self.resumed_from_step: int | None = None
         # Rank 0 of the weight group (trainer.weights.transport: group), while it holds.
         self.weight_group: GroupPublisher | None = None
+        self.deltas: Deltas | None = None
+        """`trainer.weights.deltas`: what each rollout-server holds, the last version sent."""
         self.publishing: asyncio.Task[float] | None = None
         """The weights of the last step on their way to the rollout-servers
         (`trainer.weights.overlap_publish`), until the next step waits for them."""

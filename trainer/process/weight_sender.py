@@ -29,9 +29,12 @@ import torch
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from rollwire.rollout.server.weights import (
+    Encoded,
     WeightGroup,
     WeightGroupError,
     default_backend,
+    encode_update,
+    iter_encoded_chunks,
     iter_weight_chunks,
     open_store,
     tensor_specs,
@@ -47,6 +50,39 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # A server that answers so is restarting: it misses this version and is caught up later.
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A server that answers a delta so does not hold its base, or got other bytes: sent whole.
+_DELTA_REFUSED = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS)
+
+
+class Deltas:
+    """`trainer.weights.deltas`: the last version sent (its bytes, on the CPU) and the
+    version each rollout-server acknowledged. A server that holds the last version is
+    sent the next one as the bytes that changed (`encode_update`); any other whole.
+    Every tensor carries its SHA-256, checked on arrival."""
+
+    def __init__(self) -> None:
+        self.base: dict[str, torch.Tensor] | None = None
+        self.base_version = 0
+        self.held: dict[Any, int] = {}
+        """stub -> the version it acknowledged (streams with keep_base)."""
+        self.bytes_sent = 0
+        self.bytes_whole = 0
+        """Of the last publish: bytes sent, and what whole streams would have been."""
+
+    def encodings(
+        self, named: list[tuple[str, torch.Tensor]], stubs: list[Any]
+    ) -> tuple[list[Encoded] | None, list[Encoded] | None]:
+        """(the delta encoding if any stub holds the base, the whole one if any does not)."""
+        at_base = [
+            s for s in stubs if self.base is not None and self.held.get(s) == self.base_version
+        ]
+        delta = encode_update(named, self.base, checksums=True) if at_base else None
+        whole = encode_update(named, checksums=True) if len(at_base) < len(stubs) else None
+        return delta, whole
+
+    def remember(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        self.base = {name: t.detach().to("cpu", copy=True) for name, t in named}
+        self.base_version = version
 
 
 async def publish(
@@ -57,6 +93,7 @@ async def publish(
     timeout: float = 120.0,
     group: GroupPublisher | None = None,
     named: list[tuple[str, torch.Tensor]] | None = None,
+    deltas: Deltas | None = None,
 ) -> float:
     """Sends the weights to every rollout-server at once; returns the seconds it took.
 
@@ -65,6 +102,9 @@ async def publish(
     the version as gRPC streams. A server that cannot be reached (restarting) is
     skipped and counted; `catch_up` brings it to the current version once it is back.
     `named` sends those tensors instead of the policy's weights as they are now.
+    With `deltas`, a server that holds the last version gets only the bytes that
+    changed; one that refuses them (it does not hold that version, or a checksum
+    failed) is counted in `trainer_deltas_refused` and sent the version whole.
     """
     started = time.perf_counter()
     if named is None:  # the weights as they are now (`Policy.weights_snapshot`: a copy)
@@ -82,27 +122,113 @@ async def publish(
             log.warning("weights go as gRPC streams from now on: %s", error)
             await catch_up(stubs, policy, version, chunk_bytes)
             return time.perf_counter() - started
+    if deltas is None:  # each stream cuts its chunks as it goes: no copy of the whole model
+        replies = await asyncio.gather(
+            *(
+                stub.UpdateWeights(iter_weight_chunks(named, version, chunk_bytes), timeout=timeout)
+                for stub in stubs
+            ),
+            return_exceptions=True,
+        )
+        _taken(stubs, replies, version)
+        return time.perf_counter() - started
+    named = list(named)
+    delta, whole = await asyncio.to_thread(deltas.encodings, named, list(stubs))
+    at_base = {s for s in stubs if delta is not None and deltas.held.get(s) == deltas.base_version}
+    plan = {stub: (delta if stub in at_base else whole) for stub in stubs}
+    taken, refused = await _send(
+        stubs, plan, version, chunk_bytes, timeout, deltas.base_version, at_base
+    )
+    if refused:
+        COUNTERS.inc("trainer_deltas_refused", amount=len(refused))
+        log.warning(
+            "%d rollout-server(s) refused a delta: sending version %d whole", len(refused), version
+        )
+        if whole is None:
+            whole = await asyncio.to_thread(encode_update, named, None, True)
+        retaken, _ = await _send(
+            refused, {s: whole for s in refused}, version, chunk_bytes, timeout
+        )
+        taken += retaken
+    for stub in taken:
+        deltas.held[stub] = version
+    sizes = {id(e): len(e.data) for e in (delta or []) + (whole or [])}
+    deltas.bytes_sent = sum(sum(sizes[id(e)] for e in plan[s] or []) for s in stubs)
+    deltas.bytes_whole = len(stubs) * sum(t.numel() * t.element_size() for _, t in named)
+    await asyncio.to_thread(deltas.remember, named, version)
+    return time.perf_counter() - started
+
+
+async def _send(
+    stubs: list[Any],
+    plan: dict[Any, list[Encoded] | None],
+    version: int,
+    chunk_bytes: int,
+    timeout: float,
+    base_version: int = 0,
+    delta_to: set[Any] | frozenset[Any] = frozenset(),
+) -> tuple[list[Any], list[Any]]:
+    """Streams each stub its encoding (`delta_to`'s as a delta on `base_version`), every
+    stream asking its receiver to keep the bytes as the next delta's base; returns (the
+    stubs that took the version, those that refused a delta)."""
     replies = await asyncio.gather(
         *(
-            stub.UpdateWeights(iter_weight_chunks(named, version, chunk_bytes), timeout=timeout)
+            stub.UpdateWeights(
+                iter_encoded_chunks(
+                    plan[stub] or [],
+                    version,
+                    chunk_bytes,
+                    base_version if stub in delta_to else 0,
+                    keep_base=True,
+                ),
+                timeout=timeout,
+            )
             for stub in stubs
         ),
         return_exceptions=True,
     )
-    for reply in replies:
+    return _taken(stubs, replies, version, delta_to)
+
+
+def _taken(
+    stubs: list[Any],
+    replies: list[Any],
+    version: int,
+    delta_to: set[Any] | frozenset[Any] = frozenset(),
+) -> tuple[list[Any], list[Any]]:
+    """(the stubs whose reply took `version`, those of `delta_to` that refused a delta).
+    Unreachable servers are counted and left to `catch_up`; any other failure raises."""
+    taken, refused = [], []
+    for stub, reply in zip(stubs, replies, strict=True):
         if isinstance(reply, grpc.aio.AioRpcError) and reply.code() in _UNREACHABLE:
             COUNTERS.inc("trainer_publish_missed")
             log.warning("a rollout-server missed version %d: %s", version, describe_error(reply))
+        elif (
+            isinstance(reply, grpc.aio.AioRpcError)
+            and stub in delta_to
+            and reply.code() in _DELTA_REFUSED
+        ):
+            log.warning("a rollout-server refused a delta: %s", describe_error(reply))
+            refused.append(stub)
         elif isinstance(reply, BaseException):
             raise reply
         elif reply.version != version:
             raise RuntimeError(f"a rollout-server took version {reply.version}, not {version}")
-    return time.perf_counter() - started
+        else:
+            taken.append(stub)
+    return taken, refused
 
 
-async def catch_up(stubs: list[Any], policy: Policy, version: int, chunk_bytes: int) -> int:
+async def catch_up(
+    stubs: list[Any],
+    policy: Policy,
+    version: int,
+    chunk_bytes: int,
+    deltas: Deltas | None = None,
+) -> int:
     """Sends the weights to every reachable rollout-server behind `version` (one that was
-    restarted starts from the initial weights); returns how many were behind."""
+    restarted, or joined, starts from the initial weights); returns how many were behind.
+    With `deltas` they are sent whole and kept as the base of the next delta."""
     behind = []
     for stub in stubs:
         try:
@@ -114,7 +240,15 @@ async def catch_up(stubs: list[Any], policy: Policy, version: int, chunk_bytes: 
     if behind:
         COUNTERS.inc("trainer_catch_ups", amount=len(behind))
         log.info("rollout-servers behind version %d: sending it", version)
-        await publish(behind, policy, version, chunk_bytes)
+        if deltas is None:
+            await publish(behind, policy, version, chunk_bytes)
+        else:
+            whole = await asyncio.to_thread(encode_update, policy.named_weights(), None, True)
+            taken, _ = await _send(
+                behind, dict.fromkeys(behind, whole), version, chunk_bytes, 120.0
+            )
+            for stub in taken:
+                deltas.held[stub] = version
     return len(behind)
 
 

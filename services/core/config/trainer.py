@@ -198,6 +198,15 @@ class WeightsConfig(StrictModel):
     """`group`: NCCL when this trainer has a CUDA GPU (auto), else gloo."""
     group_timeout_seconds: float = Field(60.0, gt=0)
     """`group`: how long forming the group, or one broadcast, may take."""
+    deltas: bool = False
+    """`stream`: send a rollout-server that holds the last version only the bytes that
+    changed since (element indices and new values, a tensor whole where that is
+    smaller, unchanged tensors not at all), each tensor with its SHA-256, checked on
+    arrival; a server that does not hold the base or finds a mismatch is sent the
+    version whole (`trainer_deltas_refused`). Pays where few bytes change: with 16-bit
+    weights (see docs/benchmarks.md); with float32 nearly every element changes each
+    step. Costs the model's size in CPU memory twice on the trainer (the last version
+    and its encoding) and once on each rollout-server (the base it keeps)."""
     overlap_publish: bool = False
     """Async mode: the new weights are copied and sent while the trainer acknowledges,
     waits for its next batch and starts the next step, instead of before (the copy costs
@@ -207,6 +216,14 @@ class WeightsConfig(StrictModel):
     Off by default: on 2 CPU cores with a 27M model it made steps 1.15x longer (the
     sending competes with generation for the cores, and the rollout-servers serve the
     new version later, so the orchestrator waits at the staleness bound more)."""
+
+    @model_validator(mode="after")
+    def _deltas_go_by_stream(self) -> WeightsConfig:
+        if self.deltas and self.transport != "stream":
+            raise ValueError(
+                "trainer.weights.deltas needs transport: stream (a group broadcasts whole tensors)"
+            )
+        return self
 
 
 class LoraConfig(StrictModel):
