@@ -437,7 +437,11 @@ class Orchestrator:
         # Where the time went since the start (seconds of calls, summed over those in
         # flight together) and the CPU this process used: `rollwire train` prints it.
         entry.update(self.sampler.servers.clock.snapshot())
+        servers = self.sampler.servers
+        entry["rollout_servers"] = len(servers.rollout_stubs())  # those taking work now
+        entry["reward_servers"] = len(servers.reward)
         if self.sampler.episodes is not None:
+            entry["env_servers"] = len(self.sampler.pool.backends)
             entry["episode_restarts"] = self.sampler.episodes.restarts
             entry["env_servers_lost"] = self.sampler.pool.lost_count
         self.progress_log.write(json.dumps(entry) + "\n")

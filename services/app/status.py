@@ -288,7 +288,14 @@ def progress_of_run(run_dir: Path) -> dict[str, Any]:
     if evaluation:
         progress["eval_reward"] = evaluation.get("eval_reward")
         progress["eval_version"] = evaluation.get("policy_version")
-    for key in ("groups_completed", "groups_failed", "tokens_per_second", "env_servers_lost"):
+    for key in (
+        "groups_completed",
+        "groups_failed",
+        "tokens_per_second",
+        "env_servers_lost",
+        "rollout_servers",  # those the orchestrator sends work to now
+        "env_servers",
+    ):
         if key in orchestrator:
             progress[key] = orchestrator[key]
     return progress
