@@ -11,7 +11,9 @@ step. Each version goes to two `rollwire rollout-server` processes (HF engine): 
 by whole streams, one by deltas (`publish(..., deltas=...)`), each timed from the
 first chunk to the server's acknowledgement once the weights are applied. On the
 wire: float32 (the trainer's weights as they are) and bfloat16 (what a bf16 engine
-serves). The baseline sends the same bytes the plainest way (one TCP socket,
+serves); and a LoRA run's merged weights (only the adapted projections q, k, v, o
+change: their every element, the other tensors not at all). The baseline sends the
+same bytes the plainest way (one TCP socket,
 `sendall`), in the same run; the first update of each goes whole either way and is
 left out of the medians.
 """
@@ -42,11 +44,16 @@ MiB = 1 << 20
 class Trainer:
     """The weights and an AdamW on them; `named_weights` in the wire dtype."""
 
-    def __init__(self, folder: Path, lr: float, wire: torch.dtype) -> None:
+    def __init__(self, folder: Path, lr: float, wire: torch.dtype, lora: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+        self.parameters = [
+            p
+            for name, p in self.model.named_parameters()
+            if not lora or any(f"{target}.weight" in name for target in targets)
+        ]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=lr, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(0)
         self.wire = wire
@@ -95,8 +102,8 @@ def main() -> None:
         folder = model_folder(args.model, work)
         table = []
         version = 1
-        for wire in (torch.float32, torch.bfloat16):
-            trainer = Trainer(folder, args.lr, wire)
+        for wire, lora in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
+            trainer = Trainer(folder, args.lr, wire, lora)
             servers = Servers(2, folder, work)
             try:
                 result = asyncio.run(run(servers.addresses, trainer, args.updates + 1, version))
@@ -108,14 +115,14 @@ def main() -> None:
             delta_bytes = statistics.median(r[3] for r in rows)
             raw_whole = statistics.median(time_raw(bytes(int(whole_bytes)), 1) for _ in range(3))
             raw_delta = statistics.median(time_raw(bytes(int(delta_bytes)), 1) for _ in range(3))
-            name = str(wire).removeprefix("torch.")
+            name = str(wire).removeprefix("torch.") + (" LoRA" if lora else "")
             for mode, seconds, sent, raw in (
                 ("whole", statistics.median(r[0] for r in rows), whole_bytes, raw_whole),
                 ("delta", statistics.median(r[1] for r in rows), delta_bytes, raw_delta),
             ):
                 table.append((name, mode, sent / 1e6, sent / whole_bytes, seconds, raw))
         header = (
-            f"{'wire':>9} {'mode':>6} {'MB sent':>8} {'x whole':>8} {'update s':>9} "
+            f"{'wire':>13} {'mode':>6} {'MB sent':>8} {'x whole':>8} {'update s':>9} "
             f"{'raw s':>7} {'x raw':>6} {'x whole s':>9}"
         )
         print(f"SmolLM2-135M's shape, AdamW lr {args.lr:g}, {args.updates} updates a row\n")
@@ -125,7 +132,7 @@ def main() -> None:
         for name, mode, mb, share, seconds, raw in table:
             whole_seconds.setdefault(name, seconds)
             print(
-                f"{name:>9} {mode:>6} {mb:>8.1f} {share:>8.3f} {seconds:>9.3f} {raw:>7.3f} "
+                f"{name:>13} {mode:>6} {mb:>8.1f} {share:>8.3f} {seconds:>9.3f} {raw:>7.3f} "
                 f"{seconds / raw:>6.1f} {seconds / whole_seconds[name]:>9.2f}"
             )
         print(
