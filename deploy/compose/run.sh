@@ -66,7 +66,7 @@ if [ "${#rescale[@]}" -gt 0 ]; then
       echo "run.sh: --scale $change: the service must be rollout-server, env-server or reward-server" >&2; exit 2 ;;
     esac
     "${compose[@]}" "${profile[@]}" up -d --no-recreate --no-deps --scale "$change" "$service" 2>&1 | grep -v '^Creating\|^Starting' || true
-    echo "compose: $service now $(("${compose[@]}" ps -q "$service" | wc -l)) container(s)"
+    echo "compose: $service now $("${compose[@]}" ps -q "$service" | wc -l) container(s)"
   done
   exit 0
 fi
