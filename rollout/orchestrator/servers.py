@@ -217,6 +217,10 @@ class Servers:
             assert reward.channel is not None
             await wait_for_serving(reward.channel, timeout=timeout, target=reward.address)
         await self.discover_scorers()
+        log.info(
+            "servers serving",
+            extra={"rollout_servers": sorted(self.rollout), "reward_servers": len(self.reward)},
+        )
 
     # ------------------------------------------------------------ members joining and leaving
 
