@@ -84,7 +84,8 @@ class RolloutServer:
     channel: grpc.aio.Channel
     stub: rollout_pb2_grpc.RolloutServiceStub
     ready: bool = False
-    """Serving the version the others serve (a joining server is not, at first)."""
+    """Takes work: a member of the start at once, one that joins once it serves the
+    version the others serve."""
     joined_at: float = 0.0
     in_flight: int = 0
     leaving: bool = False
@@ -177,8 +178,8 @@ class Servers:
         self.rollout: dict[str, RolloutServer] = {}
         """The rollout-servers by address (those that left are not here)."""
         self.reward: list[RewardServer] = []
-        for address in self.rollout_members.members:
-            self._add_rollout(address)
+        for address in self.rollout_members.members:  # those of the start take work at once
+            self._add_rollout(address).ready = True
         for address in self.reward_members.members:
             self._add_reward(address)
         self._turn = itertools.count()
@@ -212,7 +213,6 @@ class Servers:
         timeout = self.config.client.connect_timeout_seconds
         for server in self.rollout.values():
             await wait_for_serving(server.channel, timeout=timeout, target=server.address)
-            server.ready = True
         for reward in self.reward:
             assert reward.channel is not None
             await wait_for_serving(reward.channel, timeout=timeout, target=reward.address)
