@@ -499,7 +499,10 @@ def start_servers(
             ),
         )
     addresses = {name: stack.wait_ready(service, timeout) for name, service in started.items()}
-    update = {
+    update: dict[str, Any] = {
+        # The servers just started are the run's; a members file of another run (a resolved
+        # config read again, as `rollwire eval` does) names servers that are not.
+        "members_file": None,
         "reward_servers": [addresses["reward-server"]] if "reward-server" in addresses else [],
         "rollout_servers": [
             addresses["rollout-server"],
