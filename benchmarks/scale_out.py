@@ -62,13 +62,13 @@ def main() -> None:
             f"run.output_dir={run}",
             "rl.max_steps=100000",
             "endpoints.refresh_seconds=1",
-            "orchestrator.eval_every=0",
+            "orchestrator.eval_every=100000",
             *args.set,
         ]:
             command += ["--set", item]
         launcher = subprocess.Popen(
             command,
-            stdout=subprocess.DEVNULL,
+            stdout=open(Path(temp) / "launcher.log", "w"),  # noqa: SIM115 - closed with the run
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -79,7 +79,8 @@ def main() -> None:
                 rows(run / "metrics" / "trainer.jsonl")[-1]["step"] < 10
             ):
                 if launcher.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the run did not reach step 10")
+                    tail = (Path(temp) / "launcher.log").read_text()[-2000:]
+                    raise SystemExit(f"the run did not reach step 10:\n{tail}")
                 time.sleep(0.5)
             before = rate(run, args.window)
             started = time.perf_counter()
@@ -100,8 +101,9 @@ def main() -> None:
                 time.sleep(0.5)
             after = rate(run, args.window)
         finally:
-            os.killpg(launcher.pid, signal.SIGTERM)
-            launcher.wait(timeout=120)
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGTERM)
+                launcher.wait(timeout=120)
     print(f"{'':<44} {'seconds':>8}")
     print(f"{'rollwire scale: started to ready':<44} {ready:>8.1f}")
     shown = "never" if admitted is None else f"{admitted:.1f}"
