@@ -69,12 +69,7 @@ class EnvPool:
     ) -> EnvPool:
         """Remote backends for the run's env-servers (which may change during the run), or
         in-process environments when there are none."""
-        membership = Membership(
-            "env-server",
-            endpoints.env_servers,
-            endpoints.members_file,
-            endpoints.refresh_seconds,
-        )
+        membership = Membership.of("env-server", endpoints)
         if not membership.members:
             return cls([LocalEnvs(env_server)])
 

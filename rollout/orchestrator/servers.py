@@ -163,18 +163,8 @@ class Servers:
         """Seconds in each kind of call (summed over calls in flight at once), and the
         rollout-servers' own account of generation: queueing and generating."""
         endpoints = config.endpoints
-        self.rollout_members = Membership(
-            "rollout-server",
-            endpoints.rollout_servers,
-            endpoints.members_file,
-            endpoints.refresh_seconds,
-        )
-        self.reward_members = Membership(
-            "reward-server",
-            endpoints.reward_servers,
-            endpoints.members_file,
-            endpoints.refresh_seconds,
-        )
+        self.rollout_members = Membership.of("rollout-server", endpoints)
+        self.reward_members = Membership.of("reward-server", endpoints)
         self.rollout: dict[str, RolloutServer] = {}
         """The rollout-servers by address (those that left are not here)."""
         self.reward: list[RewardServer] = []

@@ -27,8 +27,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollwire.services.core.metrics import COUNTERS
+
+if TYPE_CHECKING:
+    from rollwire.services.core.config import EndpointsConfig
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,16 @@ class Membership:
         self._clock = clock
         self.members: list[str] = self._read()
         self._looked_at = clock()
+
+    @classmethod
+    def of(cls, role: str, endpoints: EndpointsConfig) -> Membership:
+        """`role`'s members as the run's `endpoints` section names them."""
+        entries = {
+            "rollout-server": endpoints.rollout_servers,
+            "reward-server": endpoints.reward_servers,
+            "env-server": endpoints.env_servers,
+        }[role]
+        return cls(role, entries, endpoints.members_file, endpoints.refresh_seconds)
 
     @property
     def changes_over_time(self) -> bool:

@@ -399,12 +399,7 @@ class RolloutPeers:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         endpoints = config.endpoints
-        self.membership = Membership(
-            "rollout-server",
-            endpoints.rollout_servers,
-            endpoints.members_file,
-            endpoints.refresh_seconds,
-        )
+        self.membership = Membership.of("rollout-server", endpoints)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, rollout_pb2_grpc.RolloutServiceStub] = {}
         for address in self.membership.members:
