@@ -161,11 +161,11 @@ def encode_update(
     encoded = []
     for name, tensor in named:
         tensor = tensor.detach().contiguous().cpu()
-        whole = wire_bytes(tensor)
-        digest = hashlib.sha256(whole).digest() if checksums else b""
         kept = base.get(name) if base is not None else None
         if kept is not None and torch.equal(_bits(kept), _bits(tensor)):
             continue  # unchanged: the receiver keeps its own
+        whole = wire_bytes(tensor)
+        digest = hashlib.sha256(whole).digest() if checksums else b""
         delta = sparse_delta(kept, tensor) if kept is not None else None
         encoded.append(
             Encoded(

@@ -35,6 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
+from rollwire.services.core.files import write_atomically
 from rollwire.services.core.members import MEMBERS_FILE
 
 SCALABLE = ("rollout-server", "env-server", "reward-server")
@@ -87,9 +88,7 @@ def request_scale(run_dir: Path, words: list[str], timeout: float = READY_SECOND
         )
         return 2
     request_id = uuid.uuid4().hex[:12]
-    staging = requests / f".{request_id}.tmp"
-    staging.write_text(json.dumps({"changes": words}))
-    os.replace(staging, requests / f"{request_id}.request.json")
+    write_atomically(requests / f"{request_id}.request.json", json.dumps({"changes": words}))
     answer = requests / f"{request_id}.answer.json"
     started = time.monotonic()
     warned = False

@@ -21,6 +21,7 @@ from rollwire.services.app.scale import (
     parse_changes,
 )
 from rollwire.services.core.config import RunConfig
+from rollwire.services.core.files import write_atomically
 from rollwire.services.core.members import MEMBERS_FILE, write_members
 
 
@@ -198,7 +199,7 @@ class Scaler:
         return said
 
     def _answer(self, request_id: str, ok: bool, said: list[str]) -> None:
-        answer = self.requests_dir / f"{request_id}.answer.json"
-        staging = answer.with_suffix(".tmp")
-        staging.write_text(json.dumps({"ok": ok, "said": said, "members": self.members}))
-        os.replace(staging, answer)
+        write_atomically(
+            self.requests_dir / f"{request_id}.answer.json",
+            json.dumps({"ok": ok, "said": said, "members": self.members}),
+        )

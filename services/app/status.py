@@ -93,7 +93,7 @@ def targets_of_run(run_dir: Path) -> list[Target]:
         """The role's members now: the members file (`rollwire scale` changes it), DNS
         names resolved; the configured list without its names when they do not resolve."""
         try:
-            return Membership(role, entries, endpoints.members_file).members
+            return Membership.of(role, endpoints).members
         except ValueError:
             return [entry for entry in entries if not entry.startswith(DNS_PREFIX)]
 

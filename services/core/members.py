@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollwire.services.core.files import write_atomically
 from rollwire.services.core.metrics import COUNTERS
 
 if TYPE_CHECKING:
@@ -95,10 +95,7 @@ def read_members(path: str | Path) -> dict[str, list[str]]:
 
 def write_members(path: str | Path, members: dict[str, list[str]]) -> None:
     """Replaces the members file at once (a reader sees the old one or the new one)."""
-    path = Path(path)
-    staging = path.with_name(f".{path.name}.{os.getpid()}")
-    staging.write_text(json.dumps(members, indent=1) + "\n")
-    os.replace(staging, path)
+    write_atomically(Path(path), json.dumps(members, indent=1) + "\n")
 
 
 @dataclass

@@ -152,8 +152,7 @@ async def publish(
         taken += retaken
     for stub in taken:
         deltas.held[stub] = version
-    sizes = {id(e): len(e.data) for e in (delta or []) + (whole or [])}
-    deltas.bytes_sent = sum(sum(sizes[id(e)] for e in plan[s] or []) for s in stubs)
+    deltas.bytes_sent = sum(len(e.data) for stub in stubs for e in plan[stub] or [])
     deltas.bytes_whole = len(stubs) * sum(t.numel() * t.element_size() for _, t in named)
     await asyncio.to_thread(deltas.remember, named, version)
     return time.perf_counter() - started
