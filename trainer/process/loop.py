@@ -477,7 +477,7 @@ async def run(config: RunConfig, model_path: Path) -> int:
     if endpoints.buffer_trainer is None or not endpoints.rollout_servers:
         raise ValueError("the trainer needs endpoints.buffer_trainer and endpoints.rollout_servers")
     state = TrainerState()
-    if config.trainer.weights.deltas and config.trainer.weights.transport == "stream":
+    if config.trainer.weights.deltas:  # streams only (the config refuses it with a group)
         state.deltas = Deltas()
     runtime = ServiceRuntime("trainer", config.trainer.server)
     await runtime.start(
