@@ -1,8 +1,10 @@
 """Held-out evaluation: the policy's greedy reward on tasks it never trains on.
 
-The orchestrator evaluates every `orchestrator.eval_every` policy versions
-(version 0 included) and once more when the trainer reaches `rl.max_steps`,
-each version at most once. The mean reward goes to metrics/eval.jsonl. An
+The orchestrator evaluates once in every `orchestrator.eval_every` policy versions:
+the first version it sees at or past each multiple (version 0 included; a fast trainer
+can move past a multiple between two looks, and then the next version stands for it),
+and once more when the trainer reaches `rl.max_steps`, each version at most once. An
+orchestrator that starts mid-window (a resumed run) waits for the next multiple. The mean reward goes to metrics/eval.jsonl. An
 evaluation that meets a restarting service is tried again a few times, then
 skipped and counted: it must never end the run.
 """
@@ -60,19 +62,23 @@ class Evaluation:
         self.log_file = log_file
         self.watchdog, self.watch_seconds = watchdog, watch_seconds
         self.evaluated: set[int] = set()
+        self.window: int | None = None
+        """`version // every` of the last window evaluated (None before the first look)."""
 
     def due(self, version: int, step: int) -> bool:
         """Whether policy `version` (the trainer at `step`) is still to be evaluated."""
-        return (
-            bool(self.tasks)
-            and version not in self.evaluated
-            and (version % self.every == 0 or step >= self.final_step)
-        )
+        if not self.tasks or version in self.evaluated:
+            return False
+        window = version // self.every
+        if self.window is None and version % self.every:
+            self.window = window  # started mid-window: this one was evaluated before
+        return step >= self.final_step or self.window is None or window > self.window
 
     async def when_due(self, version: int, step: int) -> None:
         """Evaluates `version` if it is due (see `due`), patiently."""
         if self.due(version, step):
             self.evaluated.add(version)
+            self.window = version // self.every
             await self.patiently(version)
 
     async def patiently(self, version: int) -> None:
