@@ -88,6 +88,8 @@ class ScoringPool:
         self._all: set[_Worker] = set()
         self._collecting: set[asyncio.Task[None]] = set()  # held so they are not collected
         self.restarts = 0
+        self.waiting = 0
+        """Items waiting for a worker to come free (the load an autoscaler reads)."""
         self._closed = False
 
     def _spawn(self) -> None:
@@ -167,12 +169,15 @@ class ScoringPool:
             queue_timeout = min(queue_timeout, deadline - loop.time())
         if queue_timeout <= 0:
             raise TimeoutError("no time was left for this item within the call's deadline")
+        self.waiting += 1
         try:
             worker = await asyncio.wait_for(idle.get(), queue_timeout)
         except TimeoutError:
             raise TimeoutError(
                 f"no scorer worker came free within {queue_timeout:.3g}s (all {self._size} busy)"
             ) from None
+        finally:
+            self.waiting -= 1
         item_ends = loop.time() + timeout
         cut = deadline is not None and deadline < item_ends
         if cut:

@@ -72,6 +72,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         GAUGES.register(
             "reward_idle_workers", self._pool.idle_workers, "scorer workers free to take an item"
         )
+        GAUGES.register(
+            "reward_waiting_items",
+            lambda: self._pool.waiting,
+            "items waiting for a scorer worker (deploy/k8s scales reward-servers on it)",
+        )
         log.info(
             "scorers: %s",
             ", ".join(f"{domain} -> {name}" for domain, name, _ in self.domains()),

@@ -99,6 +99,8 @@ def test_the_kubernetes_overlays_render_and_validate_strictly(overlay, tmp_path)
             "Deployment/reward-server",
             "Deployment/rollout-server",
             "HorizontalPodAutoscaler/env-server",
+            "HorizontalPodAutoscaler/reward-server",
+            "HorizontalPodAutoscaler/rollout-server",
             "Job/orchestrator",
             "Job/prepare",
             "Job/trainer",
@@ -208,6 +210,57 @@ def test_the_kubernetes_manifests_are_in_step_with_the_compose_file() -> None:
         assert entry["pod"]["securityContext"]["runAsNonRoot"] is True
         assert entry["container"]["securityContext"]["allowPrivilegeEscalation"] is False
         assert "requests" in entry["container"]["resources"]
+
+
+# Where each scaled service registers its gauges.
+GAUGE_SOURCES = {
+    "env-server": REPO / "envs" / "server.py",
+    "reward-server": REPO / "reward" / "server.py",
+    "rollout-server": REPO / "rollout" / "server" / "servicer.py",
+}
+
+
+@needs_kubectl
+def test_every_autoscaler_reads_a_queue_gauge_its_service_serves() -> None:
+    """Each server's HPA scales on a gauge that server registers, served on the metrics
+    port its pods expose and announce, and that the Prometheus adapter's rules publish."""
+    documents = _render("cpu")
+    workloads = _workloads(documents)
+    env_config = next(
+        d
+        for d in documents
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("rollwire-env-")
+    )
+    adapter = yaml.safe_load(
+        (DEPLOY / "k8s" / "autoscaling" / "prometheus-adapter-values.yaml").read_text()
+    )
+    published = {rule["name"]["as"] for rule in adapter["rules"]["custom"]}
+    assert all(
+        rule["seriesQuery"].startswith(rule["name"]["as"] + "{")
+        for rule in adapter["rules"]["custom"]
+    )
+    scaled = {}
+    for hpa in (d for d in documents if d["kind"] == "HorizontalPodAutoscaler"):
+        name = hpa["spec"]["scaleTargetRef"]["name"]
+        queue = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+        assert len(queue) == 1, name
+        scaled[name] = queue[0]
+    assert set(scaled) == set(GAUGE_SOURCES)
+    for name, metric in scaled.items():
+        gauge = metric.removeprefix("rollwire_")
+        assert f'"{gauge}"' in GAUGE_SOURCES[name].read_text(), (name, gauge)
+        assert metric in published, metric
+        section = name.replace("-", "_").upper()
+        port = env_config["data"][f"ROLLWIRE__{section}__SERVER__METRICS_PORT"]
+        container = workloads[name]["container"]
+        assert {"name": "metrics", "containerPort": int(port)} in container["ports"], name
+        template = next(
+            d for d in documents if d["kind"] == "Deployment" and d["metadata"]["name"] == name
+        )["spec"]["template"]
+        assert template["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": port,
+        }, name
 
 
 @needs_kubectl

@@ -3,13 +3,15 @@ items to another, and a Score call's deadline grows with its batch."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from rollwire.reward.server import registrations
 from rollwire.rollout.orchestrator.servers import NoScorer, Servers
 from rollwire.services.core.config import RewardServerConfig, RunConfig, ServerConfig
 from rollwire.services.core.datasets import Task
-from rollwire.services.core.metrics import COUNTERS
+from rollwire.services.core.metrics import COUNTERS, GAUGES
 
 SCORERS = """
 import time
@@ -106,14 +108,24 @@ async def test_a_lost_reward_servers_items_are_scored_by_another(reward_servers)
 @pytest.mark.integration
 async def test_a_score_calls_deadline_leaves_every_item_its_own_limit(reward_servers) -> None:
     """Six 0.4 s items on one worker take 2.4 s: past the 1 s default deadline, within
-    ceil(6 / 1) x 1 s + the margin."""
+    ceil(6 / 1) x 1 s + the margin. Meanwhile the items waiting for the worker are the
+    server's `reward_waiting_items` gauge (what deploy/k8s's autoscaler reads)."""
     (server,) = await reward_servers({"slow": "routing_scorers:slow"}, item_timeout_seconds=1.0)
     servers = servers_for([server.address], default_timeout_seconds=1.0)
     try:
         await servers.wait_until_serving()
         assert servers.reward[0].parallel_items == 1
         assert servers.reward[0].item_timeout_seconds == 1.0
-        results = await servers.score(task("slow"), ["x"] * 6)
+        waiting: list[float] = []
+        scoring = asyncio.ensure_future(servers.score(task("slow"), ["x"] * 6))
+        while not scoring.done():
+            waiting.append(GAUGES.read()["reward_waiting_items"][0])
+            await asyncio.sleep(0.05)
+        results = await scoring
         assert [r.reward for r in results] == [3.0] * 6 and not any(r.error for r in results)
+        # All six wait while the worker starts, then fewer as each is taken, to none.
+        after = waiting[waiting.index(6) :]
+        assert after == sorted(after, reverse=True) and after[-1] == 0, waiting
+        assert GAUGES.read()["reward_waiting_items"][0] == 0
     finally:
         await servers.close()
