@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from rollwire.proto.v1 import rollout_pb2 as rollwire_dot_proto_dot_v1_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollwire/proto/v1/trainer.proto\x12\x0brollwire.v1\"\x16\n\x14TrainerStatusRequest\"\xf2\x01\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x1c\n\x14trained_trajectories\x18\x04 \x01(\x03\x12\x17\n\x0flast_checkpoint\x18\x05 \x01(\t\x12\x41\n\x0clast_metrics\x18\x06 \x03(\x0b\x32+.rollwire.v1.TrainerStatus.LastMetricsEntry\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x10\n\x0eVersionRequest\")\n\x0fVersionResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x13\n\x11\x43heckpointRequest\"H\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x32\xf4\x01\n\x0eTrainerService\x12J\n\tGetStatus\x12!.rollwire.v1.TrainerStatusRequest\x1a\x1a.rollwire.v1.TrainerStatus\x12G\n\nGetVersion\x12\x1b.rollwire.v1.VersionRequest\x1a\x1c.rollwire.v1.VersionResponse\x12M\n\nCheckpoint\x12\x1e.rollwire.v1.CheckpointRequest\x1a\x1f.rollwire.v1.CheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollwire/proto/v1/trainer.proto\x12\x0brollwire.v1\x1a\x1frollwire/proto/v1/rollout.proto\"\x16\n\x14TrainerStatusRequest\"\xf2\x01\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\r\n\x05state\x18\x03 \x01(\t\x12\x1c\n\x14trained_trajectories\x18\x04 \x01(\x03\x12\x17\n\x0flast_checkpoint\x18\x05 \x01(\t\x12\x41\n\x0clast_metrics\x18\x06 \x03(\x0b\x32+.rollwire.v1.TrainerStatus.LastMetricsEntry\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x10\n\x0eVersionRequest\")\n\x0fVersionResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x13\n\x11\x43heckpointRequest\"H\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"&\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x32\xc2\x02\n\x0eTrainerService\x12J\n\tGetStatus\x12!.rollwire.v1.TrainerStatusRequest\x1a\x1a.rollwire.v1.TrainerStatus\x12G\n\nGetVersion\x12\x1b.rollwire.v1.VersionRequest\x1a\x1c.rollwire.v1.VersionResponse\x12M\n\nCheckpoint\x12\x1e.rollwire.v1.CheckpointRequest\x1a\x1f.rollwire.v1.CheckpointResponse\x12L\n\x0c\x46\x65tchWeights\x12 .rollwire.v1.FetchWeightsRequest\x1a\x18.rollwire.v1.WeightChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +34,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._loaded_options = None
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TRAINERSTATUSREQUEST']._serialized_start=48
-  _globals['_TRAINERSTATUSREQUEST']._serialized_end=70
-  _globals['_TRAINERSTATUS']._serialized_start=73
-  _globals['_TRAINERSTATUS']._serialized_end=315
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=265
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=315
-  _globals['_VERSIONREQUEST']._serialized_start=317
-  _globals['_VERSIONREQUEST']._serialized_end=333
-  _globals['_VERSIONRESPONSE']._serialized_start=335
-  _globals['_VERSIONRESPONSE']._serialized_end=376
-  _globals['_CHECKPOINTREQUEST']._serialized_start=378
-  _globals['_CHECKPOINTREQUEST']._serialized_end=397
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=399
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=471
-  _globals['_TRAINERSERVICE']._serialized_start=474
-  _globals['_TRAINERSERVICE']._serialized_end=718
+  _globals['_TRAINERSTATUSREQUEST']._serialized_start=81
+  _globals['_TRAINERSTATUSREQUEST']._serialized_end=103
+  _globals['_TRAINERSTATUS']._serialized_start=106
+  _globals['_TRAINERSTATUS']._serialized_end=348
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=298
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=348
+  _globals['_VERSIONREQUEST']._serialized_start=350
+  _globals['_VERSIONREQUEST']._serialized_end=366
+  _globals['_VERSIONRESPONSE']._serialized_start=368
+  _globals['_VERSIONRESPONSE']._serialized_end=409
+  _globals['_CHECKPOINTREQUEST']._serialized_start=411
+  _globals['_CHECKPOINTREQUEST']._serialized_end=430
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=432
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=504
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=506
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=544
+  _globals['_TRAINERSERVICE']._serialized_start=547
+  _globals['_TRAINERSERVICE']._serialized_end=869
 # @@protoc_insertion_point(module_scope)

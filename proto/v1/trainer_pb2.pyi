@@ -1,3 +1,4 @@
+from rollwire.proto.v1 import rollout_pb2 as _rollout_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -56,3 +57,9 @@ class CheckpointResponse(_message.Message):
     step: int
     policy_version: int
     def __init__(self, path: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class FetchWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from rollwire.proto.v1 import rollout_pb2 as rollwire_dot_proto_dot_v1_dot_rollout__pb2
 from rollwire.proto.v1 import trainer_pb2 as rollwire_dot_proto_dot_v1_dot_trainer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -49,6 +50,11 @@ class TrainerServiceStub:
                 request_serializer=rollwire_dot_proto_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=rollwire_dot_proto_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.FetchWeights = channel.unary_stream(
+                '/rollwire.v1.TrainerService/FetchWeights',
+                request_serializer=rollwire_dot_proto_dot_v1_dot_trainer__pb2.FetchWeightsRequest.SerializeToString,
+                response_deserializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.WeightChunk.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -75,6 +81,16 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchWeights(self, request, context):
+        """The weights of a published version, whole, as the chunks UpdateWeights
+        takes (every tensor with its SHA-256, keep_base set). The trainer keeps the
+        newest version only (trainer.weights.store): NOT_FOUND for another,
+        FAILED_PRECONDITION when the store is off, UNAVAILABLE before the first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +108,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=rollwire_dot_proto_dot_v1_dot_trainer__pb2.CheckpointRequest.FromString,
                     response_serializer=rollwire_dot_proto_dot_v1_dot_trainer__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'FetchWeights': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchWeights,
+                    request_deserializer=rollwire_dot_proto_dot_v1_dot_trainer__pb2.FetchWeightsRequest.FromString,
+                    response_serializer=rollwire_dot_proto_dot_v1_dot_rollout__pb2.WeightChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +196,33 @@ class TrainerService:
             '/rollwire.v1.TrainerService/Checkpoint',
             rollwire_dot_proto_dot_v1_dot_trainer__pb2.CheckpointRequest.SerializeToString,
             rollwire_dot_proto_dot_v1_dot_trainer__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollwire.v1.TrainerService/FetchWeights',
+            rollwire_dot_proto_dot_v1_dot_trainer__pb2.FetchWeightsRequest.SerializeToString,
+            rollwire_dot_proto_dot_v1_dot_rollout__pb2.WeightChunk.FromString,
             options,
             channel_credentials,
             insecure,

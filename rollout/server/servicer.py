@@ -28,7 +28,7 @@ from rollwire.rollout.server.weights import (
     WeightReceiver,
     WeightStreamError,
 )
-from rollwire.services.core.config import RolloutServerConfig
+from rollwire.services.core.config import ClientConfig, RolloutServerConfig
 from rollwire.services.core.images import ImageError, ImageLimits, ImageRef, of_protos
 from rollwire.services.core.metrics import COUNTERS, GAUGES
 from rollwire.services.core.server import Registration, reject
@@ -60,8 +60,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     are a `WeightReceiver`'s, their errors mapped to gRPC status codes here."""
 
     def __init__(
-        self, engine: Engine, await_weights: bool = False, watch_seconds: float = 300.0
+        self,
+        engine: Engine,
+        await_weights: bool = False,
+        watch_seconds: float = 300.0,
+        weights_from: str | None = None,
+        client: ClientConfig | None = None,
+        fetch_seconds: float = 120.0,
     ) -> None:
+        """`weights_from`: a trainer to fetch the newest version from now (within
+        `fetch_seconds`, calling it with `client`'s settings), requests held meanwhile."""
         self.engine = engine
         self._started = False
         self.watchdog = Watchdog("rollout-server")
@@ -71,7 +79,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.fatal = asyncio.Event()
         self._tokenizer_digest: str | None = None
         self._has_weights = asyncio.Event()
-        if not await_weights:
+        self.fetching: asyncio.Task[None] | None = None
+        if weights_from is not None:
+            self.fetching = asyncio.get_running_loop().create_task(
+                self._fetch(weights_from, client or ClientConfig(), fetch_seconds, await_weights),
+                name="weights-fetch",
+            )
+        elif not await_weights:
             self._has_weights.set()
         for name, read, help in (
             ("rollout_policy_version", lambda: engine.version, "the weights' version served"),
@@ -80,6 +94,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             ("rollout_generated_tokens", lambda: engine.generated_tokens, "tokens generated"),
         ):
             GAUGES.register(name, read, help)
+
+    async def _fetch(
+        self, address: str, client: ClientConfig, patience: float, await_weights: bool
+    ) -> None:
+        from rollwire.rollout.server.fetch import fetch_newest
+
+        try:
+            await self._start()
+            if await fetch_newest(self.weights, address, client, patience) or not await_weights:
+                self._has_weights.set()
+        except Exception:  # a failed fetch must not stop the server: it serves what it has
+            log.exception("fetching weights from %s failed", address)
+            if not await_weights:
+                self._has_weights.set()
 
     async def _wait_for_weights(self, context: grpc.aio.ServicerContext) -> None:
         """Holds a request until the trainer's weights arrive, within its deadline."""
@@ -429,6 +457,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
 
     async def close(self) -> None:
+        if self.fetching is not None:
+            self.fetching.cancel()
         self.weights.close()
         self.watchdog.stop()
         await self.engine.close()
@@ -507,12 +537,16 @@ def registrations(
     config: RolloutServerConfig,
     watch_seconds: float = 300.0,
     image_limits: ImageLimits | None = None,
+    client: ClientConfig | None = None,
 ) -> list[Registration]:
-    """What `rollwire rollout-server` hosts."""
+    """What `rollwire rollout-server` hosts (`client`: how it calls the trainer)."""
     servicer = RolloutServicer(
         build_engine(config, image_limits),
         await_weights=config.await_weights,
         watch_seconds=watch_seconds,
+        weights_from=config.weights_from,
+        client=client,
+        fetch_seconds=config.weights_fetch_seconds,
     )
     return [
         Registration(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer, SERVICE_NAME)

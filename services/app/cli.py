@@ -81,7 +81,10 @@ def _serve(command: str, args: argparse.Namespace) -> int:
         watch = config.telemetry.watchdog_seconds
         limits = config.image_inputs.limits()
         return run_service(
-            command, config, section.server, lambda: module.registrations(section, watch, limits)
+            command,
+            config,
+            section.server,
+            lambda: module.registrations(section, watch, limits, config.client),
         )
     if command == "reward-server":  # a judge on a rollout-server is called as a client
         return run_service(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rollwire.services.core.config import RunConfig
-from rollwire.services.core.files import building, cache_dir, staged_directory
+from rollwire.services.core.files import building, cache_dir, served_address, staged_directory
 from rollwire.services.core.server import EXIT_NO_RESTART
 
 SERVER_COMMANDS = ("reward-server", "rollout-server", "buffer")
@@ -154,13 +154,22 @@ class Stack:
             else:
                 argv += ["--port", service.address.rsplit(":", 1)[1]]
         if (service.replica_of or service.name).startswith("rollout-server"):
-            argv += ["--set", "rollout_server.await_weights=true"]
+            argv += self.late_rollout_args()
         if service.ready_file is not None:
             service.ready_file.unlink(missing_ok=True)
         service.restarts += 1
         service.log_handle.write(f"\n--- restarted by the launcher ({service.restarts}) ---\n")
         service.log_handle.flush()
         self._spawn(service, argv)
+
+    def late_rollout_args(self) -> list[str]:
+        """A rollout-server started mid-run waits for weights, and fetches the newest from
+        the trainer's store when the trainer's address is known (its log says it)."""
+        args = ["--set", "rollout_server.await_weights=true"]
+        trainer = served_address(self.run_dir / "logs" / "trainer.log")
+        if trainer is not None:
+            args += ["--set", f"rollout_server.weights_from={trainer}"]
+        return args
 
     def wait_ready(self, service: Service, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -472,10 +481,19 @@ def start_servers(
     from rollwire.trainer.pipelines.table import pipeline_of
 
     services = tuple(services) or pipeline_of(config).services
-    started = {name: stack.start(name) for name in SERVER_COMMANDS if name in services}
+    # Rollout-servers of the start serve the initial weights until the trainer sends
+    # others: a trainer to fetch from (a compose run's resolved config read again, as
+    # `rollwire eval` does) is not this run's.
+    fresh = {"rollout-server": ("--set", "rollout_server.weights_from=null")}
+    started = {
+        name: stack.start(name, extra=fresh.get(name, ()))
+        for name in SERVER_COMMANDS
+        if name in services
+    }
     rollout_count = config.run.local_rollout_servers
     extra_rollout = [
-        stack.start("rollout-server", name=f"rollout-server-{i}") for i in range(1, rollout_count)
+        stack.start("rollout-server", name=f"rollout-server-{i}", extra=fresh["rollout-server"])
+        for i in range(1, rollout_count)
     ]
     env_servers = []
     if config.orchestrator.dataset.type == "env" and not config.endpoints.env_servers:
@@ -496,6 +514,7 @@ def start_servers(
                 f"rollout_server.engine={distill.teacher_engine}",
                 "--set",
                 "rollout_server.await_weights=false",
+                *fresh["rollout-server"],
             ),
         )
     addresses = {name: stack.wait_ready(service, timeout) for name, service in started.items()}

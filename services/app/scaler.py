@@ -137,7 +137,7 @@ class Scaler:
     def _add(self, role: str, request: _Request) -> None:
         taken = {s.name for s in self.stack.services}
         number = next(i for i in range(1, 10_000) if f"{role}-{i}" not in taken)
-        extra = ("--set", "rollout_server.await_weights=true") if role == "rollout-server" else ()
+        extra = tuple(self.stack.late_rollout_args()) if role == "rollout-server" else ()
         service = self.stack.start(role, name=f"{role}-{number}", replica=True, extra=extra)
         self.joining.append(_Joining(role, service, request.id))
         request.waiting += 1

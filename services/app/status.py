@@ -35,6 +35,7 @@ from rollwire.proto.v1 import (
 )
 from rollwire.services.core.client import check_health, describe_error, open_channel
 from rollwire.services.core.config import ClientConfig, ConfigError, load_config
+from rollwire.services.core.files import served_address
 from rollwire.services.core.members import DNS_PREFIX, Membership
 
 PROBE_SECONDS = 2.0
@@ -107,24 +108,12 @@ def targets_of_run(run_dir: Path) -> list[Target]:
             Target("buffer", "buffer", endpoints.buffer_producer, log if log.exists() else None)
         )
     trainer_log = logs / "trainer.log"
-    address = endpoints.trainer or _served_address(trainer_log)
+    address = endpoints.trainer or served_address(trainer_log)
     if address:
         found.append(
             Target("trainer", "trainer", address, trainer_log if trainer_log.exists() else None)
         )
     return found
-
-
-def _served_address(log: Path) -> str | None:
-    """The address of the newest "serving" line of a service's JSON log."""
-    if not log.exists():
-        return None
-    address = None
-    for line in log.read_text(errors="replace").splitlines():
-        if '"msg": "serving"' in line:
-            with contextlib.suppress(json.JSONDecodeError):
-                address = json.loads(line).get("address", address)
-    return address
 
 
 def last_problem(log: Path | None) -> str:

@@ -123,3 +123,15 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             break  # a line being written right now (or cut short by a crash)
     return rows
+
+
+def served_address(log: Path) -> str | None:
+    """The address of the newest "serving" line of a service's JSON log."""
+    if not log.exists():
+        return None
+    address = None
+    for line in log.read_text(errors="replace").splitlines():
+        if '"msg": "serving"' in line:
+            with contextlib.suppress(json.JSONDecodeError):
+                address = json.loads(line).get("address", address)
+    return address

@@ -243,7 +243,7 @@ async def test_trainer_service_decoders(start_service) -> None:
     outcomes = await serve_and_fuzz(
         start_service, [registration], trainer_pb2, "TrainerService", {}, timeout=0.3
     )
-    assert set(outcomes) == {"GetStatus", "GetVersion", "Checkpoint"}
+    assert set(outcomes) == {"GetStatus", "GetVersion", "Checkpoint", "FetchWeights"}
 
 
 async def test_rollout_server_decoders(start_service, tiny_model_path) -> None:

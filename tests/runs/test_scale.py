@@ -98,6 +98,10 @@ def test_servers_added_and_removed_mid_run_get_work_and_lose_nothing(tmp_path) -
         if "closing the sessions left open" in line
     ]
     assert closing and closing[-1]["sessions_opened"] > 0, closing
+    # The added rollout-server asked the trainer's store for the newest version as it
+    # started (fetched it, or found the trainer's push had brought it there first).
+    started = (run_dir / "logs" / "rollout-server-1.log").read_text()
+    assert '"weights fetched from the trainer"' in started or '"no weights to fetch"' in started
 
     # Nothing lost, nothing trained twice: the trainer's record and the buffer's ledger.
     steps = effective_training(jsonl(run_dir / "metrics" / "trained_ids.jsonl"))

@@ -49,6 +49,7 @@ from rollwire.trainer.process.weight_sender import (
     publish,
     served_versions,
 )
+from rollwire.trainer.process.weight_store import WeightStore
 from rollwire.trainer.rl.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ async def resume(
     await catch_up(
         peers.stubs(), policy, state.version, config.trainer.weights.chunk_bytes, state.deltas
     )
+    if state.store is not None:
+        await asyncio.to_thread(state.store.put, policy.named_weights(), state.version, True)
     if folder is not None or counts.requeued_groups:
         log.info(
             "resumed",
@@ -258,19 +261,31 @@ async def _step(
         # Versions go out in order: the last one sent in the background first.
         metrics.update(await finish_publishing(state))
         overlap = trainer.weights.overlap_publish and config.rl.staleness > 0
+        if overlap:
+            named = await asyncio.to_thread(policy.weights_snapshot)
+        else:  # the weights as they are (None: publish reads them itself)
+            named = policy.named_weights() if state.store is not None else None
         sending = publish(
             peers.stubs(),
             policy,
             state.version,
             trainer.weights.chunk_bytes,
             group=state.weight_group,
-            named=await asyncio.to_thread(policy.weights_snapshot) if overlap else None,
+            named=named,
             deltas=state.deltas,
+        )
+        # The store's copy is taken beside the sending, before the next step changes the
+        # weights (a snapshot is kept as it is: nothing changes it).
+        storing = (
+            asyncio.to_thread(state.store.put, named, state.version, not overlap)
+            if state.store is not None and named is not None
+            else asyncio.sleep(0)
         )
         if overlap:  # sent while this step is acknowledged and the next batch awaited
             state.publishing = asyncio.create_task(sending, name=f"publish-{state.version}")
+            await storing
         else:
-            await sending
+            await asyncio.gather(sending, storing)
     metrics["weights_by_group"] = float(
         state.weight_group is not None and state.weight_group.usable
     )
@@ -479,6 +494,8 @@ async def run(config: RunConfig, model_path: Path) -> int:
     state = TrainerState()
     if config.trainer.weights.deltas:  # streams only (the config refuses it with a group)
         state.deltas = Deltas()
+    if config.trainer.weights.store:
+        state.store = WeightStore(config.trainer.weights.chunk_bytes)
     runtime = ServiceRuntime("trainer", config.trainer.server)
     await runtime.start(
         [

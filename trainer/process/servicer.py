@@ -1,7 +1,9 @@
-"""The trainer's `rollwire.v1.TrainerService`: status, version and checkpoints on request.
+"""The trainer's `rollwire.v1.TrainerService`: status, version, checkpoints on request and
+the newest version's weights.
 
 It reads a `TrainerState` the training loop (`rollwire.trainer.process.loop`) keeps up to
-date; a checkpoint request is a future the loop resolves after its current step.
+date; a checkpoint request is a future the loop resolves after its current step; weights
+come from the loop's `WeightStore`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from rollwire.proto.v1 import trainer_pb2, trainer_pb2_grpc
 
 if TYPE_CHECKING:
     from rollwire.trainer.process.weight_sender import Deltas, GroupPublisher
+    from rollwire.trainer.process.weight_store import WeightStore
 
 
 class TrainerState:
@@ -44,10 +47,12 @@ class TrainerState:
         self.writing: asyncio.Task[str] | None = None
         """A checkpoint being written while the steps go on
         (`trainer.checkpointing.background`), until the next checkpoint waits for it."""
+        self.store: WeightStore | None = None
+        """`trainer.weights.store`: the newest published version, for FetchWeights."""
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    """GetStatus, GetVersion and Checkpoint over the loop's `TrainerState`."""
+    """GetStatus, GetVersion, Checkpoint and FetchWeights over the loop's `TrainerState`."""
 
     def __init__(self, state: TrainerState) -> None:
         self.state = state
@@ -85,3 +90,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.CheckpointResponse(
             path=path, step=self.state.step, policy_version=self.state.version
         )
+
+    async def FetchWeights(self, request, context):
+        from rollwire.trainer.process.weight_store import VersionGone
+
+        store = self.state.store
+        if store is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this trainer keeps no weights to fetch (trainer.weights.store: false)",
+            )
+        try:
+            _, chunks = await store.chunks(request.version)
+        except VersionGone as error:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+        except LookupError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        for chunk in chunks:
+            yield chunk

@@ -383,6 +383,17 @@ class RolloutServerConfig(StrictModel):
     """Hold generation requests until the trainer has sent weights. Set on a rollout-server
     started again mid-run (`rollwire train` does), so it never samples from the initial
     model the run has long left behind."""
+    weights_from: str | None = None
+    """A trainer's address (host:port, or `dns:///name:port`): at start this server fetches
+    the newest version the trainer keeps (`trainer.weights.store`), whole and checksummed,
+    holding generation requests meanwhile, so that a server the trainer does not know
+    yet, or one restarted, serves the run's current version. A trainer still at version 0
+    (a fresh run) has nothing to send. `rollwire train` sets it on the servers it adds or
+    restarts; the compose file and the Kubernetes manifests on every rollout-server."""
+    weights_fetch_seconds: float = Field(120.0, gt=0)
+    """`weights_from`: how long to keep trying (the trainer may be starting, or
+    restarting); past it the server serves the weights it has (or, with `await_weights`,
+    waits for the trainer to send some), said in its log."""
 
     @model_validator(mode="after")
     def _engine_has_what_it_needs(self) -> RolloutServerConfig:

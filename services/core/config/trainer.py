@@ -207,6 +207,13 @@ class WeightsConfig(StrictModel):
     weights (see docs/benchmarks.md); with float32 nearly every element changes each
     step. Costs the model's size in CPU memory twice on the trainer (the last version
     and its encoding) and once on each rollout-server (the base it keeps)."""
+    store: bool = True
+    """Keep the newest published version on the trainer's CPU for any rollout-server to
+    fetch (`TrainerService.FetchWeights`, whole, every tensor checksummed): what a
+    rollout-server with `rollout_server.weights_from` pulls when it starts, so one the
+    trainer does not know yet, or one restarted, serves the current version. Costs a copy
+    of the weights in CPU memory (taken beside each publish), and their encoding while
+    a fetch of that version is answered."""
     overlap_publish: bool = False
     """Async mode: the new weights are copied and sent while the trainer acknowledges,
     waits for its next batch and starts the next step, instead of before (the copy costs
