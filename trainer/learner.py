@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from rollwire.rollout.server.weights import merge_adapter
 from rollwire.services.core.config import LoraConfig, RunConfig, TrainerConfig
 from rollwire.services.core.files import staging_folder
 from rollwire.trainer.backends import (
@@ -405,11 +406,46 @@ class Learner:
                 if owner.endswith(".base_layer") and owner[: -len(".base_layer")] in layers:
                     owner = owner[: -len(".base_layer")]
                     tensor = p.detach()
-                    if leaf == "weight":
-                        tensor = tensor + layers[owner].get_delta_weight(ADAPTER)
+                    layer = layers[owner]
+                    if leaf == "weight" and getattr(layer, "fan_in_fan_out", False):
+                        tensor = tensor + layer.get_delta_weight(ADAPTER)
+                    elif leaf == "weight":  # the formula adapters-alone updates merge by
+                        tensor = merge_adapter(
+                            tensor,
+                            layer.lora_A[ADAPTER].weight.detach(),
+                            layer.lora_B[ADAPTER].weight.detach(),
+                            float(layer.scaling[ADAPTER]),
+                        )
                     out.append((wire(f"{owner}.{leaf}"), tensor))
                 elif not any(part.startswith("lora_") for part in owner.split(".")):
                     out.append((wire(name), p.detach()))
+        return out
+
+    def named_adapters(self) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+        """LoRA: every adapted layer's (weight's wire name, frozen base, A, B, scale), whose
+        weight `named_weights` publishes merged as base + scale * (B @ A) (the same
+        `merge_adapter`). ValueError without LoRA, or for a layer peft stores transposed
+        (fan_in_fan_out), whose merged weight is not that formula."""
+        from peft.tuners.lora import LoraLayer
+
+        if self.config.lora is None or self.sharded:
+            raise ValueError("adapters alone are published by a LoRA run on the local backend")
+        wire = self.family.wire_name
+        out = []
+        for name, module in self.model.get_base_model().named_modules():
+            if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
+                continue
+            if getattr(module, "fan_in_fan_out", False):
+                raise ValueError(f"{name}: peft stores this layer transposed (fan_in_fan_out)")
+            out.append(
+                (
+                    wire(f"{name}.weight"),
+                    module.get_base_layer().weight.detach(),
+                    module.lora_A[ADAPTER].weight.detach(),
+                    module.lora_B[ADAPTER].weight.detach(),
+                    float(module.scaling[ADAPTER]),
+                )
+            )
         return out
 
     def gather(self) -> None:

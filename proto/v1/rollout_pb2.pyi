@@ -202,7 +202,7 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[int] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "total_bytes", "base_version", "encoding", "sha256", "keep_base")
+    __slots__ = ("version", "name", "dtype", "shape", "offset", "data", "total_bytes", "base_version", "encoding", "sha256", "keep_base", "lora_rank", "lora_scaling")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,8 @@ class WeightChunk(_message.Message):
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     KEEP_BASE_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_SCALING_FIELD_NUMBER: _ClassVar[int]
     version: int
     name: str
     dtype: str
@@ -225,7 +227,9 @@ class WeightChunk(_message.Message):
     encoding: str
     sha256: bytes
     keep_base: bool
-    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., base_version: _Optional[int] = ..., encoding: _Optional[str] = ..., sha256: _Optional[bytes] = ..., keep_base: _Optional[bool] = ...) -> None: ...
+    lora_rank: int
+    lora_scaling: float
+    def __init__(self, version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., base_version: _Optional[int] = ..., encoding: _Optional[str] = ..., sha256: _Optional[bytes] = ..., keep_base: _Optional[bool] = ..., lora_rank: _Optional[int] = ..., lora_scaling: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "bytes_received", "tensors", "apply_seconds")

@@ -144,8 +144,53 @@ class Encoded:
     shape: list[int]
     data: bytes
     encoding: str = ""
-    """"" (whole) or "sparse" (`sparse_delta`)."""
+    """"" (whole), "sparse" (`sparse_delta`) or "lora" (`encode_adapters`)."""
     sha256: bytes = b""
+    lora_rank: int = 0
+    lora_scaling: float = 0.0
+    base_version: int = 0
+    """"lora": 0 when `data` begins with the layer's base, else the version it was sent
+    with (the receiver must hold it)."""
+
+
+Adapter = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, float]
+"""A LoRA-adapted layer's (weight's wire name, frozen base [out, in], A [r, in],
+B [out, r], scale): its weight is base + scale * (B @ A)."""
+
+
+def merge_adapter(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """base + scaling * (B @ A): the one formula sender and receiver use, so that both
+    get the same bits on the same kind of device."""
+    return base + (b @ a) * scaling
+
+
+def encode_adapters(
+    adapters: Iterable[Adapter], with_base: bool, base_version: int, checksums: bool = True
+) -> list[Encoded]:
+    """The adapted layers of one version as "lora" tensors: their adapters, and their
+    frozen base too when `with_base` (the receiver does not hold it yet)."""
+    import hashlib
+
+    encoded = []
+    for name, base, a, b, scaling in adapters:
+        parts = ([base] if with_base else []) + [a, b]
+        data = b"".join(wire_bytes(t.detach().contiguous().cpu()) for t in parts)
+        encoded.append(
+            Encoded(
+                name,
+                DTYPE_NAMES[a.dtype],
+                list(base.shape),
+                data,
+                "lora",
+                hashlib.sha256(data).digest() if checksums else b"",
+                lora_rank=int(a.shape[0]),
+                lora_scaling=float(scaling),
+                base_version=0 if with_base else base_version,
+            )
+        )
+    return encoded
 
 
 def encode_update(
@@ -200,10 +245,12 @@ def iter_encoded_chunks(
                 offset=offset,
                 data=tensor.data[offset : offset + chunk_bytes],
                 total_bytes=total,
-                base_version=base_version,
+                base_version=tensor.base_version if tensor.encoding == "lora" else base_version,
                 encoding=tensor.encoding,
                 sha256=tensor.sha256 if offset == 0 else b"",
                 keep_base=keep_base,
+                lora_rank=tensor.lora_rank,
+                lora_scaling=tensor.lora_scaling,
             )
 
 
@@ -239,6 +286,8 @@ class WeightAssembler:
         self._filled: dict[str, int] = {}
         self._meta: dict[str, tuple[str, tuple[int, ...], str, int]] = {}
         """name -> (dtype name, shape, encoding, base version)."""
+        self._lora: dict[str, tuple[int, float]] = {}
+        """"lora" tensors: name -> (rank, scale)."""
         self._digests: dict[str, bytes] = {}
         self.keep_base = False
         self.bytes_received = 0
@@ -270,7 +319,7 @@ class WeightAssembler:
             raise WeightStreamError(
                 f"{chunk.name}: unsupported dtype {chunk.dtype!r} (use {sorted(DTYPES)})"
             )
-        if chunk.encoding not in ("", "sparse") or (
+        if chunk.encoding not in ("", "sparse", "lora") or (
             chunk.encoding == "sparse" and chunk.base_version <= 0
         ):
             raise WeightStreamError(
@@ -280,7 +329,23 @@ class WeightAssembler:
         itemsize = torch.empty(0, dtype=DTYPES[chunk.dtype]).element_size()
         elements = int(torch.Size(shape).numel())
         expected = itemsize * elements
-        if chunk.encoding == "sparse":
+        if chunk.encoding == "lora":
+            if len(shape) != 2 or chunk.lora_rank <= 0:
+                raise WeightStreamError(
+                    f"{chunk.name}: adapters need a 2-d weight and a rank above 0 "
+                    f"(shape {shape}, rank {chunk.lora_rank})"
+                )
+            out, inner = shape
+            expected = itemsize * (
+                chunk.lora_rank * (inner + out) + (elements if chunk.base_version == 0 else 0)
+            )
+            if chunk.total_bytes != expected:
+                raise WeightStreamError(
+                    f"{chunk.name}: total_bytes {chunk.total_bytes} where {expected} are "
+                    f"expected for adapters of rank {chunk.lora_rank}"
+                )
+            self._lora[chunk.name] = (chunk.lora_rank, chunk.lora_scaling)
+        elif chunk.encoding == "sparse":
             if chunk.total_bytes % (4 + itemsize) or chunk.total_bytes > (4 + itemsize) * elements:
                 raise WeightStreamError(
                     f"{chunk.name}: a sparse delta of {chunk.total_bytes} bytes does not fit "
@@ -310,12 +375,17 @@ class WeightAssembler:
         self.bytes_received += len(chunk.data)
 
     def finish(
-        self, base: dict[str, torch.Tensor] | None = None, base_version: int = 0
+        self,
+        base: dict[str, torch.Tensor] | None = None,
+        base_version: int = 0,
+        lora_bases: dict[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], int]:
         """The complete tensors as they travelled (their wire dtypes) and the version;
         raises if anything is missing, a delta's base is not `base` at `base_version`
         (the bytes kept from the last `keep_base` stream), or a checksum does not match.
-        A delta stream's tensors that did not change come from `base`."""
+        A delta stream's tensors that did not change come from `base`. "lora" tensors
+        are merged on the layer's base from `lora_bases`, where a stream that carries
+        a base puts it."""
         import hashlib
 
         if self._version is None:
@@ -325,7 +395,7 @@ class WeightAssembler:
         )
         if incomplete:
             raise WeightStreamError(f"tensors ended before all their bytes arrived: {incomplete}")
-        bases = {meta[3] for meta in self._meta.values() if meta[3]}
+        bases = {meta[3] for meta in self._meta.values() if meta[3] and meta[2] != "lora"}
         if bases and (base is None or bases != {base_version}):
             held = f"holds version {base_version}" if base is not None else "holds no base"
             raise WeightStreamError(
@@ -334,8 +404,11 @@ class WeightAssembler:
             )
         tensors = {}
         for name, buffer in self._buffers.items():
-            dtype_name, shape, encoding, _ = self._meta[name]
+            dtype_name, shape, encoding, sent_base = self._meta[name]
             dtype = DTYPES[dtype_name]
+            if encoding == "lora":
+                tensors[name] = self._merge(name, buffer, dtype, shape, sent_base, lora_bases)
+                continue
             if encoding == "sparse":
                 assert base is not None
                 kept = base.get(name)
@@ -368,6 +441,47 @@ class WeightAssembler:
             for name in self._parameters:
                 tensors.setdefault(name, base[name])
         return tensors, self._version
+
+    def _merge(
+        self,
+        name: str,
+        buffer: bytearray,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        sent_base: int,
+        lora_bases: dict[str, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """A "lora" tensor's weight: its base (sent now, or held) + scale * (B @ A)."""
+        import hashlib
+
+        digest = self._digests.get(name)
+        if digest and hashlib.sha256(buffer).digest() != digest:
+            COUNTERS.inc("rollout_weight_checksum_mismatches")
+            raise WeightStreamError(
+                f"{name}: its bytes do not match the checksum sent with them", code="DATA_LOSS"
+            )
+        rank, scaling = self._lora[name]
+        out, inner = shape
+        flat = (
+            torch.frombuffer(buffer, dtype=torch.int16).view(torch.bfloat16)
+            if dtype == torch.bfloat16
+            else torch.frombuffer(buffer, dtype=dtype)
+        )
+        if sent_base == 0:
+            layer_base = flat[: out * inner].reshape(shape).clone()
+            flat = flat[out * inner :]
+            if lora_bases is not None:
+                lora_bases[name] = layer_base
+        else:
+            layer_base = (lora_bases or {}).get(name)
+            if layer_base is None or layer_base.dtype != dtype or tuple(layer_base.shape) != shape:
+                raise WeightStreamError(
+                    f"{name}: adapters on a base this server does not hold: send it with them",
+                    code="FAILED_PRECONDITION",
+                )
+        a = flat[: rank * inner].reshape(rank, inner)
+        b = flat[rank * inner :].reshape(out, rank)
+        return merge_adapter(layer_base, a, b, scaling)
 
 
 # The weight group.
@@ -531,6 +645,8 @@ class WeightReceiver:
         self.kept: dict[str, torch.Tensor] | None = None
         """The last stream's tensors as they travelled, when it asked (`keep_base`)."""
         self.kept_version = 0
+        self.lora_bases: dict[str, torch.Tensor] = {}
+        """The frozen bases of LoRA-adapted layers, from the first "lora" stream."""
 
     async def take_stream(
         self, chunks: AsyncIterable[rollout_pb2.WeightChunk]
@@ -542,7 +658,9 @@ class WeightReceiver:
         assembler = WeightAssembler(specs, self.engine.version)
         async for chunk in chunks:
             assembler.add(chunk)
-        wire, version = await asyncio.to_thread(assembler.finish, self.kept, self.kept_version)
+        wire, version = await asyncio.to_thread(
+            assembler.finish, self.kept, self.kept_version, self.lora_bases
+        )
         tensors = {name: tensor.to(specs[name][1]) for name, tensor in wire.items()}
         apply_seconds = await self.engine.update_weights(tensors, version)
         # The base of the next delta: these bytes as they travelled (freed when not asked).

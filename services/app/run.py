@@ -399,7 +399,12 @@ def weight_transport_used(steps: list[dict]) -> str:
     if grouped == len(by_group):
         return f"weights went to the rollout-servers by broadcast in the weight group ({grouped} steps)"
     if grouped == 0:
-        return f"weights went to the rollout-servers as gRPC streams ({len(by_group)} steps)"
+        line = f"weights went to the rollout-servers as gRPC streams ({len(by_group)} steps)"
+        sent = sum(row.get("publish_bytes", 0.0) for row in steps)
+        whole = sum(row.get("publish_bytes_whole", 0.0) for row in steps)
+        if whole:  # deltas or adapters: what travelled against whole updates
+            line += f", {sent / 1e6:.1f} MB of {whole / 1e6:.1f} MB whole ({sent / whole:.0%})"
+        return line
     return (
         f"weights went by the weight group for {grouped} of {len(by_group)} steps, then as gRPC "
         "streams: the group failed (the trainer's log says why)"

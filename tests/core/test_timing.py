@@ -71,6 +71,9 @@ def test_the_summary_says_how_the_weights_went() -> None:
     group = [{"weights_by_group": 1.0}] * 3
     streams = [{"weights_by_group": 0.0}] * 2
     assert "broadcast in the weight group (3 steps)" in weight_transport_used(group)
-    assert "gRPC streams (2 steps)" in weight_transport_used(streams)
+    assert weight_transport_used(streams).endswith("gRPC streams (2 steps)")
+    # Deltas or adapters: the bytes sent against whole updates.
+    lighter = [dict(row, publish_bytes=1e6, publish_bytes_whole=4e6) for row in streams]
+    assert weight_transport_used(lighter).endswith("2.0 MB of 8.0 MB whole (25%)")
     broke = weight_transport_used(group + streams)
     assert "3 of 5 steps" in broke and "the group failed" in broke

@@ -1,5 +1,6 @@
 """Weights sent as deltas (`trainer.weights.deltas`): the bytes that changed, checked by
-checksum, equal to the same versions sent whole; refused deltas are sent whole."""
+checksum, equal to the same versions sent whole; refused deltas are sent whole. A LoRA
+run's adapters alone (`trainer.weights.adapters`), merged by the server, the same."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import torch
 from rollwire.proto.v1 import rollout_pb2_grpc
 from rollwire.rollout.server.weights import (
     apply_sparse_delta,
+    encode_adapters,
     encode_update,
     iter_encoded_chunks,
     sparse_delta,
 )
 from rollwire.services.core.client import open_channel
 from rollwire.services.core.metrics import COUNTERS
-from rollwire.trainer.process.weight_sender import Deltas, publish
+from rollwire.trainer.process.weight_sender import Adapters, Deltas, publish
 from tests.rollout.test_weight_group import start_servers
 
 torch.set_num_threads(1)
@@ -103,6 +105,63 @@ async def test_versions_sent_as_deltas_equal_the_same_versions_sent_whole(
         assert servers[0][0].version == 6
         await publish([by_delta], policy, 7, 1 << 16, deltas=deltas)
         assert_serves(servers[0][0], policy, 7)
+    finally:
+        for channel in channels:
+            await channel.close()
+        for _, servicer, _ in servers:
+            await servicer.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_a_lora_runs_adapters_alone_equal_its_merged_weights_sent_whole(
+    start_service, tiny_model_path
+) -> None:
+    """`trainer.weights.adapters`: four versions of a LoRA run sent as adapters to one
+    server and whole to another leave both serving the trainer's merged weights bit for
+    bit; a server that lost the bases refuses, is counted and gets them again."""
+    from tests.helpers.trajectories import group
+    from tests.trainer.test_lora import make_policy
+
+    servers = await start_servers(start_service, tiny_model_path, 2)
+    channels = [open_channel(runtime.address) for _, _, runtime in servers]
+    by_adapters, whole = (rollout_pb2_grpc.RolloutServiceStub(c) for c in channels)
+    policy, adapters = make_policy(tiny_model_path, learning_rate=5e-2), Adapters()
+
+    def assert_both_serve(version: int) -> None:
+        wanted = dict(policy.named_weights())
+        for engine, _, _ in servers:
+            assert engine.version == version
+            for name, parameter in engine.model.named_parameters():
+                assert torch.equal(parameter.detach(), wanted[name]), name
+
+    try:
+        ratios = []
+        for version in range(1, 5):
+            policy.train_step(group(), version - 1)
+            await publish([by_adapters], policy, version, 1 << 16, adapters=adapters)
+            await publish([whole], policy, version, 1 << 16)
+            assert_both_serve(version)
+            ratios.append(adapters.bytes_sent / adapters.bytes_whole)
+        # The first carries the adapted layers' bases; then the adapters alone.
+        assert ratios[1] < ratios[0] < 1 and max(ratios[1:]) < 0.15, ratios
+        print(f"adapters / whole bytes by version: {ratios}")
+
+        servers[0][1].weights.lora_bases.clear()  # restarted, say
+        refused = COUNTERS.get("trainer_adapters_refused")
+        policy.train_step(group(), 4)
+        await publish([by_adapters], policy, 5, 1 << 16, adapters=adapters)
+        await publish([whole], policy, 5, 1 << 16)
+        assert COUNTERS.get("trainer_adapters_refused") == refused + 1
+        assert_both_serve(5)
+
+        # Adapters whose bytes do not match their checksum are refused.
+        encoded = encode_adapters(policy.named_adapters(), False, adapters.base_version)
+        encoded[0].sha256 = bytes(32)
+        with pytest.raises(grpc.aio.AioRpcError) as refusal:
+            await by_adapters.UpdateWeights(iter_encoded_chunks(encoded, 6, 1 << 16), timeout=30)
+        assert refusal.value.code() == grpc.StatusCode.DATA_LOSS
+        assert servers[0][0].version == 5
     finally:
         for channel in channels:
             await channel.close()

@@ -44,6 +44,14 @@ def test_config_defaults_and_unknown_keys() -> None:
         LoraConfig(rank=0)
     with pytest.raises(ValidationError):
         LoraConfig(dropout=1.0)
+    # Adapters alone are a LoRA run's, by stream, instead of deltas.
+    assert TrainerConfig(lora={}, weights={"adapters": True}).weights.adapters
+    with pytest.raises(ValidationError, match="set trainer.lora too"):
+        TrainerConfig(weights={"adapters": True})
+    with pytest.raises(ValidationError, match="choose one"):
+        TrainerConfig(lora={}, weights={"adapters": True, "deltas": True})
+    with pytest.raises(ValidationError, match="needs transport: stream"):
+        TrainerConfig(lora={}, weights={"adapters": True, "transport": "group"})
 
 
 def test_only_the_adapters_train(tiny_model_path) -> None:

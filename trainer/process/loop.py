@@ -42,6 +42,7 @@ from rollwire.trainer.process.records import Clock, MetricsLog, open_trained_log
 from rollwire.trainer.process.servicer import TrainerServicer, TrainerState
 from rollwire.trainer.process.thread_plan import ThreadPlan
 from rollwire.trainer.process.weight_sender import (
+    Adapters,
     Deltas,
     RolloutPeers,
     catch_up,
@@ -273,6 +274,7 @@ async def _step(
             group=state.weight_group,
             named=named,
             deltas=state.deltas,
+            adapters=state.adapters,
         )
         # The store's copy is taken beside the sending, before the next step changes the
         # weights (a snapshot is kept as it is: nothing changes it).
@@ -289,9 +291,10 @@ async def _step(
     metrics["weights_by_group"] = float(
         state.weight_group is not None and state.weight_group.usable
     )
-    if state.deltas is not None:  # the last publish that finished (with overlap: the one before)
-        metrics["publish_bytes"] = float(state.deltas.bytes_sent)
-        metrics["publish_bytes_whole"] = float(state.deltas.bytes_whole)
+    sent = state.deltas or state.adapters
+    if sent is not None:  # the last publish that finished (with overlap: the one before)
+        metrics["publish_bytes"] = float(sent.bytes_sent)
+        metrics["publish_bytes_whole"] = float(sent.bytes_whole)
     trained_ids = [t.trajectory_id for t in trajectories]
     record = {
         "step": state.step,
@@ -494,6 +497,8 @@ async def run(config: RunConfig, model_path: Path) -> int:
     state = TrainerState()
     if config.trainer.weights.deltas:  # streams only (the config refuses it with a group)
         state.deltas = Deltas()
+    if config.trainer.weights.adapters:  # a LoRA run's (the config checks)
+        state.adapters = Adapters()
     if config.trainer.weights.store:
         state.store = WeightStore(config.trainer.weights.chunk_bytes)
     runtime = ServiceRuntime("trainer", config.trainer.server)

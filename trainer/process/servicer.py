@@ -17,7 +17,7 @@ import grpc.aio
 from rollwire.proto.v1 import trainer_pb2, trainer_pb2_grpc
 
 if TYPE_CHECKING:
-    from rollwire.trainer.process.weight_sender import Deltas, GroupPublisher
+    from rollwire.trainer.process.weight_sender import Adapters, Deltas, GroupPublisher
     from rollwire.trainer.process.weight_store import WeightStore
 
 
@@ -47,6 +47,8 @@ class TrainerState:
         self.writing: asyncio.Task[str] | None = None
         """A checkpoint being written while the steps go on
         (`trainer.checkpointing.background`), until the next checkpoint waits for it."""
+        self.adapters: Adapters | None = None
+        """`trainer.weights.adapters`: which rollout-servers hold the LoRA bases."""
         self.store: WeightStore | None = None
         """`trainer.weights.store`: the newest published version, for FetchWeights."""
 

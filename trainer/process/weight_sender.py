@@ -33,6 +33,7 @@ from rollwire.rollout.server.weights import (
     WeightGroup,
     WeightGroupError,
     default_backend,
+    encode_adapters,
     encode_update,
     iter_encoded_chunks,
     iter_weight_chunks,
@@ -85,6 +86,70 @@ class Deltas:
         self.base_version = version
 
 
+class Adapters:
+    """`trainer.weights.adapters`: a LoRA run sends each version as its adapted layers'
+    adapters alone (`encode_adapters`), each layer's frozen base along with them to a
+    server not known to hold it; the server merges them. The frozen weights never
+    change, so nothing else travels after the first version a server gets."""
+
+    def __init__(self) -> None:
+        self.held: set[Any] = set()
+        """Stubs that took a stream with the bases."""
+        self.base_version = 0
+        """The version the bases were first sent with."""
+        self.bytes_sent = 0
+        self.bytes_whole = 0
+
+
+async def _publish_adapters(
+    stubs: list[Any],
+    policy: Policy,
+    version: int,
+    chunk_bytes: int,
+    timeout: float,
+    named: list[tuple[str, torch.Tensor]],
+    adapters: Adapters,
+) -> None:
+    """Adapters alone to the servers that hold the bases, with the bases to the others;
+    a server that refuses (it lost them: restarted) gets them with the bases."""
+    layers = await asyncio.to_thread(policy.named_adapters)
+    adapters.base_version = adapters.base_version or version
+    held = [s for s in stubs if s in adapters.held]
+    light = (
+        await asyncio.to_thread(encode_adapters, layers, False, adapters.base_version)
+        if held
+        else None
+    )
+    full = (
+        await asyncio.to_thread(encode_adapters, layers, True, adapters.base_version)
+        if len(held) < len(stubs)
+        else None
+    )
+    plan = {stub: (light if stub in adapters.held else full) for stub in stubs}
+    taken, refused = await _send(
+        stubs, plan, version, chunk_bytes, timeout, adapters.base_version, set(held), False
+    )
+    if refused:
+        COUNTERS.inc("trainer_adapters_refused", amount=len(refused))
+        log.warning(
+            "%d rollout-server(s) refused adapters: sending version %d with the bases",
+            len(refused),
+            version,
+        )
+        adapters.held -= set(refused)
+        if full is None:
+            full = await asyncio.to_thread(encode_adapters, layers, True, adapters.base_version)
+        retaken, _ = await _send(
+            refused, dict.fromkeys(refused, full), version, chunk_bytes, timeout, keep_base=False
+        )
+        taken += retaken
+        for stub in refused:
+            plan[stub] = full
+    adapters.held |= set(taken)
+    adapters.bytes_sent = sum(len(e.data) for stub in stubs for e in plan[stub] or [])
+    adapters.bytes_whole = len(stubs) * sum(t.numel() * t.element_size() for _, t in named)
+
+
 async def publish(
     stubs: list[Any],
     policy: Policy,
@@ -94,6 +159,7 @@ async def publish(
     group: GroupPublisher | None = None,
     named: list[tuple[str, torch.Tensor]] | None = None,
     deltas: Deltas | None = None,
+    adapters: Adapters | None = None,
 ) -> float:
     """Sends the weights to every rollout-server at once; returns the seconds it took.
 
@@ -104,7 +170,8 @@ async def publish(
     `named` sends those tensors instead of the policy's weights as they are now.
     With `deltas`, a server that holds the last version gets only the bytes that
     changed; one that refuses them (it does not hold that version, or a checksum
-    failed) is counted in `trainer_deltas_refused` and sent the version whole.
+    failed) is counted in `trainer_deltas_refused` and sent the version whole. With
+    `adapters` (a LoRA run), the adapted layers' adapters alone (`Adapters`).
     """
     started = time.perf_counter()
     if named is None:  # the weights as they are now (`Policy.weights_snapshot`: a copy)
@@ -122,6 +189,9 @@ async def publish(
             log.warning("weights go as gRPC streams from now on: %s", error)
             await catch_up(stubs, policy, version, chunk_bytes)
             return time.perf_counter() - started
+    if adapters is not None:
+        await _publish_adapters(stubs, policy, version, chunk_bytes, timeout, named, adapters)
+        return time.perf_counter() - started
     if deltas is None:  # each stream cuts its chunks as it goes: no copy of the whole model
         replies = await asyncio.gather(
             *(
@@ -166,10 +236,11 @@ async def _send(
     timeout: float,
     base_version: int = 0,
     delta_to: set[Any] | frozenset[Any] = frozenset(),
+    keep_base: bool = True,
 ) -> tuple[list[Any], list[Any]]:
-    """Streams each stub its encoding (`delta_to`'s as a delta on `base_version`), every
-    stream asking its receiver to keep the bytes as the next delta's base; returns (the
-    stubs that took the version, those that refused a delta)."""
+    """Streams each stub its encoding (`delta_to`'s as a delta on `base_version`), each
+    stream asking its receiver to keep the bytes as the next delta's base unless not
+    `keep_base`; returns (the stubs that took the version, those that refused a delta)."""
     replies = await asyncio.gather(
         *(
             stub.UpdateWeights(
@@ -178,7 +249,7 @@ async def _send(
                     version,
                     chunk_bytes,
                     base_version if stub in delta_to else 0,
-                    keep_base=True,
+                    keep_base=keep_base,
                 ),
                 timeout=timeout,
             )

@@ -48,6 +48,10 @@ class Policy:
         """The weights to publish (`Learner.named_weights`)."""
         return self.learner.named_weights()
 
+    def named_adapters(self) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, float]]:
+        """A LoRA run's adapted layers (`Learner.named_adapters`)."""
+        return self.learner.named_adapters()
+
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """The weights to publish while the next step runs (`Learner.weights_snapshot`)."""
         return self.learner.weights_snapshot()

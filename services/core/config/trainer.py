@@ -207,6 +207,13 @@ class WeightsConfig(StrictModel):
     weights (see docs/benchmarks.md); with float32 nearly every element changes each
     step. Costs the model's size in CPU memory twice on the trainer (the last version
     and its encoding) and once on each rollout-server (the base it keeps)."""
+    adapters: bool = False
+    """A LoRA run (`trainer.lora`): send each version as the adapted layers' adapters
+    alone (A, B and the scale of each; each layer's frozen base once per server), which
+    the rollout-server merges itself (base + scale * B A, the trainer's formula) into
+    the weights its engine serves, so every engine takes them. A server that lost the
+    bases (restarted) refuses and gets them again (`trainer_adapters_refused`). Streams
+    only; instead of `deltas`."""
     store: bool = True
     """Keep the newest published version on the trainer's CPU for any rollout-server to
     fetch (`TrainerService.FetchWeights`, whole, every tensor checksummed): what a
@@ -226,9 +233,16 @@ class WeightsConfig(StrictModel):
 
     @model_validator(mode="after")
     def _deltas_go_by_stream(self) -> WeightsConfig:
-        if self.deltas and self.transport != "stream":
+        for name in ("deltas", "adapters"):
+            if getattr(self, name) and self.transport != "stream":
+                raise ValueError(
+                    f"trainer.weights.{name} needs transport: stream (a group broadcasts "
+                    "whole tensors)"
+                )
+        if self.deltas and self.adapters:
             raise ValueError(
-                "trainer.weights.deltas needs transport: stream (a group broadcasts whole tensors)"
+                "trainer.weights.adapters and deltas are two ways to send less: choose one "
+                "(adapters send far less in a LoRA run)"
             )
         return self
 
@@ -404,6 +418,10 @@ class TrainerConfig(StrictModel):
             )
         if self.backend != "local" and self.lora is not None:
             raise ValueError(f"trainer.lora runs on trainer.backend=local only, not {self.backend}")
+        if self.weights.adapters and self.lora is None:
+            raise ValueError(
+                "trainer.weights.adapters sends a LoRA run's adapters: set trainer.lora too"
+            )
         if self.backend != "local" and self.algorithm.kl.coef > 0:
             raise ValueError(
                 f"trainer.algorithm.kl.coef > 0 (a frozen reference model) runs on "
