@@ -1,5 +1,6 @@
-"""Weight updates sent whole against sent as deltas (`trainer.weights.deltas`), on
-SmolLM2-135M's shape, against raw TCP of the same bytes.
+"""Weight updates sent whole against sent as deltas (`trainer.weights.deltas`) and, for a
+LoRA run, as adapters alone (`trainer.weights.adapters`), on SmolLM2-135M's shape,
+against raw TCP of the same bytes.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/weight_deltas.py [--updates 4] [--lr 5e-6]
 
@@ -11,8 +12,9 @@ step. Each version goes to two `rollwire rollout-server` processes (HF engine): 
 by whole streams, one by deltas (`publish(..., deltas=...)`), each timed from the
 first chunk to the server's acknowledgement once the weights are applied. On the
 wire: float32 (the trainer's weights as they are) and bfloat16 (what a bf16 engine
-serves); and a LoRA run's merged weights (only the adapted projections q, k, v, o
-change: their every element, the other tensors not at all). The baseline sends the
+serves); and a LoRA run (peft, rank 16 on q, k, v, o; only the adapters step), whose
+merged weights go whole, by delta, and as adapters alone to a third server. The
+baseline sends the
 same bytes the plainest way (one TCP socket,
 `sendall`), in the same run; the first update of each goes whole either way and is
 left out of the medians.
@@ -26,6 +28,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,25 +38,75 @@ from trainer_speed import model_folder
 from weight_sync import Servers, time_raw
 
 from rollwire.proto.v1 import rollout_pb2_grpc
+from rollwire.rollout.server.weights import merge_adapter
 from rollwire.services.core.client import open_channel, wait_for_serving
-from rollwire.trainer.process.weight_sender import Deltas, publish
+from rollwire.trainer.process.weight_sender import Adapters, Deltas, publish
 
 MiB = 1 << 20
+
+
+class LoraTrainer:
+    """A LoRA run's side: peft adapters (rank 16, alpha 32) on q, k, v, o and an AdamW on
+    them; its merged weights and adapters as the learner publishes them."""
+
+    def __init__(self, folder: Path, lr: float) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        config = LoraConfig(
+            r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+        )
+        self.model = get_peft_model(base, config)
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=lr, weight_decay=0.0)
+        self.generator = torch.Generator().manual_seed(0)
+
+    def step(self) -> None:
+        for parameter in self.parameters:
+            parameter.grad = torch.randn(parameter.shape, generator=self.generator)
+        self.optimizer.step()
+
+    def _layers(self) -> dict:
+        from peft.tuners.lora import LoraLayer
+
+        base = self.model.get_base_model()
+        return {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+
+    def named_adapters(self) -> list:
+        return [
+            (
+                f"{name}.weight",
+                layer.get_base_layer().weight.detach(),
+                layer.lora_A["default"].weight.detach(),
+                layer.lora_B["default"].weight.detach(),
+                float(layer.scaling["default"]),
+            )
+            for name, layer in self._layers().items()
+        ]
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        merged = {
+            name: merge_adapter(base, a, b, scale)
+            for name, base, a, b, scale in self.named_adapters()
+        }
+        out = []
+        for name, p in self.model.get_base_model().named_parameters():
+            if "lora_" in name:
+                continue
+            name = name.replace(".base_layer.", ".")
+            out.append((name, merged.get(name, p.detach())))
+        return out
 
 
 class Trainer:
     """The weights and an AdamW on them; `named_weights` in the wire dtype."""
 
-    def __init__(self, folder: Path, lr: float, wire: torch.dtype, lora: bool = False) -> None:
+    def __init__(self, folder: Path, lr: float, wire: torch.dtype) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        targets = ("q_proj", "k_proj", "v_proj", "o_proj")
-        self.parameters = [
-            p
-            for name, p in self.model.named_parameters()
-            if not lora or any(f"{target}.weight" in name for target in targets)
-        ]
+        self.parameters = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(self.parameters, lr=lr, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(0)
         self.wire = wire
@@ -67,24 +120,40 @@ class Trainer:
         return [(n, p.detach().to(self.wire)) for n, p in self.model.named_parameters()]
 
 
-async def run(addresses: list[str], trainer: Trainer, updates: int, first: int) -> dict:
+async def run(addresses: list[str], trainer: Any, updates: int, first: int) -> list[dict]:
+    """Per update: {mode: (seconds, bytes sent)} for whole, delta (and adapters with a
+    third server)."""
     channels = [open_channel(address) for address in addresses]
     try:
         for address, channel in zip(addresses, channels, strict=True):
             await wait_for_serving(channel, timeout=120, target=address)
-        whole_stub, delta_stub = (rollout_pb2_grpc.RolloutServiceStub(c) for c in channels)
-        deltas = Deltas()
+        stubs = [rollout_pb2_grpc.RolloutServiceStub(c) for c in channels]
+        deltas, adapters = Deltas(), Adapters()
         rows = []
         for index in range(updates):
             trainer.step()
             version = first + index
             named = trainer.named_weights()
-            whole_s = await publish([whole_stub], trainer, version, 4 * MiB, 600, named=named)
-            delta_s = await publish(
-                [delta_stub], trainer, version, 4 * MiB, 600, named=named, deltas=deltas
-            )
-            rows.append((whole_s, delta_s, deltas.bytes_whole, deltas.bytes_sent))
-        return {"rows": rows[1:]}  # the first goes whole either way
+            whole_bytes = sum(t.numel() * t.element_size() for _, t in named)
+            row = {
+                "whole": (
+                    await publish([stubs[0]], trainer, version, 4 * MiB, 600, named=named),
+                    whole_bytes,
+                ),
+                "delta": (
+                    await publish(
+                        [stubs[1]], trainer, version, 4 * MiB, 600, named=named, deltas=deltas
+                    ),
+                    deltas.bytes_sent,
+                ),
+            }
+            if len(stubs) > 2:
+                seconds = await publish(
+                    [stubs[2]], trainer, version, 4 * MiB, 600, named=named, adapters=adapters
+                )
+                row["adapters"] = (seconds, adapters.bytes_sent)
+            rows.append(row)
+        return rows[1:]  # the first goes whole either way (with the bases, for adapters)
     finally:
         for channel in channels:
             await channel.close()
@@ -103,26 +172,22 @@ def main() -> None:
         table = []
         version = 1
         for wire, lora in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
-            trainer = Trainer(folder, args.lr, wire, lora)
-            servers = Servers(2, folder, work)
+            trainer = LoraTrainer(folder, args.lr) if lora else Trainer(folder, args.lr, wire)
+            servers = Servers(3 if lora else 2, folder, work)
             try:
-                result = asyncio.run(run(servers.addresses, trainer, args.updates + 1, version))
+                rows = asyncio.run(run(servers.addresses, trainer, args.updates + 1, version))
             finally:
                 servers.stop()
             version += args.updates + 1
-            rows = result["rows"]
-            whole_bytes = statistics.median(r[2] for r in rows)
-            delta_bytes = statistics.median(r[3] for r in rows)
-            raw_whole = statistics.median(time_raw(bytes(int(whole_bytes)), 1) for _ in range(3))
-            raw_delta = statistics.median(time_raw(bytes(int(delta_bytes)), 1) for _ in range(3))
             name = str(wire).removeprefix("torch.") + (" LoRA" if lora else "")
-            for mode, seconds, sent, raw in (
-                ("whole", statistics.median(r[0] for r in rows), whole_bytes, raw_whole),
-                ("delta", statistics.median(r[1] for r in rows), delta_bytes, raw_delta),
-            ):
+            whole_bytes = statistics.median(r["whole"][1] for r in rows)
+            for mode in rows[0]:
+                sent = statistics.median(r[mode][1] for r in rows)
+                seconds = statistics.median(r[mode][0] for r in rows)
+                raw = statistics.median(time_raw(bytes(int(sent)), 1) for _ in range(3))
                 table.append((name, mode, sent / 1e6, sent / whole_bytes, seconds, raw))
         header = (
-            f"{'wire':>13} {'mode':>6} {'MB sent':>8} {'x whole':>8} {'update s':>9} "
+            f"{'wire':>13} {'mode':>8} {'MB sent':>8} {'x whole':>8} {'update s':>9} "
             f"{'raw s':>7} {'x raw':>6} {'x whole s':>9}"
         )
         print(f"SmolLM2-135M's shape, AdamW lr {args.lr:g}, {args.updates} updates a row\n")
@@ -132,7 +197,7 @@ def main() -> None:
         for name, mode, mb, share, seconds, raw in table:
             whole_seconds.setdefault(name, seconds)
             print(
-                f"{name:>13} {mode:>6} {mb:>8.1f} {share:>8.3f} {seconds:>9.3f} {raw:>7.3f} "
+                f"{name:>13} {mode:>8} {mb:>8.2f} {share:>8.3f} {seconds:>9.3f} {raw:>7.3f} "
                 f"{seconds / raw:>6.1f} {seconds / whole_seconds[name]:>9.2f}"
             )
         print(
