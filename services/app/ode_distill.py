@@ -117,6 +117,28 @@ async def _sample(config: RunConfig, settings: Any, folder: Path, files: list[in
         await servers.close()
 
 
+def student_folder(config: RunConfig, teacher: Path) -> Path:
+    """Where the student starts: trainer.model_path, a wider built-in digits model
+    (`ode_distill.student_channels`, trained once into the cache), else the teacher."""
+    channels = config.ode_distill.student_channels
+    if channels is None:
+        return Path(config.trainer.model_path or teacher)
+    if config.trainer.model_path is not None:
+        raise ValueError(
+            "ode_distill.student_channels builds the student; trainer.model_path names "
+            "one too: set one of them"
+        )
+    if config.ode_distill.teacher_model_path is not None:
+        raise ValueError(
+            "ode_distill.student_channels builds a student of the built-in digits model: "
+            "with another teacher, name a student with trainer.model_path"
+        )
+    from rollwire.diffusion.digits import DigitsSpec, digits_model
+
+    print(f"student: the built-in digits model with channels {channels} (built once)")
+    return digits_model(DigitsSpec(block_out_channels=tuple(channels)), config.trainer.threads)
+
+
 def run_ode_distill(config: RunConfig, argv: list[str] | None = None) -> int:
     """`rollwire ode-distill` (see the module docstring)."""
     import os
@@ -135,6 +157,11 @@ def run_ode_distill(config: RunConfig, argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    try:
+        student = student_folder(config, teacher)
+    except ValueError as error:
+        print(f"rollwire ode-distill: {error}", file=sys.stderr)
+        return 1
     ode = config.ode_distill.model_copy(update={"data": folder, "teacher_model_path": teacher})
-    trainer = config.trainer.model_copy(update={"model_path": config.trainer.model_path or teacher})
+    trainer = config.trainer.model_copy(update={"model_path": student})
     return run_student(config.model_copy(update={"ode_distill": ode, "trainer": trainer}), argv)

@@ -192,3 +192,32 @@ def test_train_nodes_keep_some_of_a_pairs_folders_nodes_and_the_schedules_are_st
     assert load_config(None, overrides=["dmd.student_steps=4"], environ={}).dmd.schedules() == [4]
     with pytest.raises(ConfigError, match="at least 1"):
         load_config(None, overrides=["dmd.student_steps=[2, 0]"], environ={})
+
+
+def test_a_wider_student_is_the_built_in_model_of_those_channels(monkeypatch) -> None:
+    from pathlib import Path
+
+    from rollwire.diffusion import digits
+    from rollwire.services.app.ode_distill import student_folder
+    from rollwire.services.core.config import ConfigError, load_config
+
+    def config(*overrides: str):
+        return load_config(None, overrides=list(overrides), environ={})
+
+    teacher = Path("/teacher")
+    assert student_folder(config(), teacher) == teacher
+    assert student_folder(config("trainer.model_path=/mine"), teacher) == Path("/mine")
+    built = []
+    monkeypatch.setattr(
+        digits, "digits_model", lambda spec, threads: built.append(spec) or Path("/wide")
+    )
+    wide = config("ode_distill.student_channels=[32, 64]")
+    assert student_folder(wide, teacher) == Path("/wide")
+    assert built[0].block_out_channels == (32, 64)
+    assert built[0].layers_per_block == digits.DigitsSpec().layers_per_block
+    for clash in ("trainer.model_path=/mine", "ode_distill.teacher_model_path=/other"):
+        both = config("ode_distill.student_channels=[32, 64]", clash)
+        with pytest.raises(ValueError, match="student_channels builds"):
+            student_folder(both, teacher)
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        config("ode_distill.student_channels=[30, 64]")

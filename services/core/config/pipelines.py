@@ -243,6 +243,11 @@ class ODEDistillConfig(PipelineData, StudentEvaluation):
     """Of `nodes`, those the student trains on (and is held-out-scored on); unset: all.
     [0] spends the whole student on the one-step jump from noise, without making the
     pairs again."""
+    student_channels: list[int] | None = None
+    """A student wider than the built-in teacher: the built-in digits model with these
+    block channels (the teacher's are [16, 32]), trained once by flow matching on the
+    digits (cached, as the teacher is) and distilled from there instead of from a copy
+    of the teacher. Each a multiple of 8; unset: trainer.model_path, else the teacher."""
     renoise: Literal["fresh", "ddim"] = "fresh"
     """How the student's few-step sampling takes a clean prediction to the next time:
     with fresh noise, or with the noise the step implies (the ODE's Euler step)."""
@@ -266,6 +271,14 @@ class ODEDistillConfig(PipelineData, StudentEvaluation):
             )
         if sorted(set(self.nodes)) != self.nodes:
             raise ValueError(f"ode_distill.nodes must increase without repeats, got {self.nodes}")
+        channels = self.student_channels
+        if channels is not None and (
+            not 1 <= len(channels) <= 4 or any(c <= 0 or c % 8 for c in channels)
+        ):
+            raise ValueError(
+                "ode_distill.student_channels must be 1 to 4 block widths, each a multiple of "
+                f"8 (the model's group norm has 8 groups), e.g. [32, 64]; got {channels}"
+            )
         if self.train_nodes is not None and (
             not self.train_nodes or not set(self.train_nodes) <= set(self.nodes)
         ):
