@@ -203,10 +203,11 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
 ) -> None:
     """examples/agentic.yaml with `--env-servers 3`: the orchestrator finds all three by
     DNS; one is killed mid-run (its process, SIGKILL: `restart: on-failure` brings the
-    container back), and no episode is lost; a second rollout-server is added mid-run
-    (`run.sh --scale`) and takes work. The model is not warmed up (the example's
-    learning is test_agentic_run.py's, and learning in containers the default run's):
-    its untrained answers are rejected actions, so every episode plays all its turns."""
+    container back), and no episode is lost; a second rollout-server (which takes work)
+    and a fourth env-server (which the orchestrator takes in) are added mid-run
+    (`run.sh --scale`). The model is not warmed up (the example's learning is
+    test_agentic_run.py's, and learning in containers the default run's): its untrained
+    answers are rejected actions, so every episode plays all its turns."""
     project = f"rwtest{os.getpid()}a"
     config = REPO / "examples" / "agentic.yaml"
     process = _compose_run(
@@ -245,21 +246,31 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
             time.sleep(1)
         env_servers = _service_containers(project, "env-server")
         orchestrator = _service_containers(project, "orchestrator")[0]
-        # Once the orchestrator has found its servers, a second rollout-server added to
-        # the stack joins by DNS and takes work (checked at the end, from the
+        # Once the orchestrator has found its servers, a second rollout-server and a
+        # fourth env-server added to the stack join by DNS (checked at the end, from the
         # orchestrator's log and reports).
         while '"servers serving"' not in _logs(orchestrator):
             assert process.poll() is None, process.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "the orchestrator found no servers in 600 s"
             time.sleep(0.5)
         scaled = subprocess.run(
-            ["bash", str(RUN_SH), "--project", project, "--scale", "rollout-server=2"],
+            [
+                "bash",
+                str(RUN_SH),
+                "--project",
+                project,
+                "--scale",
+                "rollout-server=2",
+                "--scale",
+                "env-server=4",
+            ],
             capture_output=True,
             text=True,
             timeout=300,
         )
         assert scaled.returncode == 0, scaled.stdout + scaled.stderr
         assert "rollout-server now 2 container(s)" in scaled.stdout, scaled.stdout
+        assert "env-server now 4 container(s)" in scaled.stdout, scaled.stdout
         # Mid-run: the first evaluation is done and groups are being played on all three.
         while '"evaluated"' not in _logs(orchestrator):
             assert process.poll() is None, process.communicate()[0][-3000:]
@@ -293,6 +304,7 @@ def test_an_agentic_run_over_three_env_server_containers_survives_losing_one(
     assert "rollout-server joined" in orchestrator_log and "takes work now" in orchestrator_log
     reports = jsonl(run / "metrics" / "orchestrator.jsonl")
     assert max(report["rollout_servers"] for report in reports) == 2
+    assert max(report["env_servers"] for report in reports) == 4
     # Every trained group was whole: 8 episodes of each of 8 groups per step.
     assert all(row["sequences"] == 64 for row in steps), [row["sequences"] for row in steps]
     progress = jsonl(run / "metrics" / "orchestrator.jsonl")[-1]
