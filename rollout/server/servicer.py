@@ -102,7 +102,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
         try:
             await self._start()
-            if await fetch_newest(self.weights, address, client, patience) or not await_weights:
+            # Without await_weights, a trainer that does not answer lets requests go on.
+            release = None if await_weights else self._has_weights.set
+            fetched = await fetch_newest(self.weights, address, client, patience, release)
+            if fetched or not await_weights:
                 self._has_weights.set()
         except Exception:  # a failed fetch must not stop the server: it serves what it has
             log.exception("fetching weights from %s failed", address)

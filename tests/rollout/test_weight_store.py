@@ -95,6 +95,7 @@ async def test_a_rollout_server_fetches_the_trainers_newest_version(
 
 
 async def test_a_trainer_that_never_answers_leaves_the_server_its_weights() -> None:
+    """A run starting (or a trainer restarting): the server serves what it has meanwhile."""
     class Receiver:
         class engine:  # what fetch_newest reads of a receiver
             version = 0
@@ -105,4 +106,9 @@ async def test_a_trainer_that_never_answers_leaves_the_server_its_weights() -> N
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    assert not await fetch_newest(Receiver(), f"127.0.0.1:{port}", ClientConfig(), 1.0)
+    released = []
+    assert not await fetch_newest(
+        Receiver(), f"127.0.0.1:{port}", ClientConfig(), 2.5, lambda: released.append(1)
+    )
+    # Requests were let go at the first try that met no trainer, once; the tries went on.
+    assert released == [1]

@@ -386,9 +386,10 @@ class RolloutServerConfig(StrictModel):
     weights_from: str | None = None
     """A trainer's address (host:port, or `dns:///name:port`): at start this server fetches
     the newest version the trainer keeps (`trainer.weights.store`), whole and checksummed,
-    holding generation requests meanwhile, so that a server the trainer does not know
-    yet, or one restarted, serves the run's current version. A trainer still at version 0
-    (a fresh run) has nothing to send. `rollwire train` sets it on the servers it adds or
+    holding generation requests while the trainer answers, so that a server the trainer
+    does not know yet, or one restarted, serves the run's current version. A trainer
+    still at version 0 (a fresh run) has nothing to send; one that does not answer yet
+    lets the requests go (unless `await_weights`) and is tried again. `rollwire train` sets it on the servers it adds or
     restarts; the compose file and the Kubernetes manifests on every rollout-server."""
     weights_fetch_seconds: float = Field(120.0, gt=0)
     """`weights_from`: how long to keep trying (the trainer may be starting, or
