@@ -49,6 +49,16 @@ log = logging.getLogger(__name__)
 __all__ = ["ADAPTER", "AdaptersOff", "Learner", "collective", "in_precision", "torchrun_argv"]
 
 ADAPTER = "default"
+
+
+def _plain_linear(layer: Any) -> bool:
+    """A LoRA layer whose weight is base + scale * (B @ A) as `merge_adapter` computes it:
+    a linear layer stored [out, in] (not a convolution, not fan_in_fan_out)."""
+    return isinstance(layer.get_base_layer(), torch.nn.Linear) and not getattr(
+        layer, "fan_in_fan_out", False
+    )
+
+
 """The name peft gives the one adapter a learner trains."""
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -407,7 +417,7 @@ class Learner:
                     owner = owner[: -len(".base_layer")]
                     tensor = p.detach()
                     layer = layers[owner]
-                    if leaf == "weight" and getattr(layer, "fan_in_fan_out", False):
+                    if leaf == "weight" and not _plain_linear(layer):  # conv, transposed
                         tensor = tensor + layer.get_delta_weight(ADAPTER)
                     elif leaf == "weight":  # the formula adapters-alone updates merge by
                         tensor = merge_adapter(
@@ -435,8 +445,12 @@ class Learner:
         for name, module in self.model.get_base_model().named_modules():
             if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
                 continue
-            if getattr(module, "fan_in_fan_out", False):
-                raise ValueError(f"{name}: peft stores this layer transposed (fan_in_fan_out)")
+            if not _plain_linear(module):
+                raise ValueError(
+                    f"{name}: adapters alone go for linear layers stored as [out, in]; this "
+                    "one is a convolution or stored transposed (fan_in_fan_out): publish "
+                    "merged weights (trainer.weights.adapters: false)"
+                )
             out.append(
                 (
                     wire(f"{name}.weight"),

@@ -96,6 +96,7 @@ async def test_a_rollout_server_fetches_the_trainers_newest_version(
 
 async def test_a_trainer_that_never_answers_leaves_the_server_its_weights() -> None:
     """A run starting (or a trainer restarting): the server serves what it has meanwhile."""
+
     class Receiver:
         class engine:  # what fetch_newest reads of a receiver
             version = 0

@@ -532,6 +532,8 @@ async def run(config: RunConfig, model_path: Path) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, request_stop)
         dump_tasks_on_signal(loop, "trainer")
+        if state.adapters is not None:  # a model whose adapters cannot go alone says so now
+            await asyncio.to_thread(policy.named_adapters)
         await resume(config, policy, state, peers, buffer)
         if config.trainer.weights.transport == "group":
             state.weight_group = await form_weight_group(config, policy, peers.stubs())
