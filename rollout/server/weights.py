@@ -273,6 +273,13 @@ def iter_weight_chunks(
         )
 
 
+def _from_wire(buffer: bytearray, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor over `buffer`'s bytes in `dtype` (bfloat16 read as int16, then viewed)."""
+    if dtype == torch.bfloat16:
+        return torch.frombuffer(buffer, dtype=torch.int16).view(torch.bfloat16)
+    return torch.frombuffer(buffer, dtype=dtype)
+
+
 class WeightAssembler:
     """Collects a chunk stream into tensors, checking it against the served parameters."""
 
@@ -386,7 +393,6 @@ class WeightAssembler:
         A delta stream's tensors that did not change come from `base`. "lora" tensors
         are merged on the layer's base from `lora_bases`, where a stream that carries
         a base puts it."""
-        import hashlib
 
         if self._version is None:
             raise WeightStreamError("the stream carried no chunks")
@@ -418,17 +424,10 @@ class WeightAssembler:
                         code="FAILED_PRECONDITION",
                     )
                 tensor = apply_sparse_delta(kept, bytes(buffer))
-            elif dtype == torch.bfloat16:
-                tensor = torch.frombuffer(buffer, dtype=torch.int16).view(torch.bfloat16)
             else:
-                tensor = torch.frombuffer(buffer, dtype=dtype)
+                tensor = _from_wire(buffer, dtype)
             tensor = tensor.reshape(shape)
-            digest = self._digests.get(name)
-            if digest and hashlib.sha256(wire_bytes(tensor)).digest() != digest:
-                COUNTERS.inc("rollout_weight_checksum_mismatches")
-                raise WeightStreamError(
-                    f"{name}: its bytes do not match the checksum sent with them", code="DATA_LOSS"
-                )
+            self._check_digest(name, wire_bytes(tensor))
             tensors[name] = tensor
         if bases:
             assert base is not None
@@ -442,6 +441,17 @@ class WeightAssembler:
                 tensors.setdefault(name, base[name])
         return tensors, self._version
 
+    def _check_digest(self, name: str, data: bytes | bytearray) -> None:
+        """DATA_LOSS (counted) when `name` came with a SHA-256 that `data` does not have."""
+        import hashlib
+
+        digest = self._digests.get(name)
+        if digest and hashlib.sha256(data).digest() != digest:
+            COUNTERS.inc("rollout_weight_checksum_mismatches")
+            raise WeightStreamError(
+                f"{name}: its bytes do not match the checksum sent with them", code="DATA_LOSS"
+            )
+
     def _merge(
         self,
         name: str,
@@ -452,21 +462,10 @@ class WeightAssembler:
         lora_bases: dict[str, torch.Tensor] | None,
     ) -> torch.Tensor:
         """A "lora" tensor's weight: its base (sent now, or held) + scale * (B @ A)."""
-        import hashlib
-
-        digest = self._digests.get(name)
-        if digest and hashlib.sha256(buffer).digest() != digest:
-            COUNTERS.inc("rollout_weight_checksum_mismatches")
-            raise WeightStreamError(
-                f"{name}: its bytes do not match the checksum sent with them", code="DATA_LOSS"
-            )
+        self._check_digest(name, buffer)  # of the bytes as they travelled
         rank, scaling = self._lora[name]
         out, inner = shape
-        flat = (
-            torch.frombuffer(buffer, dtype=torch.int16).view(torch.bfloat16)
-            if dtype == torch.bfloat16
-            else torch.frombuffer(buffer, dtype=dtype)
-        )
+        flat = _from_wire(buffer, dtype)
         if sent_base == 0:
             layer_base = flat[: out * inner].reshape(shape).clone()
             flat = flat[out * inner :]
