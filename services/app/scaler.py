@@ -3,7 +3,6 @@ members file, and the requests that start and stop servers of a running run."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -92,11 +91,11 @@ class Scaler:
         for path in sorted(self.requests_dir.glob("*.request.json")):
             said += self._take(path)
         said += self._joined()
+        said += self._moved()
         now = time.monotonic()
         for entry in [entry for entry in self.leaving if now >= entry[1]]:
             self.leaving.remove(entry)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(entry[0].process.pid, signal.SIGTERM)
+            entry[0].process.signal_group(signal.SIGTERM)
             said.append(f"{entry[0].name} stopped (it left the members {self.grace:g} s ago)")
         for service in self.stack.services:  # a replica the launcher gave up on
             role = self._role_of(service)
@@ -104,6 +103,30 @@ class Scaler:
                 self.members[role].remove(service.address)
                 write_members(self.path, self.members)
                 said.append(f"{service.name} is gone for good: it leaves the members")
+        return said
+
+    def _moved(self) -> list[str]:
+        """A member restarted at another address (on a Ray cluster, on another node when
+        its own left) replaces its old address in the members file."""
+        said = []
+        joining = {id(entry.service) for entry in self.joining}
+        for service in self.stack.services:
+            role = self._role_of(service)
+            addresses = self.members.get(role)
+            if (
+                not addresses
+                or service.ready_file is None
+                or service.address not in addresses
+                or id(service) in joining
+                or not service.ready_file.exists()
+            ):
+                continue
+            address = service.ready_file.read_text().strip()
+            if address and address != service.address:
+                addresses[addresses.index(service.address)] = address
+                said.append(f"{service.name} serves at {address} now (was {service.address})")
+                service.address = address
+                write_members(self.path, self.members)
         return said
 
     def _take(self, path: Path) -> list[str]:
@@ -184,8 +207,7 @@ class Scaler:
                 line = f"{service.name} ready at {address}: it joins the run"
             else:
                 service.retired = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(service.process.pid, signal.SIGKILL)
+                service.process.signal_group(signal.SIGKILL)
                 why = "exited" if dead else f"was not ready within {READY_SECONDS:g} s"
                 line = f"{service.name} {why}; its log: {service.log_path}"
             said.append(line)

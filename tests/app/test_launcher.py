@@ -216,3 +216,48 @@ def test_early_stopping_on_sample_quality_keeps_the_last_evaluation_inside_the_b
                 "trainer": {"checkpointing": {"every": 3}},
             }
         )
+
+
+def test_a_member_restarted_at_another_address_replaces_its_old_one(tmp_path) -> None:
+    """A rollout-server restarted on another Ray node serves at a new address: the members
+    file the orchestrator and the trainer read follows it; the other member is untouched."""
+    from rollwire.services.app.launcher import Service, Stack
+    from rollwire.services.app.scaler import Scaler
+    from rollwire.services.core.members import MEMBERS_FILE, read_members
+
+    stack = Stack(tmp_path, tmp_path / "config.yaml", {})
+    for index, address in enumerate(("10.0.0.1:7001", "10.0.0.2:7001")):
+        name = f"rollout-server-{index}"
+        ready = tmp_path / "logs" / f"{name}.ready"
+        ready.write_text(address + "\n")
+        stack.services.append(Service(name, None, tmp_path / f"{name}.log", ready, address=address))  # type: ignore[arg-type]
+    endpoints = {"rollout_servers": ["10.0.0.1:7001", "10.0.0.2:7001"]}
+    config = RunConfig.model_validate({"endpoints": endpoints})
+    scaler = Scaler(stack, config, tmp_path)
+    assert scaler.poll() == []
+    (tmp_path / "logs" / "rollout-server-0.ready").write_text("10.0.0.3:7001\n")
+    assert scaler.poll() == ["rollout-server-0 serves at 10.0.0.3:7001 now (was 10.0.0.1:7001)"]
+    assert read_members(tmp_path / MEMBERS_FILE)["rollout-server"] == [
+        "10.0.0.3:7001",
+        "10.0.0.2:7001",
+    ]
+    assert stack.services[0].address == "10.0.0.3:7001"
+    assert scaler.poll() == []
+
+
+def test_a_ray_address_where_nothing_listens_is_refused_at_once() -> None:
+    """Ray's own client retries such an address for minutes; the run stops in seconds."""
+    import socket
+
+    from rollwire.services.app.ray_cluster import check_reachable
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(
+        LaunchError, match=f"no Ray cluster answers at run.ray.address 127.0.0.1:{port}"
+    ):
+        check_reachable(f"127.0.0.1:{port}")
+    with pytest.raises(LaunchError, match="is not HOST:PORT"):
+        check_reachable("head-node")
+    check_reachable("auto")  # the cluster this machine is part of: Ray finds it

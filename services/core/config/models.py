@@ -122,6 +122,8 @@ __all__ = [
     "OrchestratorConfig",
     "PipelineSections",
     "RLSection",
+    "RayLauncher",
+    "RayPlacement",
     "ReasoningGymDataset",
     "RewardFLConfig",
     "RewardModelConfig",
@@ -225,6 +227,54 @@ class WarmupConfig(StrictModel):
     mistake the reward can reveal and RL can undo."""
 
 
+RAY_ROLES = (
+    "buffer",
+    "reward-server",
+    "rollout-server",
+    "env-server",
+    "teacher-server",
+    "trainer",
+    "orchestrator",
+)
+"""The services `rollwire train` and `up` start, as `run.ray.services` names them."""
+
+
+class RayPlacement(StrictModel):
+    """What one service asks of a Ray cluster (Ray's own resource names)."""
+
+    num_cpus: float | None = Field(None, ge=0)
+    """CPUs reserved for it; unset: its thread count (`trainer.threads`,
+    `rollout_server.threads`; 1 for the others), times the ranks for a trainer."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs (per trainer rank); Ray sets CUDA_VISIBLE_DEVICES for the process."""
+    memory: int | None = Field(None, ge=0)
+    """Bytes of memory reserved (Ray's `memory`); unset: none."""
+    resources: dict[str, float] = {}
+    """Custom resources, e.g. `{node_kind_gpu: 1}` for nodes started with that label."""
+
+
+class RayLauncher(StrictModel):
+    """Run every service as a process on a Ray cluster instead of this machine
+    (`rollwire.services.app.ray_cluster`). The run folder (`run.output_dir`) and the model
+    cache must be on storage every node mounts at the same path, and every node must have
+    rollwire installed at the launcher's Python path: checked when each service starts."""
+
+    address: str
+    """The cluster: its GCS `host:port` (what `ray start --head` prints), or `auto` for
+    the cluster this machine belongs to."""
+    services: dict[Literal[RAY_ROLES], RayPlacement] = {}  # type: ignore[valid-type]
+    """Resources per service (`buffer`, `reward-server`, `rollout-server`, `env-server`,
+    `teacher-server`, `trainer`, `orchestrator`); those not named take the defaults.
+    Trainer ranks are gang-placed: one placement-group bundle per rank, all on one node
+    (`STRICT_PACK`), reserved before any rank starts."""
+    spread: bool = True
+    """Spread the services over the cluster's nodes (Ray's SPREAD strategy); false packs
+    them where Ray chooses."""
+    place_seconds: float = Field(300.0, gt=0)
+    """How long a service (or the trainer's gang) may wait for the cluster to have room
+    before the run stops with what it asked for."""
+
+
 class RunSection(StrictModel):
     """What identifies a run and where its outputs go."""
 
@@ -260,6 +310,9 @@ class RunSection(StrictModel):
     25% of the step: a thread to generation; under 5%: one back). HF engines and the
     `local` trainer backend change their torch threads at run time; vLLM, SGLang and
     openai engines and fsdp2/deepspeed ranks keep the threads they started with."""
+    ray: RayLauncher | None = None
+    """Place every service of `rollwire train`/`up` on a Ray cluster (`address`, resources
+    per service); unset: local processes. Restarts keep the local launcher's limits."""
 
 
 class ImageInputsConfig(StrictModel):

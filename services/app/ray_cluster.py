@@ -1,0 +1,403 @@
+"""Services placed on a Ray cluster (`run.ray`): each one a process a Ray actor runs.
+
+The launcher (`launcher.Stack`) starts, watches, restarts and stops services the same
+way whatever runs them; on a Ray cluster a small actor, `ServiceRunner`, is placed by
+the service's resources (`run.ray.services`) and runs the very `rollwire SERVICE`
+command the local launcher would, with `Popen` on its node, in its own process group,
+bound to the node's address. The actor is the service's parent: the service ends when
+its actor does (the same parent-death signal a local service has on its launcher), so
+a lost node leaves nothing behind, and the launcher, seeing the actor gone, starts the
+service again elsewhere within the local launcher's limits (`launcher.MAX_RESTARTS`).
+
+Trainer ranks are gang-placed: a placement group of one bundle per rank, all on one
+node, is reserved before the trainer starts (its torchrun runs the ranks there).
+
+What every node must share with the launcher: the run folder and the model cache at
+the same paths (the services write their logs, ready files, checkpoints and metrics
+there, where `rollwire status` and the launcher read them), and rollwire installed at
+the launcher's Python path. Both are checked by each actor before its service starts,
+and a node that lacks them stops the run with a message that says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollwire.services.app.launcher import LaunchError, Service
+from rollwire.services.core.config.models import RayLauncher, RayPlacement
+
+if TYPE_CHECKING:
+    from rollwire.services.core.config import RunConfig
+
+LOST = -9
+"""The exit code a service gets when its actor or its node is gone (as if SIGKILLed)."""
+ASK_SECONDS = 10.0
+"""How long one question to an actor may take before its node is looked at."""
+BIND = {
+    "buffer": ["--host", "{ip}"],
+    "reward-server": ["--host", "{ip}"],
+    "rollout-server": ["--host", "{ip}"],
+    "env-server": ["--host", "{ip}"],
+    "trainer": ["--set", "trainer.server.host={ip}"],
+}
+"""How each command is told to listen on its node's address (the orchestrator serves nothing)."""
+PASSED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+"""The launcher's environment a service on another node gets, beside every ROLLWIRE_*
+variable; the rest is the node's own."""
+
+
+class ServiceRunner:
+    """A Ray actor: runs one service's command on its node and answers for it."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+
+    def start(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: str,
+        bind: list[str],
+        shared: dict[str, str],
+    ) -> dict[str, Any]:
+        """Starts `argv` (its Python replaced by this node's) after checking that the
+        files in `shared` (path -> expected text, or "" for any) are here."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        where = f"node {ip} ({os.uname().nodename})"
+        for path, expected in shared.items():
+            try:
+                text = Path(path).read_text() if Path(path).is_file() else ""
+                present = Path(path).exists()
+            except OSError:
+                present, text = False, ""
+            if not present or (expected and text.strip() != expected):
+                return {
+                    "error": f"{where} does not see {path} as the launcher wrote it: a Ray "
+                    "run needs run.output_dir and the model cache on storage every node "
+                    "mounts at the same path"
+                }
+        command = [sys.executable, *argv[1:], *(arg.format(ip=ip) for arg in bind)]
+        full_env = {**os.environ, **env, "ROLLWIRE_LAUNCHER_PID": str(os.getpid())}
+        with open(log_path, "a") as log:
+            try:
+                self.process = subprocess.Popen(
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=full_env,
+                    start_new_session=True,
+                )
+            except OSError as error:
+                return {"error": f"{where} could not start {command[0]}: {error}"}
+        return {
+            "pid": self.process.pid,
+            "ip": ip,
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def signal_group(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+
+class RayProcess:
+    """The launcher's handle on a service a `ServiceRunner` actor runs."""
+
+    def __init__(self, actor: Any, started: dict[str, Any], group: Any = None) -> None:
+        self.actor = actor
+        self.group = group
+        self.pid: int = started["pid"]
+        self.node_id: str = started["node_id"]
+        self.ip: str = started["ip"]
+        self.returncode: int | None = None
+        self.lost: str | None = None
+        """Why the launcher took the service for dead without an exit code, if it did."""
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            self.returncode = ray.get(self.actor.poll.remote(), timeout=ASK_SECONDS)
+        except RayActorError as error:  # the actor died: its service with it
+            self.lost, self.returncode = f"its Ray actor died ({type(error).__name__})", LOST
+        except GetTimeoutError:
+            if not node_alive(self.node_id):
+                self.lost, self.returncode = f"its node {self.ip} left the cluster", LOST
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"service on {self.ip}", timeout)
+            time.sleep(0.1)
+        return code
+
+    def signal_group(self, sig: int) -> None:
+        if self.returncode is not None:
+            return
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        with contextlib.suppress(RayActorError, GetTimeoutError):
+            ray.get(self.actor.signal_group.remote(sig), timeout=ASK_SECONDS)
+
+    def release(self) -> None:
+        """Ends the actor (its service with it) and frees what it reserved."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor)
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.group)
+            self.group = None
+
+
+REACH_SECONDS = 10.0
+"""How long the cluster's GCS port may take to accept a connection: Ray's own client
+retries an address nothing listens on for minutes."""
+
+
+def check_reachable(address: str) -> None:
+    """Refuses an address where nothing listens, before a run prepares its model."""
+    import socket
+
+    if address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise LaunchError(f"run.ray.address {address!r} is not HOST:PORT (or `auto`)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_SECONDS):
+            pass
+    except OSError as error:
+        raise LaunchError(
+            f"no Ray cluster answers at run.ray.address {address} ({error}); `ray start "
+            "--head` prints the address to give"
+        ) from None
+
+
+def node_alive(node_id: str) -> bool:
+    import ray
+
+    return any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes())
+
+
+def role_of(service: Service, argv: list[str]) -> str:
+    """`run.ray.services`'s name for a service: its command, or `teacher-server`."""
+    command = argv[3]
+    return "teacher-server" if service.name == "teacher-server" else command
+
+
+class RaySpawner:
+    """Starts the launcher's services on a Ray cluster (`launcher.Spawner`)."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, threads: dict[str, int]) -> None:
+        settings = config.run.ray
+        assert settings is not None
+        try:
+            import ray
+        except ImportError:
+            raise LaunchError(
+                "run.ray needs Ray on this machine and every node: pip install 'rollwire[ray]'"
+            ) from None
+        self.settings: RayLauncher = settings
+        self.threads = threads
+        self.world_size = config.trainer.world_size
+        self.run_dir = run_dir
+        try:
+            ray.init(
+                address=settings.address,
+                namespace=f"rollwire-{secrets.token_hex(4)}",
+                logging_level="ERROR",
+                log_to_driver=False,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as error:
+            raise LaunchError(f"run.ray.address {settings.address}: {error}") from None
+        self.runner = ray.remote(ServiceRunner)
+        # What every node must see: a token in the run folder (so a folder of the same
+        # name on a node's own disk does not pass) and the model the services load.
+        token_path = run_dir / "logs" / "ray-shared.token"
+        token_path.parent.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_hex(8)
+        token_path.write_text(token + "\n")
+        self.shared = {str(token_path): token}
+        for model in {config.trainer.model_path, config.rollout_server.model_path} - {None}:
+            self.shared[str(model)] = ""
+        self.nodes: dict[str, list[str]] = {}
+
+    def spawn(self, service: Service, argv: list[str], fresh: bool) -> RayProcess:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        role = role_of(service, argv)
+        command = argv[3]
+        placement = self.settings.services.get(role, RayPlacement())
+        cpus = placement.num_cpus
+        if cpus is None:
+            cpus = float(self.threads.get(command, 1))
+        options: dict[str, Any] = {
+            "num_cpus": cpus,
+            "num_gpus": placement.num_gpus,
+            "resources": dict(placement.resources),
+            "max_restarts": 0,
+        }
+        if placement.memory is not None:
+            options["memory"] = placement.memory
+        group = None
+        ranks = self.world_size if command == "trainer" else 1
+        previous = service.process if isinstance(service.process, RayProcess) else None
+        if ranks > 1:
+            group = self._gang(service.name, ranks, options)
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=0
+            )
+        elif not fresh and previous is not None and node_alive(previous.node_id):
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            # Back where it was, so its address stays the one its clients have.
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                previous.node_id, soft=True
+            )
+        elif self.settings.spread:
+            options["scheduling_strategy"] = "SPREAD"
+        env = {
+            key: value
+            for key, value in service.env.items()
+            if key in PASSED_ENV or key.startswith("ROLLWIRE_")
+        }
+        call = (argv, env, str(service.log_path), BIND.get(command, []), self.shared)
+        deadline = time.monotonic() + self.settings.place_seconds
+        while True:
+            actor = self.runner.options(**options).remote()
+            try:
+                started = ray.get(
+                    actor.start.remote(*call), timeout=max(1.0, deadline - time.monotonic())
+                )
+                break
+            except GetTimeoutError:
+                ray.kill(actor)
+                raise LaunchError(
+                    f"Ray had no room for {service.name} within {self.settings.place_seconds:g}s "
+                    f"(run.ray.place_seconds): it asks {describe(options)}; the cluster has "
+                    f"{describe_resources(ray.available_resources())} free"
+                ) from None
+            except RayActorError as error:
+                # Placed on a node that was dying (a lost node is declared dead only after
+                # its missed heartbeats): placed again, by the strategy alone.
+                if time.monotonic() >= deadline or group is not None:
+                    raise LaunchError(
+                        f"{service.name}'s Ray actor died while starting: {error}"
+                    ) from None
+                print(
+                    f"{service.name}: its Ray actor's node died before it started; placing it again"
+                )
+                options["scheduling_strategy"] = "SPREAD" if self.settings.spread else "DEFAULT"
+                time.sleep(1.0)
+        if "error" in started:
+            ray.kill(actor)
+            raise LaunchError(f"{service.name}: {started['error']}")
+        process = RayProcess(actor, started, group)
+        labels = self._labels(process.node_id)
+        (self.run_dir / "logs" / f"{service.name}.node").write_text(
+            json.dumps({"node_id": process.node_id, "ip": process.ip, "labels": labels}) + "\n"
+        )
+        shown = f" [{', '.join(labels)}]" if labels else ""
+        print(f"{service.name} runs on Ray node {process.node_id[:12]} ({process.ip}){shown}")
+        return process
+
+    def _gang(self, name: str, ranks: int, options: dict[str, Any]) -> Any:
+        """A placement group of one bundle per trainer rank on one node, once reserved."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = {"CPU": options["num_cpus"], **options["resources"]}
+        if options["num_gpus"]:
+            bundle["GPU"] = options["num_gpus"]
+        if "memory" in options:
+            bundle["memory"] = options["memory"]
+        group = placement_group([dict(bundle) for _ in range(ranks)], strategy="STRICT_PACK")
+        try:
+            ray.get(group.ready(), timeout=self.settings.place_seconds)
+        except GetTimeoutError:
+            remove_placement_group(group)
+            raise LaunchError(
+                f"Ray could not place {name}'s {ranks} ranks together on one node within "
+                f"{self.settings.place_seconds:g}s (run.ray.place_seconds): each asks "
+                f"{describe_resources(bundle)}; the cluster has "
+                f"{describe_resources(ray.available_resources())} free"
+            ) from None
+        return group
+
+    def _labels(self, node_id: str) -> list[str]:
+        """The node's custom resources: how a Ray cluster names its kinds of node."""
+        if node_id not in self.nodes:
+            import ray
+
+            self.nodes |= {node["NodeID"]: custom_resources(node) for node in ray.nodes()}
+        return self.nodes.get(node_id, [])
+
+    def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+
+
+STANDARD_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def custom_resources(node: dict[str, Any]) -> list[str]:
+    return sorted(
+        key
+        for key in node.get("Resources", {})
+        if key not in STANDARD_RESOURCES and not key.startswith(("node:", "accelerator_type"))
+    )
+
+
+def describe(options: dict[str, Any]) -> str:
+    asked = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options["resources"]}
+    if "memory" in options:
+        asked["memory"] = options["memory"]
+    return describe_resources(asked)
+
+
+def describe_resources(resources: dict[str, float]) -> str:
+    shown = {
+        key: value
+        for key, value in sorted(resources.items())
+        if value and not key.startswith(("node:", "accelerator_type"))
+    }
+    return ", ".join(f"{key} {value:g}" for key, value in shown.items()) or "nothing"
+
+
+def spawner_for(config: RunConfig, run_dir: Path, threads: dict[str, int]) -> Any:
+    """The run's spawner: local processes, or Ray actors with `run.ray`."""
+    if config.run.ray is None:
+        from rollwire.services.app.launcher import LocalSpawner
+
+        return LocalSpawner()
+    return RaySpawner(config, run_dir, threads)
