@@ -79,17 +79,30 @@ def collective(method: Method) -> Method:
 
 
 def torchrun_argv(config: RunConfig, argv: list[str], command: str = "trainer") -> list[str]:
-    """The command that runs `rollwire COMMAND ARGV` as trainer.world_size ranks on this
-    machine: torchrun with a rendezvous of its own (a free port), and no restarts of
-    single ranks: one that dies takes the group down, and whoever runs the trainer (the
+    """The command that runs `rollwire COMMAND ARGV` as trainer.world_size ranks: torchrun
+    with a rendezvous of its own on this machine (a free port), or this machine's share of
+    the ranks when `ROLLWIRE_TRAINER_NODES` places them on several; no restarts of single
+    ranks: one that dies takes the group down, and whoever runs the trainer (the
     `rollwire train` launcher) starts it again from its last checkpoint."""
+    world = config.trainer.world_size
+    placement = ["--standalone", "--nproc-per-node", str(world)]
+    from rollwire.services.core.server import TRAINER_NODES_ENV
+
+    if os.environ.get(TRAINER_NODES_ENV):
+        nodes, node_rank, master = os.environ[TRAINER_NODES_ENV].split(",")
+        if world % int(nodes):
+            raise ValueError(f"trainer.world_size {world} does not divide over {nodes} nodes")
+        host, _, port = master.rpartition(":")
+        placement = [
+            *("--nnodes", nodes, "--node-rank", node_rank),
+            *("--master-addr", host, "--master-port", port),
+            *("--nproc-per-node", str(world // int(nodes))),
+        ]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(config.trainer.world_size),
+        *placement,
         "--max-restarts",
         "0",
         "-m",

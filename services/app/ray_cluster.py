@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollwire.services.app.launcher import LaunchError, Service
 from rollwire.services.core.config.models import RayLauncher, RayPlacement
+from rollwire.services.core.server import TRAINER_NODES_ENV
 
 if TYPE_CHECKING:
     from rollwire.services.core.config import RunConfig
@@ -105,6 +106,17 @@ class ServiceRunner:
             "node_id": ray.get_runtime_context().get_node_id(),
         }
 
+    def free_address(self) -> str:
+        """`ip:port` of a port free on this node now (rank 0's rendezvous)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
@@ -115,17 +127,18 @@ class ServiceRunner:
 
 
 class RayProcess:
-    """The launcher's handle on a service a `ServiceRunner` actor runs."""
+    """The launcher's handle on a service that `ServiceRunner` actors run: one, or one
+    per node for a trainer whose ranks span nodes (the first is rank 0's). The service
+    has exited when any of them has."""
 
-    def __init__(self, actor: Any, started: dict[str, Any], group: Any = None) -> None:
-        self.actor = actor
+    def __init__(self, actors: list[Any], starts: list[dict[str, Any]], group: Any) -> None:
+        self.actors = actors
+        self.starts = starts
         self.group = group
-        self.pid: int = started["pid"]
-        self.node_id: str = started["node_id"]
-        self.ip: str = started["ip"]
+        self.pid: int = starts[0]["pid"]
+        self.node_id: str = starts[0]["node_id"]
+        self.ip: str = starts[0]["ip"]
         self.returncode: int | None = None
-        self.lost: str | None = None
-        """Why the launcher took the service for dead without an exit code, if it did."""
 
     def poll(self) -> int | None:
         if self.returncode is not None:
@@ -133,13 +146,18 @@ class RayProcess:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        try:
-            self.returncode = ray.get(self.actor.poll.remote(), timeout=ASK_SECONDS)
-        except RayActorError as error:  # the actor died: its service with it
-            self.lost, self.returncode = f"its Ray actor died ({type(error).__name__})", LOST
-        except GetTimeoutError:
-            if not node_alive(self.node_id):
-                self.lost, self.returncode = f"its node {self.ip} left the cluster", LOST
+        for actor, started in zip(self.actors, self.starts, strict=True):
+            try:
+                code = ray.get(actor.poll.remote(), timeout=ASK_SECONDS)
+            except (
+                RayActorError
+            ):  # the actor died (its node, or it was killed): its service with it
+                code = LOST
+            except GetTimeoutError:  # a node that stopped answering is gone once Ray says so
+                code = None if node_alive(started["node_id"]) else LOST
+            if code is not None:
+                self.returncode = code
+                break
         return self.returncode
 
     def wait(self, timeout: float) -> int:
@@ -151,20 +169,20 @@ class RayProcess:
         return code
 
     def signal_group(self, sig: int) -> None:
-        if self.returncode is not None:
-            return
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        with contextlib.suppress(RayActorError, GetTimeoutError):
-            ray.get(self.actor.signal_group.remote(sig), timeout=ASK_SECONDS)
+        for actor in self.actors:
+            with contextlib.suppress(RayActorError, GetTimeoutError):
+                ray.get(actor.signal_group.remote(sig), timeout=ASK_SECONDS)
 
     def release(self) -> None:
-        """Ends the actor (its service with it) and frees what it reserved."""
+        """Ends the actors (their processes with them) and frees what they reserved."""
         import ray
 
-        with contextlib.suppress(Exception):
-            ray.kill(self.actor)
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
         if self.group is not None:
             from ray.util.placement_group import remove_placement_group
 
@@ -224,6 +242,11 @@ class RaySpawner:
         self.settings: RayLauncher = settings
         self.threads = threads
         self.world_size = config.trainer.world_size
+        if self.world_size % settings.trainer_nodes:
+            raise LaunchError(
+                f"run.ray.trainer_nodes {settings.trainer_nodes} does not divide "
+                f"trainer.world_size {self.world_size}: every node runs as many ranks"
+            )
         self.run_dir = run_dir
         try:
             ray.init(
@@ -247,48 +270,65 @@ class RaySpawner:
         self.nodes: dict[str, list[str]] = {}
 
     def spawn(self, service: Service, argv: list[str], fresh: bool) -> RayProcess:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        role = role_of(service, argv)
         command = argv[3]
-        placement = self.settings.services.get(role, RayPlacement())
+        placement = self.settings.services.get(role_of(service, argv), RayPlacement())
         cpus = placement.num_cpus
         if cpus is None:
             cpus = float(self.threads.get(command, 1))
-        options: dict[str, Any] = {
-            "num_cpus": cpus,
-            "num_gpus": placement.num_gpus,
-            "resources": dict(placement.resources),
-            "max_restarts": 0,
-        }
+        asks = {"CPU": cpus, "GPU": placement.num_gpus, **placement.resources}
         if placement.memory is not None:
-            options["memory"] = placement.memory
-        group = None
-        ranks = self.world_size if command == "trainer" else 1
-        previous = service.process if isinstance(service.process, RayProcess) else None
-        if ranks > 1:
-            group = self._gang(service.name, ranks, options)
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                group, placement_group_bundle_index=0
-            )
-        elif not fresh and previous is not None and node_alive(previous.node_id):
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            # Back where it was, so its address stays the one its clients have.
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                previous.node_id, soft=True
-            )
-        elif self.settings.spread:
-            options["scheduling_strategy"] = "SPREAD"
+            asks["memory"] = placement.memory
         env = {
             key: value
             for key, value in service.env.items()
             if key in PASSED_ENV or key.startswith("ROLLWIRE_")
         }
-        call = (argv, env, str(service.log_path), BIND.get(command, []), self.shared)
+        call = [argv, env, str(service.log_path), BIND.get(command, []), self.shared]
+        if command == "trainer" and self.world_size > 1:
+            process = self._ranks(service.name, asks, call)
+        else:
+            previous = service.process if isinstance(service.process, RayProcess) else None
+            strategy: Any = "SPREAD" if self.settings.spread else "DEFAULT"
+            if not fresh and previous is not None and node_alive(previous.node_id):
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                # Back where it was, so its address stays the one its clients have.
+                strategy = NodeAffinitySchedulingStrategy(previous.node_id, soft=True)
+            actor, started = self._start(service.name, asks, strategy, call, retry=True)
+            process = RayProcess([actor], [started], None)
+        labels = sorted(
+            {label for started in process.starts for label in self._labels(started["node_id"])}
+        )
+        nodes = [{"node_id": started["node_id"], "ip": started["ip"]} for started in process.starts]
+        (self.run_dir / "logs" / f"{service.name}.node").write_text(
+            json.dumps(
+                {"node_id": process.node_id, "ip": process.ip, "labels": labels, "nodes": nodes}
+            )
+            + "\n"
+        )
+        shown = f" [{', '.join(labels)}]" if labels else ""
+        where = ", ".join(f"{node['node_id'][:12]} ({node['ip']})" for node in nodes)
+        print(f"{service.name} runs on Ray node{'s' if len(nodes) > 1 else ''} {where}{shown}")
+        return process
+
+    def _start(
+        self, name: str, asks: dict[str, float], strategy: Any, call: list[Any], retry: bool
+    ) -> tuple[Any, dict[str, Any]]:
+        """A `ServiceRunner` placed by `strategy` with `asks`, running `call`'s command.
+        `retry`: an actor placed on a node that was dying (a lost node is declared dead
+        only after its missed heartbeats) is placed again, by the spread strategy alone."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        options = {
+            "num_cpus": asks["CPU"],
+            "num_gpus": asks["GPU"],
+            "resources": {k: v for k, v in asks.items() if k not in ("CPU", "GPU", "memory")},
+            "max_restarts": 0,
+            "scheduling_strategy": strategy,
+        }
+        if "memory" in asks:
+            options["memory"] = asks["memory"]
         deadline = time.monotonic() + self.settings.place_seconds
         while True:
             actor = self.runner.options(**options).remote()
@@ -300,57 +340,87 @@ class RaySpawner:
             except GetTimeoutError:
                 ray.kill(actor)
                 raise LaunchError(
-                    f"Ray had no room for {service.name} within {self.settings.place_seconds:g}s "
-                    f"(run.ray.place_seconds): it asks {describe(options)}; the cluster has "
-                    f"{describe_resources(ray.available_resources())} free"
+                    f"Ray had no room for {name} within {self.settings.place_seconds:g}s "
+                    f"(run.ray.place_seconds): it asks {describe_resources(asks)}; the cluster "
+                    f"has {describe_resources(ray.available_resources())} free"
                 ) from None
             except RayActorError as error:
-                # Placed on a node that was dying (a lost node is declared dead only after
-                # its missed heartbeats): placed again, by the strategy alone.
-                if time.monotonic() >= deadline or group is not None:
-                    raise LaunchError(
-                        f"{service.name}'s Ray actor died while starting: {error}"
-                    ) from None
-                print(
-                    f"{service.name}: its Ray actor's node died before it started; placing it again"
-                )
+                if not retry or time.monotonic() >= deadline:
+                    raise LaunchError(f"{name}'s Ray actor died while starting: {error}") from None
+                print(f"{name}: its Ray actor's node died before it started; placing it again")
                 options["scheduling_strategy"] = "SPREAD" if self.settings.spread else "DEFAULT"
                 time.sleep(1.0)
         if "error" in started:
             ray.kill(actor)
-            raise LaunchError(f"{service.name}: {started['error']}")
-        process = RayProcess(actor, started, group)
-        labels = self._labels(process.node_id)
-        (self.run_dir / "logs" / f"{service.name}.node").write_text(
-            json.dumps({"node_id": process.node_id, "ip": process.ip, "labels": labels}) + "\n"
-        )
-        shown = f" [{', '.join(labels)}]" if labels else ""
-        print(f"{service.name} runs on Ray node {process.node_id[:12]} ({process.ip}){shown}")
-        return process
+            raise LaunchError(f"{name}: {started['error']}")
+        return actor, started
 
-    def _gang(self, name: str, ranks: int, options: dict[str, Any]) -> Any:
-        """A placement group of one bundle per trainer rank on one node, once reserved."""
+    def _ranks(self, name: str, asks: dict[str, float], call: list[Any]) -> RayProcess:
+        """The trainer's ranks, gang-placed: a placement group of one bundle per node
+        (`run.ray.trainer_nodes`; each bundle the resources of that node's ranks) is
+        reserved whole before any rank starts; the actor of each bundle runs torchrun for
+        its node's ranks, rank 0's node first (it names the rendezvous the others join)."""
         import ray
         from ray.exceptions import GetTimeoutError
         from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {"CPU": options["num_cpus"], **options["resources"]}
-        if options["num_gpus"]:
-            bundle["GPU"] = options["num_gpus"]
-        if "memory" in options:
-            bundle["memory"] = options["memory"]
-        group = placement_group([dict(bundle) for _ in range(ranks)], strategy="STRICT_PACK")
+        nodes = self.settings.trainer_nodes
+        per_node = self.world_size // nodes
+        bundle = {key: value * per_node for key, value in asks.items() if value}
+        group = placement_group(
+            [dict(bundle) for _ in range(nodes)],
+            strategy="STRICT_SPREAD" if nodes > 1 else "STRICT_PACK",
+        )
         try:
             ray.get(group.ready(), timeout=self.settings.place_seconds)
         except GetTimeoutError:
             remove_placement_group(group)
             raise LaunchError(
-                f"Ray could not place {name}'s {ranks} ranks together on one node within "
-                f"{self.settings.place_seconds:g}s (run.ray.place_seconds): each asks "
-                f"{describe_resources(bundle)}; the cluster has "
+                f"Ray could not place {name}'s {self.world_size} ranks on {nodes} node(s) within "
+                f"{self.settings.place_seconds:g}s (run.ray.place_seconds): each node's share "
+                f"asks {describe_resources(bundle)}; the cluster has "
                 f"{describe_resources(ray.available_resources())} free"
             ) from None
-        return group
+        whole = {"CPU": 0.0, "GPU": 0.0, **bundle}
+        actors: list[Any] = []
+        starts: list[dict[str, Any]] = []
+        try:
+            rendezvous = ""
+            for node_rank in range(nodes):
+                strategy = PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=node_rank
+                )
+                node_call = list(call)
+                if nodes > 1:
+                    if node_rank == 0:
+                        rendezvous = self._rendezvous(whole, strategy)
+                    node_call[1] = {
+                        **call[1],
+                        TRAINER_NODES_ENV: f"{nodes},{node_rank},{rendezvous}",
+                    }
+                actor, started = self._start(name, whole, strategy, node_call, retry=False)
+                actors.append(actor)
+                starts.append(started)
+        except LaunchError:
+            RayProcess(actors, starts or [{"pid": 0, "node_id": "", "ip": ""}], group).release()
+            raise
+        return RayProcess(actors, starts, group)
+
+    def _rendezvous(self, asks: dict[str, float], strategy: Any) -> str:
+        """`host:port` free on rank 0's node, asked of a throwaway actor placed there."""
+        import ray
+
+        options = {
+            "num_cpus": asks["CPU"],
+            "num_gpus": asks["GPU"],
+            "scheduling_strategy": strategy,
+        }
+        probe = self.runner.options(**options).remote()
+        try:
+            return ray.get(probe.free_address.remote(), timeout=self.settings.place_seconds)
+        finally:
+            ray.kill(probe)
 
     def _labels(self, node_id: str) -> list[str]:
         """The node's custom resources: how a Ray cluster names its kinds of node."""
@@ -376,13 +446,6 @@ def custom_resources(node: dict[str, Any]) -> list[str]:
         for key in node.get("Resources", {})
         if key not in STANDARD_RESOURCES and not key.startswith(("node:", "accelerator_type"))
     )
-
-
-def describe(options: dict[str, Any]) -> str:
-    asked = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], **options["resources"]}
-    if "memory" in options:
-        asked["memory"] = options["memory"]
-    return describe_resources(asked)
 
 
 def describe_resources(resources: dict[str, float]) -> str:

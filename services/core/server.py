@@ -34,6 +34,11 @@ EXIT_NO_RESTART = 2
 """Exit code of a service that stopped on an error a restart cannot mend (its settings or
 its data): the launcher reports it at once instead of restarting it. argparse's usage
 errors exit with the same code."""
+TRAINER_NODES_ENV = "ROLLWIRE_TRAINER_NODES"
+"""Set by a launcher that runs the trainer's ranks on several machines (a Ray cluster's
+nodes, `run.ray.trainer_nodes`): `NODES,NODE_RANK,HOST:PORT`, this machine's place among
+them and rank 0's rendezvous address; the trainer's torchrun runs this machine's share.
+Unset: every rank on this machine."""
 
 
 @dataclass(frozen=True)

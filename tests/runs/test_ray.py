@@ -1,7 +1,8 @@
 """A run placed on a Ray cluster of two nodes on this machine (two raylets this test
 starts and stops by process group): its services spread over both, the trainer's two
 ranks gang-placed, one node's processes killed mid-run, and the run ends with nothing
-lost, nothing trained twice and the held-out reward risen."""
+lost, nothing trained twice and the held-out reward risen; and a trainer whose ranks
+span both nodes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.runs import assert_no_process_left, child_env, jsonl, train_command
+from tests.helpers.runs import SHORT_RUN, assert_no_process_left, child_env, jsonl, train_command
 from tests.runs.test_faults import (
     buffer_outcomes,
     effective_training,
@@ -176,4 +177,36 @@ def test_a_run_spread_over_two_ray_nodes_survives_losing_one(tmp_path, two_nodes
         f"{len(ids)} trajectories trained once each in {max_steps} steps"
     )
     assert end >= start + 0.3, f"held-out reward {start:.3f} -> {end:.3f}; {context}"
+    assert_no_process_left(run_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_trainer_ranks_spread_over_two_ray_nodes_train_together(tmp_path, two_nodes) -> None:
+    """`run.ray.trainer_nodes: 2`: one fsdp2 rank on each node, reserved together, rank 1's
+    torchrun joining rank 0's rendezvous on the other node; the run trains every step."""
+    address, _ = two_nodes
+    run_dir = tmp_path / "run"
+    overrides = [
+        *SHORT_RUN,
+        "trainer.backend=fsdp2",
+        "trainer.world_size=2",
+        f"run.ray={{address: '{address}', trainer_nodes: 2}}",
+    ]
+    result = subprocess.run(
+        train_command(run_dir, *overrides),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=540,
+        start_new_session=True,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trainer = json.loads((run_dir / "logs" / "trainer.node").read_text())
+    assert trainer["labels"] == ["node_a", "node_b"] and len(trainer["nodes"]) == 2, trainer
+    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
+    assert [row["step"] for row in steps] == [1, 2, 3, 4]
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    # Rank 1 ran on the second node's torchrun (one rank each), not beside rank 0.
+    assert "rank 1 of 2" in log and "(node rank 1)" in log, log[-2000:]
     assert_no_process_left(run_dir)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -585,6 +586,14 @@ def run_trainer(config: RunConfig, argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     name = "trainer" if rank == 0 else f"trainer-rank{rank}"
     configure_logging(name, config.telemetry.log_level, config.telemetry.log_format)
+    if config.trainer.world_size > 1:
+        log.info(
+            "rank %d of %s on %s (node rank %s)",
+            rank,
+            os.environ.get("WORLD_SIZE"),
+            socket.gethostname(),
+            os.environ.get("GROUP_RANK", "0"),
+        )
     if config.trainer.model_path is not None:
         model_path = Path(config.trainer.model_path)
     elif config.rollout_server.engine == "diffusion":

@@ -265,8 +265,11 @@ class RayLauncher(StrictModel):
     services: dict[Literal[RAY_ROLES], RayPlacement] = {}  # type: ignore[valid-type]
     """Resources per service (`buffer`, `reward-server`, `rollout-server`, `env-server`,
     `teacher-server`, `trainer`, `orchestrator`); those not named take the defaults.
-    Trainer ranks are gang-placed: one placement-group bundle per rank, all on one node
-    (`STRICT_PACK`), reserved before any rank starts."""
+    The resources are per trainer rank; the ranks are gang-placed (`trainer_nodes`)."""
+    trainer_nodes: int = Field(1, ge=1)
+    """Nodes the trainer's ranks (`trainer.world_size`, which it must divide) are spread
+    over, as many on each: one placement-group bundle per node (`STRICT_SPREAD`), each
+    node's torchrun joining rank 0's rendezvous. 1: every rank on one node."""
     spread: bool = True
     """Spread the services over the cluster's nodes (Ray's SPREAD strategy); false packs
     them where Ray chooses."""
