@@ -91,6 +91,7 @@ async def test_versions_sent_as_deltas_equal_the_same_versions_sent_whole(
         await publish([by_delta], policy, 6, 1 << 16, deltas=deltas)
         assert COUNTERS.get("trainer_deltas_refused") == refused + 1
         assert_serves(servers[0][0], policy, 6)
+        assert deltas.bytes_sent > deltas.bytes_whole  # the refused delta, then the whole
 
         # Bytes that do not match their checksum are refused and change nothing.
         policy.step()
@@ -154,6 +155,8 @@ async def test_a_lora_runs_adapters_alone_equal_its_merged_weights_sent_whole(
         await publish([whole], policy, 5, 1 << 16)
         assert COUNTERS.get("trainer_adapters_refused") == refused + 1
         assert_both_serve(5)
+        # What went over the wire: the refused adapters, then the adapters with the bases.
+        assert adapters.bytes_sent / adapters.bytes_whole == pytest.approx(ratios[0] + ratios[1])
 
         # Adapters whose bytes do not match their checksum are refused.
         encoded = encode_adapters(policy.named_adapters(), False, adapters.base_version)

@@ -143,10 +143,8 @@ async def _publish_adapters(
             refused, dict.fromkeys(refused, full), version, chunk_bytes, timeout, keep_base=False
         )
         taken += retaken
-        for stub in refused:
-            plan[stub] = full
     adapters.held |= set(taken)
-    adapters.bytes_sent = sum(len(e.data) for stub in stubs for e in plan[stub] or [])
+    adapters.bytes_sent = _bytes_sent(plan, refused, full)
     adapters.bytes_whole = len(stubs) * sum(t.numel() * t.element_size() for _, t in named)
 
 
@@ -222,10 +220,19 @@ async def publish(
         taken += retaken
     for stub in taken:
         deltas.held[stub] = version
-    deltas.bytes_sent = sum(len(e.data) for stub in stubs for e in plan[stub] or [])
+    deltas.bytes_sent = _bytes_sent(plan, refused, whole)
     deltas.bytes_whole = len(stubs) * sum(t.numel() * t.element_size() for _, t in named)
     await asyncio.to_thread(deltas.remember, named, version)
     return time.perf_counter() - started
+
+
+def _bytes_sent(
+    plan: dict[Any, list[Encoded] | None], refused: list[Any], resent: list[Encoded] | None
+) -> int:
+    """The bytes a publish streamed: every server's first encoding (a refused one too:
+    it went over the wire), and the full form sent again to those that refused it."""
+    first = sum(len(e.data) for encoded in plan.values() for e in encoded or [])
+    return first + len(refused) * sum(len(e.data) for e in resent or [])
 
 
 async def _send(
