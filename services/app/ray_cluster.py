@@ -128,8 +128,9 @@ class ServiceRunner:
 
 class RayProcess:
     """The launcher's handle on a service that `ServiceRunner` actors run: one, or one
-    per node for a trainer whose ranks span nodes (the first is rank 0's). The service
-    has exited when any of them has."""
+    per node for a trainer whose ranks span nodes (the first is rank 0's). It has failed
+    when any of them has, and finished when all of them have (rank 1's node may be done
+    while rank 0 still writes the final checkpoint)."""
 
     def __init__(self, actors: list[Any], starts: list[dict[str, Any]], group: Any) -> None:
         self.actors = actors
@@ -146,18 +147,20 @@ class RayProcess:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        codes = []
         for actor, started in zip(self.actors, self.starts, strict=True):
             try:
                 code = ray.get(actor.poll.remote(), timeout=ASK_SECONDS)
-            except (
-                RayActorError
-            ):  # the actor died (its node, or it was killed): its service with it
+            except RayActorError:  # the actor died (its node, or it was killed)
                 code = LOST
             except GetTimeoutError:  # a node that stopped answering is gone once Ray says so
                 code = None if node_alive(started["node_id"]) else LOST
-            if code is not None:
+            if code is not None and code != 0:
                 self.returncode = code
-                break
+                return code
+            codes.append(code)
+        if all(code == 0 for code in codes):
+            self.returncode = 0
         return self.returncode
 
     def wait(self, timeout: float) -> int:
@@ -410,6 +413,7 @@ class RaySpawner:
     def _rendezvous(self, asks: dict[str, float], strategy: Any) -> str:
         """`host:port` free on rank 0's node, asked of a throwaway actor placed there."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         options = {
             "num_cpus": asks["CPU"],
@@ -419,6 +423,8 @@ class RaySpawner:
         probe = self.runner.options(**options).remote()
         try:
             return ray.get(probe.free_address.remote(), timeout=self.settings.place_seconds)
+        except (GetTimeoutError, RayActorError) as error:
+            raise LaunchError(f"no rendezvous address from rank 0's node: {error}") from None
         finally:
             ray.kill(probe)
 

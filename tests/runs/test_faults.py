@@ -108,6 +108,24 @@ def buffer_outcomes(buffer_dir: Path) -> dict[int, list[str]]:
     return outcomes
 
 
+def assert_trained_once(run_dir: Path, max_steps: int, context: str = "") -> dict[int, str]:
+    """Exactly once, from the trainer's record and the buffer's log: the final lineage has
+    `max_steps` steps, no trajectory and no prompt in it twice, every ordinal the buffer
+    finished ended one way, and its "trained" are exactly the lineage's prompts. Returns
+    how each ordinal ended."""
+    steps = effective_training(jsonl(run_dir / "metrics" / "trained_ids.jsonl"))
+    assert len(steps) == max_steps, context
+    ids = [i for step in steps for i in step["ids"]]
+    assert len(ids) == len(set(ids)), f"a trajectory was trained twice; {context}"
+    trained = [o for step in steps for o in step["ordinals"]]
+    assert len(trained) == len(set(trained)), f"a prompt was trained twice; {context}"
+    outcomes = buffer_outcomes(run_dir / "buffer")
+    assert all(len(ways) == 1 for ways in outcomes.values()), f"an ordinal ended twice; {context}"
+    ended = {o: ways[0] for o, ways in outcomes.items()}
+    assert {o for o, way in ended.items() if way == "trained"} == set(trained), context
+    return ended
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_every_kind_of_process_killed_mid_run_loses_nothing_and_trains_nothing_twice(
@@ -151,21 +169,13 @@ def test_every_kind_of_process_killed_mid_run_loses_nothing_and_trains_nothing_t
     for name in KINDS:
         assert f"{name} exited with code -9; restarting it" in output, (name, context)
 
-    # The trainer's record: every step once in the final lineage, nothing trained twice.
-    records = jsonl(run_dir / "metrics" / "trained_ids.jsonl")
-    steps = effective_training(records)
-    assert len(steps) == max_steps, context
-    ids = [i for step in steps for i in step["ids"]]
-    assert len(ids) == len(set(ids)), f"a trajectory was trained twice; {context}"
-    trained = [o for step in steps for o in step["ordinals"]]
-    assert len(trained) == len(set(trained)), f"a prompt was trained twice; {context}"
-
     # Every ordinal below the buffer's frontier ended exactly one way, with its reason;
     # the buffer's "trained" is exactly what the trainer's final lineage trained.
-    outcomes = buffer_outcomes(run_dir / "buffer")
-    assert all(len(ways) == 1 for ways in outcomes.values()), f"an ordinal ended twice; {context}"
-    ended = {o: ways[0] for o, ways in outcomes.items()}
-    assert {o for o, way in ended.items() if way == "trained"} == set(trained), context
+    ended = assert_trained_once(run_dir, max_steps, context)
+    records = jsonl(run_dir / "metrics" / "trained_ids.jsonl")
+    steps = effective_training(records)
+    ids = [i for step in steps for i in step["ids"]]
+    trained = [o for step in steps for o in step["ordinals"]]
     frontier = 0
     while frontier in ended:
         frontier += 1

@@ -21,10 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.runs import SHORT_RUN, assert_no_process_left, child_env, jsonl, train_command
-from tests.runs.test_faults import (
-    buffer_outcomes,
-    effective_training,
-)
+from tests.runs.test_faults import assert_trained_once
 
 RAY = Path(sys.executable).parent / "ray"
 pytestmark = pytest.mark.skipif(not RAY.exists(), reason="Ray is not installed (rollwire[ray])")
@@ -158,23 +155,15 @@ def test_a_run_spread_over_two_ray_nodes_survives_losing_one(tmp_path, two_nodes
         assert f"{name} exited with code -9; restarting it" in output, (name, context)
     assert all(label == "node_a" for label in placements(run_dir).values()), context
 
-    records = jsonl(run_dir / "metrics" / "trained_ids.jsonl")
-    steps = effective_training(records)
-    assert len(steps) == max_steps, context
-    ids = [i for step in steps for i in step["ids"]]
-    assert len(ids) == len(set(ids)), f"a trajectory was trained twice; {context}"
-    trained = [o for step in steps for o in step["ordinals"]]
-    assert len(trained) == len(set(trained)), f"a prompt was trained twice; {context}"
-    outcomes = buffer_outcomes(run_dir / "buffer")
-    assert all(len(ways) == 1 for ways in outcomes.values()), f"an ordinal ended twice; {context}"
-    assert {o for o, ways in outcomes.items() if ways == ["trained"]} == set(trained), context
+    ended = assert_trained_once(run_dir, max_steps, context)
     evals = jsonl(run_dir / "metrics" / "eval.jsonl")
     assert evals and evals[-1]["policy_version"] >= max_steps, context
     start, end = evals[0]["eval_reward"], evals[-1]["eval_reward"]
     print(
         f"\nservices on node_b, lost at step 6 and restarted on node_a: {on_b}; "
         f"held-out reward {start:.3f} -> {end:.3f}; "
-        f"{len(ids)} trajectories trained once each in {max_steps} steps"
+        f"{sum(way == 'trained' for way in ended.values())} prompts trained once each in "
+        f"{max_steps} steps"
     )
     assert end >= start + 0.3, f"held-out reward {start:.3f} -> {end:.3f}; {context}"
     assert_no_process_left(run_dir)

@@ -14,12 +14,7 @@ import pytest
 
 from rollwire.proto.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.helpers.runs import GUESS_RUN, ROLLWIRE, assert_no_process_left, jsonl
-from tests.runs.test_faults import (
-    buffer_outcomes,
-    effective_training,
-    start_rollwire,
-    wait_for_step,
-)
+from tests.runs.test_faults import assert_trained_once, start_rollwire, wait_for_step
 
 
 def scale(run_dir, *changes: str) -> subprocess.CompletedProcess[str]:
@@ -104,15 +99,7 @@ def test_servers_added_and_removed_mid_run_get_work_and_lose_nothing(tmp_path) -
     assert '"weights fetched from the trainer"' in started or '"no weights to fetch"' in started
 
     # Nothing lost, nothing trained twice: the trainer's record and the buffer's ledger.
-    steps = effective_training(jsonl(run_dir / "metrics" / "trained_ids.jsonl"))
-    assert len(steps) == max_steps
-    ids = [i for step in steps for i in step["ids"]]
-    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
-    trained = [o for step in steps for o in step["ordinals"]]
-    assert len(trained) == len(set(trained)), "a prompt was trained twice"
-    outcomes = buffer_outcomes(run_dir / "buffer")
-    assert all(len(ways) == 1 for ways in outcomes.values()), "an ordinal ended twice"
-    assert {o for o, ways in outcomes.items() if ways == ["trained"]} == set(trained)
+    assert_trained_once(run_dir, max_steps)
     progress = jsonl(run_dir / "metrics" / "orchestrator.jsonl")[-1]
     assert progress["groups_failed"] == 0, "a group was lost with a server"
     assert all(row["sequences"] == 16 for row in jsonl(run_dir / "metrics" / "trainer.jsonl"))
