@@ -629,8 +629,9 @@ LAUNCHER_PID = "ROLLWIRE_LAUNCHER_PID"
 
 
 def _end_with_the_launcher() -> None:
-    """A service started by `rollwire train` gets SIGTERM when the launcher dies, however
-    it dies (even SIGKILL, when its own clean-up never runs), so none is left orphaned.
+    """A service started by `rollwire train` gets SIGTERM when the launcher dies (a trainer
+    rank, SIGKILL when its torchrun dies), however it dies (even SIGKILL, when its own
+    clean-up never runs), so none is left orphaned.
     Linux only (prctl PR_SET_PDEATHSIG); elsewhere the launcher's own stop() is all."""
     expected = os.environ.get(LAUNCHER_PID)
     if not expected or not sys.platform.startswith("linux"):
@@ -638,9 +639,13 @@ def _end_with_the_launcher() -> None:
     import ctypes
     import signal
 
+    # A trainer rank (torchrun's worker, in a session of its own) whose torchrun is gone
+    # cannot finish anything: its group is broken, and a rank waiting in a collective
+    # would wait for ever. It ends at once; every other service stops cleanly.
+    ends_with = signal.SIGKILL if "TORCHELASTIC_RUN_ID" in os.environ else signal.SIGTERM
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        libc.prctl(1, int(ends_with))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
     if str(os.getppid()) != expected:  # the launcher died before the line above

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -218,10 +219,32 @@ def check_reachable(address: str) -> None:
         ) from None
 
 
-def node_alive(node_id: str) -> bool:
+def cluster_nodes() -> list[dict[str, Any]]:
+    """`ray.nodes()`, or LaunchError when the cluster does not answer within
+    3 x ASK_SECONDS: with its head node gone, Ray's own call waits for it for ever."""
+    import threading
+
     import ray
 
-    return any(node["NodeID"] == node_id and node["Alive"] for node in ray.nodes())
+    answer: list[Any] = []
+
+    def ask() -> None:
+        try:
+            answer.append(ray.nodes())
+        except Exception as error:  # whatever Ray raises is told below
+            answer.append(error)
+
+    thread = threading.Thread(target=ask, name="ray-nodes", daemon=True)
+    thread.start()
+    thread.join(3 * ASK_SECONDS)
+    if not answer or isinstance(answer[0], Exception):
+        why = f": {answer[0]}" if answer else f" within {3 * ASK_SECONDS:g}s"
+        raise LaunchError(f"the Ray cluster stopped answering{why} (its head node gone?)")
+    return answer[0]
+
+
+def node_alive(node_id: str) -> bool:
+    return any(node["NodeID"] == node_id and node["Alive"] for node in cluster_nodes())
 
 
 def role_of(service: Service, argv: list[str]) -> str:
@@ -251,6 +274,9 @@ class RaySpawner:
                 f"trainer.world_size {self.world_size}: every node runs as many ranks"
             )
         self.run_dir = run_dir
+        # ray.init installs its own SIGTERM and SIGINT handlers (SIGTERM: a stack dump and
+        # exit): the launcher's, which stop every service first, are put back.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             ray.init(
                 address=settings.address,
@@ -260,6 +286,10 @@ class RaySpawner:
             )
         except (ConnectionError, RuntimeError, ValueError) as error:
             raise LaunchError(f"run.ray.address {settings.address}: {error}") from None
+        finally:
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
         self.runner = ray.remote(ServiceRunner)
         # What every node must see: a token in the run folder (so a folder of the same
         # name on a node's own disk does not pass) and the model the services load.
@@ -431,9 +461,7 @@ class RaySpawner:
     def _labels(self, node_id: str) -> list[str]:
         """The node's custom resources: how a Ray cluster names its kinds of node."""
         if node_id not in self.nodes:
-            import ray
-
-            self.nodes |= {node["NodeID"]: custom_resources(node) for node in ray.nodes()}
+            self.nodes |= {node["NodeID"]: custom_resources(node) for node in cluster_nodes()}
         return self.nodes.get(node_id, [])
 
     def close(self) -> None:

@@ -171,31 +171,53 @@ def test_a_run_spread_over_two_ray_nodes_survives_losing_one(tmp_path, two_nodes
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-def test_trainer_ranks_spread_over_two_ray_nodes_train_together(tmp_path, two_nodes) -> None:
+def test_trainer_ranks_spread_over_two_ray_nodes_then_sigterm_stops_every_service(
+    tmp_path, two_nodes
+) -> None:
     """`run.ray.trainer_nodes: 2`: one fsdp2 rank on each node, reserved together, rank 1's
-    torchrun joining rank 0's rendezvous on the other node; the run trains every step."""
+    torchrun joining rank 0's rendezvous on the other node; they train together. Then
+    SIGTERM to the launcher stops every service the way Ctrl-C does (ray.init replaces
+    the launcher's SIGTERM handler with one that dumps a stack and exits: it is put back)."""
     address, _ = two_nodes
     run_dir = tmp_path / "run"
     overrides = [
         *SHORT_RUN,
+        "rl.max_steps=200",
         "trainer.backend=fsdp2",
         "trainer.world_size=2",
         f"run.ray={{address: '{address}', trainer_nodes: 2}}",
     ]
-    result = subprocess.run(
-        train_command(run_dir, *overrides),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=540,
-        start_new_session=True,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    output_path = tmp_path / "train.out"
+    with output_path.open("w") as output_file:
+        process = subprocess.Popen(
+            train_command(run_dir, *overrides),
+            stdout=output_file,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        trainer_rows = run_dir / "metrics" / "trainer.jsonl"
+        while not (trainer_rows.exists() and len(jsonl(trainer_rows)) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline, output_path.read_text(
+                errors="replace"
+            )[-3000:]
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+    output = output_path.read_text(errors="replace")
+    assert process.returncode == 130, output[-3000:]  # interrupted, as by Ctrl-C
+    assert "interrupted: stopping every service" in output
     trainer = json.loads((run_dir / "logs" / "trainer.node").read_text())
     assert trainer["labels"] == ["node_a", "node_b"] and len(trainer["nodes"]) == 2, trainer
-    steps = jsonl(run_dir / "metrics" / "trainer.jsonl")
-    assert [row["step"] for row in steps] == [1, 2, 3, 4]
     log = (run_dir / "logs" / "trainer.log").read_text()
     # Rank 1 ran on the second node's torchrun (one rank each), not beside rank 0.
     assert "rank 1 of 2" in log and "(node rank 1)" in log, log[-2000:]
+    for name in ("buffer", "reward-server", "rollout-server"):
+        assert '"msg": "stopped"' in (run_dir / "logs" / f"{name}.log").read_text(), name
     assert_no_process_left(run_dir)
