@@ -84,14 +84,12 @@ def torchrun_argv(config: RunConfig, argv: list[str], command: str = "trainer") 
     the ranks when `ROLLWIRE_TRAINER_NODES` places them on several; no restarts of single
     ranks: one that dies takes the group down, and whoever runs the trainer (the
     `rollwire train` launcher) starts it again from its last checkpoint."""
-    world = config.trainer.world_size
-    placement = ["--standalone", "--nproc-per-node", str(world)]
     from rollwire.services.core.server import TRAINER_NODES_ENV
 
-    if os.environ.get(TRAINER_NODES_ENV):
+    world = config.trainer.world_size
+    placement = ["--standalone", "--nproc-per-node", str(world)]
+    if os.environ.get(TRAINER_NODES_ENV):  # the config checked that `nodes` divides `world`
         nodes, node_rank, master = os.environ[TRAINER_NODES_ENV].split(",")
-        if world % int(nodes):
-            raise ValueError(f"trainer.world_size {world} does not divide over {nodes} nodes")
         host, _, port = master.rpartition(":")
         placement = [
             *("--nnodes", nodes, "--node-rank", node_rank),

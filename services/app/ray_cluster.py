@@ -9,8 +9,9 @@ its actor does (the same parent-death signal a local service has on its launcher
 a lost node leaves nothing behind, and the launcher, seeing the actor gone, starts the
 service again elsewhere within the local launcher's limits (`launcher.MAX_RESTARTS`).
 
-Trainer ranks are gang-placed: a placement group of one bundle per rank, all on one
-node, is reserved before the trainer starts (its torchrun runs the ranks there).
+Trainer ranks are gang-placed: a placement group of one bundle per node
+(`run.ray.trainer_nodes`) is reserved whole before any rank starts, and each bundle's
+actor runs torchrun for that node's ranks, joining rank 0's rendezvous.
 
 What every node must share with the launcher: the run folder and the model cache at
 the same paths (the services write their logs, ready files, checkpoints and metrics
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollwire.services.app.launcher import LaunchError, Service
+from rollwire.services.app.launcher import LaunchError, LocalSpawner, Service, Spawner
 from rollwire.services.core.config.models import RayLauncher, RayPlacement
 from rollwire.services.core.server import TRAINER_NODES_ENV
 
@@ -54,6 +55,9 @@ BIND = {
 PASSED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
 """The launcher's environment a service on another node gets, beside every ROLLWIRE_*
 variable; the rest is the node's own."""
+RENDEZVOUS_HERE = "here"
+"""In rank 0's node's `ROLLWIRE_TRAINER_NODES`: its actor puts a free address of its node
+there, and returns it for the other nodes' actors."""
 
 
 class ServiceRunner:
@@ -90,6 +94,9 @@ class ServiceRunner:
                 }
         command = [sys.executable, *argv[1:], *(arg.format(ip=ip) for arg in bind)]
         full_env = {**os.environ, **env, "ROLLWIRE_LAUNCHER_PID": str(os.getpid())}
+        nodes = env.get(TRAINER_NODES_ENV, "")
+        if nodes.endswith("," + RENDEZVOUS_HERE):  # rank 0's node names the rendezvous
+            full_env[TRAINER_NODES_ENV] = nodes.removesuffix(RENDEZVOUS_HERE) + free_address(ip)
         with open(log_path, "a") as log:
             try:
                 self.process = subprocess.Popen(
@@ -105,18 +112,8 @@ class ServiceRunner:
             "pid": self.process.pid,
             "ip": ip,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "rendezvous": full_env.get(TRAINER_NODES_ENV, ",,").split(",")[2],
         }
-
-    def free_address(self) -> str:
-        """`ip:port` of a port free on this node now (rank 0's rendezvous)."""
-        import socket
-
-        import ray
-
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        return f"{ray.util.get_node_ip_address()}:{port}"
 
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -125,6 +122,15 @@ class ServiceRunner:
         if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sig)
+
+
+def free_address(ip: str) -> str:
+    """`ip:port` of a port free on this node now."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return f"{ip}:{probe.getsockname()[1]}"
 
 
 class RayProcess:
@@ -138,9 +144,15 @@ class RayProcess:
         self.starts = starts
         self.group = group
         self.pid: int = starts[0]["pid"]
-        self.node_id: str = starts[0]["node_id"]
-        self.ip: str = starts[0]["ip"]
         self.returncode: int | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self.starts[0]["node_id"]
+
+    @property
+    def ip(self) -> str:
+        return self.starts[0]["ip"]
 
     def poll(self) -> int | None:
         if self.returncode is not None:
@@ -182,17 +194,22 @@ class RayProcess:
 
     def release(self) -> None:
         """Ends the actors (their processes with them) and frees what they reserved."""
-        import ray
+        release(self.actors, self.group)
+        self.group = None
 
-        for actor in self.actors:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
-        if self.group is not None:
-            from ray.util.placement_group import remove_placement_group
 
-            with contextlib.suppress(Exception):
-                remove_placement_group(self.group)
-            self.group = None
+def release(actors: list[Any], group: Any) -> None:
+    """Ends `actors` (their processes with them) and removes the placement group, if any."""
+    import ray
+
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor)
+    if group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)
 
 
 REACH_SECONDS = 10.0
@@ -268,11 +285,6 @@ class RaySpawner:
         self.settings: RayLauncher = settings
         self.threads = threads
         self.world_size = config.trainer.world_size
-        if self.world_size % settings.trainer_nodes:
-            raise LaunchError(
-                f"run.ray.trainer_nodes {settings.trainer_nodes} does not divide "
-                f"trainer.world_size {self.world_size}: every node runs as many ranks"
-            )
         self.run_dir = run_dir
         # ray.init installs its own SIGTERM and SIGINT handlers (SIGTERM: a stack dump and
         # exit): the launcher's, which stop every service first, are put back.
@@ -419,15 +431,13 @@ class RaySpawner:
         actors: list[Any] = []
         starts: list[dict[str, Any]] = []
         try:
-            rendezvous = ""
+            rendezvous = RENDEZVOUS_HERE  # rank 0's node finds it
             for node_rank in range(nodes):
                 strategy = PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=node_rank
                 )
                 node_call = list(call)
                 if nodes > 1:
-                    if node_rank == 0:
-                        rendezvous = self._rendezvous(whole, strategy)
                     node_call[1] = {
                         **call[1],
                         TRAINER_NODES_ENV: f"{nodes},{node_rank},{rendezvous}",
@@ -435,28 +445,11 @@ class RaySpawner:
                 actor, started = self._start(name, whole, strategy, node_call, retry=False)
                 actors.append(actor)
                 starts.append(started)
+                rendezvous = starts[0]["rendezvous"]
         except LaunchError:
-            RayProcess(actors, starts or [{"pid": 0, "node_id": "", "ip": ""}], group).release()
+            release(actors, group)
             raise
         return RayProcess(actors, starts, group)
-
-    def _rendezvous(self, asks: dict[str, float], strategy: Any) -> str:
-        """`host:port` free on rank 0's node, asked of a throwaway actor placed there."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        options = {
-            "num_cpus": asks["CPU"],
-            "num_gpus": asks["GPU"],
-            "scheduling_strategy": strategy,
-        }
-        probe = self.runner.options(**options).remote()
-        try:
-            return ray.get(probe.free_address.remote(), timeout=self.settings.place_seconds)
-        except (GetTimeoutError, RayActorError) as error:
-            raise LaunchError(f"no rendezvous address from rank 0's node: {error}") from None
-        finally:
-            ray.kill(probe)
 
     def _labels(self, node_id: str) -> list[str]:
         """The node's custom resources: how a Ray cluster names its kinds of node."""
@@ -471,30 +464,25 @@ class RaySpawner:
             ray.shutdown()
 
 
-STANDARD_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+def ray_internal(resource: str) -> bool:
+    """A resource Ray adds to every node of itself (its address, its accelerator type)."""
+    return resource.startswith(("node:", "accelerator_type"))
 
 
 def custom_resources(node: dict[str, Any]) -> list[str]:
+    standard = ("CPU", "GPU", "memory", "object_store_memory")
     return sorted(
-        key
-        for key in node.get("Resources", {})
-        if key not in STANDARD_RESOURCES and not key.startswith(("node:", "accelerator_type"))
+        key for key in node.get("Resources", {}) if key not in standard and not ray_internal(key)
     )
 
 
 def describe_resources(resources: dict[str, float]) -> str:
-    shown = {
-        key: value
-        for key, value in sorted(resources.items())
-        if value and not key.startswith(("node:", "accelerator_type"))
-    }
+    shown = {k: v for k, v in sorted(resources.items()) if v and not ray_internal(k)}
     return ", ".join(f"{key} {value:g}" for key, value in shown.items()) or "nothing"
 
 
-def spawner_for(config: RunConfig, run_dir: Path, threads: dict[str, int]) -> Any:
+def spawner_for(config: RunConfig, run_dir: Path, threads: dict[str, int]) -> Spawner:
     """The run's spawner: local processes, or Ray actors with `run.ray`."""
     if config.run.ray is None:
-        from rollwire.services.app.launcher import LocalSpawner
-
         return LocalSpawner()
     return RaySpawner(config, run_dir, threads)

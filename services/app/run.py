@@ -181,12 +181,8 @@ def run_up(config: RunConfig) -> int:
     stop_on_sigterm()
     try:
         config, run_dir = _prepare(config)
-    except (LaunchError, ValueError, OSError) as error:
-        print(f"rollwire up: {error}")
-        return 1
-    try:
         stack = _stack(config, run_dir)
-    except LaunchError as error:
+    except (LaunchError, ValueError, OSError) as error:
         print(f"rollwire up: {error}")
         return 1
     try:
@@ -228,12 +224,8 @@ def run_train(config: RunConfig) -> int:
     started = time.perf_counter()
     try:
         config, run_dir = _prepare(config)
-    except (LaunchError, ValueError, OSError) as error:
-        print(f"rollwire train: {error}")
-        return 1
-    try:
         stack = _stack(config, run_dir)
-    except LaunchError as error:
+    except (LaunchError, ValueError, OSError) as error:
         print(f"rollwire train: {error}")
         return 1
     interrupted = False

@@ -261,3 +261,18 @@ def test_a_ray_address_where_nothing_listens_is_refused_at_once() -> None:
     with pytest.raises(LaunchError, match="is not HOST:PORT"):
         check_reachable("head-node")
     check_reachable("auto")  # the cluster this machine is part of: Ray finds it
+
+
+def test_trainer_nodes_must_divide_the_trainers_ranks() -> None:
+    """Refused when the config is read, not when the cluster is asked for the ranks."""
+    trainer = {"backend": "fsdp2", "world_size": 4}
+    ray = {"address": "10.0.0.5:6379", "trainer_nodes": 3}
+    with pytest.raises(
+        ValueError, match="run.ray.trainer_nodes 3 does not divide trainer.world_size 4"
+    ):
+        RunConfig.model_validate({"trainer": trainer, "run": {"ray": ray}})
+    ray["trainer_nodes"] = 2
+    assert (
+        RunConfig.model_validate({"trainer": trainer, "run": {"ray": ray}}).run.ray.trainer_nodes
+        == 2
+    )

@@ -94,6 +94,33 @@ def placements(run_dir: Path) -> dict[str, str]:
     return found
 
 
+def start_train(tmp_path: Path, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    """`rollwire train` in its own session, with the session's model cache (the default
+    run's warm-up is built once for the tests) and its output in tmp_path/train.out: a
+    warm-up's progress would fill an unread pipe and block it."""
+    with (tmp_path / "train.out").open("w") as output_file:
+        return subprocess.Popen(
+            train_command(run_dir, *overrides),
+            stdout=output_file,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            start_new_session=True,
+        )
+
+
+def wait_for_steps(
+    tmp_path: Path, run_dir: Path, steps: int, process: subprocess.Popen, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    trainer_rows = run_dir / "metrics" / "trainer.jsonl"
+    while not (trainer_rows.exists() and len(jsonl(trainer_rows)) >= steps):
+        assert process.poll() is None and time.monotonic() < deadline, (
+            f"step {steps} not reached: "
+            + (tmp_path / "train.out").read_text(errors="replace")[-3000:]
+        )
+        time.sleep(0.2)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(1200)
 def test_a_run_spread_over_two_ray_nodes_survives_losing_one(tmp_path, two_nodes) -> None:
@@ -111,26 +138,11 @@ def test_a_run_spread_over_two_ray_nodes_survives_losing_one(tmp_path, two_nodes
         "trainer.world_size=2",
         f"run.ray={{address: '{address}'}}",
     ]
-    # The session's model cache: the default run's warm-up is built once for the tests.
-    # Its output to a file: a warm-up's progress would fill an unread pipe and block it.
+    process = start_train(tmp_path, run_dir, overrides)
     output_path = tmp_path / "train.out"
-    with output_path.open("w") as output_file:
-        process = subprocess.Popen(
-            train_command(run_dir, *overrides),
-            stdout=output_file,
-            stderr=subprocess.STDOUT,
-            env=child_env(),
-            start_new_session=True,
-        )
     try:
         # The warm-up is built first when no test before this one built it (minutes).
-        deadline = time.monotonic() + 720
-        trainer_rows = run_dir / "metrics" / "trainer.jsonl"
-        while not (trainer_rows.exists() and len(jsonl(trainer_rows)) >= 6):
-            assert process.poll() is None and time.monotonic() < deadline, (
-                f"step 6 not reached: {output_path.read_text(errors='replace')[-3000:]}"
-            )
-            time.sleep(0.2)
+        wait_for_steps(tmp_path, run_dir, 6, process, timeout=720)
         placed = placements(run_dir)
         assert set(placed) == {
             "buffer",
@@ -187,23 +199,10 @@ def test_trainer_ranks_spread_over_two_ray_nodes_then_sigterm_stops_every_servic
         "trainer.world_size=2",
         f"run.ray={{address: '{address}', trainer_nodes: 2}}",
     ]
+    process = start_train(tmp_path, run_dir, overrides)
     output_path = tmp_path / "train.out"
-    with output_path.open("w") as output_file:
-        process = subprocess.Popen(
-            train_command(run_dir, *overrides),
-            stdout=output_file,
-            stderr=subprocess.STDOUT,
-            env=child_env(),
-            start_new_session=True,
-        )
     try:
-        deadline = time.monotonic() + 300
-        trainer_rows = run_dir / "metrics" / "trainer.jsonl"
-        while not (trainer_rows.exists() and len(jsonl(trainer_rows)) >= 2):
-            assert process.poll() is None and time.monotonic() < deadline, output_path.read_text(
-                errors="replace"
-            )[-3000:]
-            time.sleep(0.2)
+        wait_for_steps(tmp_path, run_dir, 2, process, timeout=300)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=90)
     finally:

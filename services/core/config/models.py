@@ -369,6 +369,16 @@ class RunConfig(PipelineSections):
     """Limits on images (a vision-language model's prompts and observations)."""
 
     @model_validator(mode="after")
+    def _trainer_nodes_divide_the_ranks(self) -> RunConfig:
+        ray, world = self.run.ray, self.trainer.world_size
+        if ray is not None and world % ray.trainer_nodes:
+            raise ValueError(
+                f"run.ray.trainer_nodes {ray.trainer_nodes} does not divide trainer.world_size "
+                f"{world}: every node runs as many ranks"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _on_policy_distillation_has_a_teacher(self) -> RunConfig:
         if self.trainer.algorithm.advantage.type != "on_policy_distill":
             return self
