@@ -221,6 +221,12 @@ class VLLMEngine:
             # discards its sample, which CPU generators cannot do ("CPU Generator does
             # not use offset"): many long prompts at once broke the engine. Whole prefills.
             arguments.setdefault("enable_chunked_prefill", False)
+            # KV blocks of 32 tokens instead of the CPU backend's 128 (its smallest: a
+            # multiple of 32): a group's samples share its prompt's full blocks through
+            # prefix caching, which a prompt shorter than one block never has. SmolLM2-135M,
+            # 32 samples of 4 fresh 38-token prompts, 48 new tokens, one thread, bfloat16:
+            # 3.8 s against 5.6 s.
+            arguments.setdefault("block_size", 32)
         if self.vision is not None and importlib.util.find_spec("torchvision") is None:
             raise RuntimeError(
                 f"{path} is a vision-language model, and vLLM's vision-language models need "

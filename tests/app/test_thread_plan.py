@@ -31,13 +31,10 @@ def test_async_starts_in_half_and_moves_one_thread_toward_the_side_behind() -> N
     assert plan.trainer + plan.rollout == plan.total
 
 
-def test_two_threads_split_one_each_and_a_fixed_plan_stays() -> None:
+def test_two_threads_split_one_each() -> None:
     plan = ThreadPlan.start(2, sync=False)
     assert (plan.trainer, plan.rollout) == (1, 1)
     assert not plan.replan(0.9) and not plan.replan(0.0)
-    wide = ThreadPlan.start(8, sync=False)
-    wide.fixed = "rollout-server: vLLM binds its threads when it starts"
-    assert not wide.replan(0.9) and (wide.trainer, wide.rollout) == (4, 4)
     with pytest.raises(ValueError, match="at least one thread"):
         ThreadPlan.start(0, sync=True)
 
@@ -78,7 +75,7 @@ class _Policy:
         return self.reason
 
 
-async def test_the_trainer_hands_out_the_plan_and_a_side_that_cannot_change_fixes_it() -> None:
+async def test_the_trainer_hands_out_the_plan_and_borrows_threads_beside_a_fixed_engine() -> None:
     from rollwire.trainer.process.loop import follow_plan
 
     plan = ThreadPlan.start(6, sync=False)
@@ -89,11 +86,25 @@ async def test_the_trainer_hands_out_the_plan_and_a_side_that_cannot_change_fixe
 
     vllm = _Stub("vLLM binds its CPU threads when it starts")
     await follow_plan(plan, policy, [vllm])
-    assert vllm.asked == [4] and plan.fixed == "rollout-server: " + vllm.reason
-    assert not plan.replan(0.9)  # moving threads to a side that cannot use them: no
+    assert vllm.asked == [4] and plan.rollout_fixed == "rollout-server: " + vllm.reason
+    assert plan.fixed is None and (plan.trainer, plan.rollout) == (2, 4)
+    # Generation keeps its 4; a trainer that hardly waits borrows up to every thread...
+    assert all(plan.replan(0.0) for _ in range(4)) and not plan.replan(0.0)
+    assert (plan.trainer, plan.rollout) == (6, 4)
+    await follow_plan(plan, policy, [vllm])
+    assert policy.threads == 6 and vllm.asked == [4]  # the engine is not asked again
+    # ...and one that waits gives them back, down to what generation leaves it.
+    assert all(plan.replan(0.9) for _ in range(4)) and not plan.replan(0.9)
+    assert (plan.trainer, plan.rollout) == (2, 4)
+    assert not plan.replan((GIVE_ABOVE + TAKE_BELOW) / 2)
+
     fsdp = ThreadPlan.start(4, sync=True)
-    await follow_plan(fsdp, _Policy("the fsdp2 backend's ranks keep their threads"), [_Stub()])
-    assert fsdp.fixed.startswith("trainer: the fsdp2 backend")
+    fsdp_stub = _Stub()
+    await follow_plan(fsdp, _Policy("the fsdp2 backend's ranks keep their threads"), [fsdp_stub])
+    assert fsdp.fixed.startswith("trainer: the fsdp2 backend") and fsdp_stub.asked == []
+    wide = ThreadPlan.start(8, sync=False)
+    wide.fixed = fsdp.fixed
+    assert not wide.replan(0.0) and not wide.replan(0.9)
 
 
 def test_generation_keeps_a_thread_for_each_rollout_server() -> None:

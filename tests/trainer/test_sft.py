@@ -188,7 +188,7 @@ def test_the_warm_up_is_the_sft_step_and_equals_the_loop_it_replaced(
 ) -> None:
     """`warm_up_on` trains through `SupervisedStep`; its schedule and optimizer are
     the warm-up's own, calibrated ones: batch for batch it gives the weights of a plain
-    loop (HF's loss on the taught tokens, AdamW, clip 1, ramp x linear decay), bit for bit."""
+    loop (HF's loss on the taught tokens, fused AdamW, clip 1, ramp x linear decay), bit for bit."""
     import random
 
     import torch
@@ -210,7 +210,8 @@ def test_the_warm_up_is_the_sft_step_and_equals_the_loop_it_replaced(
     out = warm_up_on(tiny_model_path, tmp_path / "warm", batch, steps, size, 3e-3, 0, 1, False)
     ours = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    # The trainer's AdamW: torch's fused kernel on CPU (`AdamWSettings.build`).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / steps)
     )

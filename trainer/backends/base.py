@@ -53,10 +53,20 @@ class AdamWSettings:
     betas: tuple[float, float] = (0.9, 0.99)
     eps: float = 1e-8
 
-    def build(self, parameters: Any) -> torch.optim.AdamW:
-        """torch AdamW over `parameters` with these settings."""
+    def build(self, parameters: list[torch.Tensor]) -> torch.optim.AdamW:
+        """torch AdamW over `parameters` with these settings: its fused kernel (one pass over
+        each tensor, on every thread) where every parameter is a plain CPU or CUDA tensor;
+        torch's default otherwise (sharded parameters: FSDP2's DTensors)."""
+        fused = bool(parameters) and all(
+            type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") for p in parameters
+        )
         return torch.optim.AdamW(
-            parameters, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps
+            parameters,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            betas=self.betas,
+            eps=self.eps,
+            fused=fused or None,
         )
 
 

@@ -330,14 +330,17 @@ async def finish_publishing(state: TrainerState) -> dict[str, float]:
 
 
 async def follow_plan(plan: ThreadPlan, policy: Policy, rollout_stubs: list[Any]) -> None:
-    """Gives the trainer and the rollout-servers the plan's threads. A side that cannot
-    change its threads at run time fixes the plan where it is (logged once)."""
-    reasons = []
+    """Gives the trainer and the rollout-servers the plan's threads. A trainer that cannot
+    change its threads at run time fixes the plan where it is; rollout-servers that cannot
+    keep theirs, and the trainer moves alone (`ThreadPlan.rollout_fixed`). Logged once."""
     reason = policy.set_threads(plan.trainer)
     if reason is not None:
-        reasons.append(f"trainer: {reason}")
+        plan.fixed = f"trainer: {reason}"
+        log.warning("the thread plan stays as it is: %s", plan.fixed)
+        return
+    reasons = []
     request = rollout_pb2.SetThreadsRequest(threads=plan.per_server(len(rollout_stubs)))
-    for stub in rollout_stubs:
+    for stub in [] if plan.rollout_fixed is not None else rollout_stubs:
         try:
             reply = await stub.SetThreads(request, timeout=10.0)
         except grpc.aio.AioRpcError as error:
@@ -348,10 +351,13 @@ async def follow_plan(plan: ThreadPlan, policy: Policy, rollout_stubs: list[Any]
         if not reply.applied:
             reasons.append(f"rollout-server: {reply.reason}")
     if reasons:
-        plan.fixed = "; ".join(reasons)
-        log.warning("the thread plan stays as it is: %s", plan.fixed)
-    else:
-        log.info("threads moved", extra={"trainer": plan.trainer, "rollout": plan.rollout})
+        plan.rollout_fixed = "; ".join(reasons)
+        log.warning(
+            "generation keeps the threads it started with (%s); the trainer takes threads "
+            "beside it while it is behind",
+            plan.rollout_fixed,
+        )
+    log.info("threads moved", extra={"trainer": plan.trainer, "rollout": plan.rollout})
 
 
 STOP_PATIENCE_SECONDS = 10.0

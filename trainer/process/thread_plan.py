@@ -10,6 +10,12 @@ follows the trainer's measured idle time, one thread at a time: a trainer that w
 for batches more than `GIVE_ABOVE` of its time gives a thread to generation, one that
 hardly waits (under `TAKE_BELOW`) takes one back. Each side keeps at least one, and
 generation one per rollout-server (`run.local_rollout_servers`), even past the total.
+
+An engine that fixes its threads when it starts (vLLM, SGLang: `rollout_fixed`) keeps
+them; the trainer then moves alone, between its starting share and every thread: a
+trainer that hardly waits takes one more, sharing the cores with generation, which on
+the SmolLM2 example spends most of each step idle at the staleness bound; one that waits
+gives it back.
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ class ThreadPlan:
     servers: int = 1
     """Rollout-servers the generation threads are divided among (each keeps one)."""
     fixed: str | None = None
-    """Why the plan no longer moves threads (a side cannot change its own), or None."""
+    """Why the plan no longer moves threads (the trainer cannot change its own), or None."""
+    rollout_fixed: str | None = None
+    """Why generation keeps the threads it started with (its engine cannot change them), or
+    None; the trainer's own threads still move."""
     _waited: float = 0.0
     _wall: float = 0.0
     _steps: int = 0
@@ -72,6 +81,15 @@ class ThreadPlan:
         steps the trainer spent waiting for a batch; True when the plan changed. A sync
         plan never changes (each side has every thread while it works), nor a fixed one."""
         if self.sync or self.fixed is not None:
+            return False
+        if self.rollout_fixed is not None:
+            # Generation's threads stay; the trainer borrows them while it is behind.
+            if trainer_idle < TAKE_BELOW and self.trainer < self.total:
+                self.trainer += 1
+                return True
+            if trainer_idle > GIVE_ABOVE and self.trainer > max(1, self.total - self.rollout):
+                self.trainer -= 1
+                return True
             return False
         if trainer_idle > GIVE_ABOVE and self.trainer > 1:
             self.trainer -= 1

@@ -311,8 +311,11 @@ class RunSection(StrictModel):
     generation all but one (the orchestrator and the reward-server work beside it). In async mode they start split in half, and every 10 steps the trainer moves one
     thread toward the side that is behind, from its own measured idle time (idle over
     25% of the step: a thread to generation; under 5%: one back). HF engines and the
-    `local` trainer backend change their torch threads at run time; vLLM, SGLang and
-    openai engines and fsdp2/deepspeed ranks keep the threads they started with."""
+    `local` trainer backend change their torch threads at run time. vLLM and SGLang
+    engines keep the threads they started with: the trainer then moves alone, taking
+    threads beside them while it hardly waits (up to all of them; generation idle at the
+    staleness bound leaves its cores free) and giving them back when it waits.
+    fsdp2/deepspeed ranks keep theirs, and so does the plan."""
     ray: RayLauncher | None = None
     """Place every service of `rollwire train`/`up` on a Ray cluster (`address`, resources
     per service); unset: local processes. Restarts keep the local launcher's limits."""
