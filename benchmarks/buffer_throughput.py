@@ -1,9 +1,11 @@
 """Trajectories/s through the replay buffer, durable or not, against raw pyzmq PUSH/PULL.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/buffer_throughput.py [--dir /path/on/the/real/disk]
+        [--tokens 4096 --records 2000 --raw-records 20000]
 
-Payloads are real wire frames: a 128-token Trajectory through
-rollwire.services.core.wire.encode (about 2.7 KB), the same as benchmarks/durable_log.py.
+Payloads are real wire frames: a `--tokens`-token Trajectory (128 by default) through
+rollwire.services.core.wire.encode (about 2.7 KB at 128 tokens, 70 KB at 4,096: 17 bytes a token past
+that), the same as benchmarks/durable_log.py.
 
 Raw rows: one PUSH process sends to one PULL process over loopback TCP, either
 packing the frame's msgpack map inside the send loop or sending pre-packed
@@ -86,12 +88,12 @@ def raw_puller(port_queue: Any, results: Any, count: int) -> None:
     context.term()
 
 
-def raw_pusher(port: int, count: int, pack_in_loop: bool) -> None:
+def raw_pusher(port: int, count: int, pack_in_loop: bool, tokens: int) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.PUSH)
     socket.setsockopt(zmq.LINGER, -1)
     socket.connect(f"tcp://127.0.0.1:{port}")
-    trajectory = template()
+    trajectory = template(tokens)
     message = {"schema": SCHEMA_VERSION, "kind": "trajectory", "body": _trajectory_body(trajectory)}
     packed = encode(trajectory)
     for _ in range(count + 1):
@@ -103,12 +105,12 @@ def raw_pusher(port: int, count: int, pack_in_loop: bool) -> None:
     context.term()
 
 
-def raw_row(spawn: Any, count: int, pack_in_loop: bool) -> dict[str, Any]:
+def raw_row(spawn: Any, count: int, pack_in_loop: bool, tokens: int) -> dict[str, Any]:
     port_queue, results = spawn.Queue(), spawn.Queue()
     puller = spawn.Process(target=raw_puller, args=(port_queue, results, count))
     puller.start()
     port = port_queue.get(timeout=TIMEOUT)
-    pusher = spawn.Process(target=raw_pusher, args=(port, count, pack_in_loop))
+    pusher = spawn.Process(target=raw_pusher, args=(port, count, pack_in_loop, tokens))
     pusher.start()
     took, received = results.get(timeout=TIMEOUT)
     for process in (pusher, puller):
@@ -126,12 +128,13 @@ def producers_main(
     groups_each: int,
     results: Any,
     whole_groups: bool = False,
+    tokens: int = 128,
 ) -> None:
     """`producers` BufferProducers, each with `in_flight` coroutines putting
     `groups_each` groups apiece (so that many requests in flight per producer)."""
     from rollwire.services.buffer.client import BufferProducer
 
-    base = template()
+    base = template(tokens)
 
     async def produce(producer: BufferProducer, index: int) -> int:
         refused = 0
@@ -257,7 +260,13 @@ class Case:
 
 
 def buffer_row(
-    spawn: Any, root: Path, case: Case, records: int, batch_groups: int, profile: Path | None = None
+    spawn: Any,
+    root: Path,
+    case: Case,
+    records: int,
+    batch_groups: int,
+    tokens: int,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(dir=root))
     buffer, endpoints = start_buffer(scratch, case.durable, case.sync, profile)
@@ -279,6 +288,7 @@ def buffer_row(
                 groups_each,
                 results,
                 case.whole_groups,
+                tokens,
             ),
         )
         trainer.start()
@@ -297,7 +307,7 @@ def buffer_row(
     ended, latencies = got["trainer"]
     if refused:
         raise RuntimeError(f"the buffer refused {refused} puts")
-    size = len(encode(template()))
+    size = len(encode(template(tokens)))
     return {
         "records": total,
         "seconds": ended - started,
@@ -331,6 +341,12 @@ def main() -> None:
     parser.add_argument(
         "--dir", type=Path, default=None, help="where the buffer's log goes (default: a temp dir)"
     )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=128,
+        help="tokens a trajectory (a third prompt, the rest generated)",
+    )
     parser.add_argument("--profile", action="store_true", help="also cProfile the buffer process")
     parser.add_argument(
         "--only", default="", help="run only the buffer rows whose name contains this text"
@@ -339,26 +355,31 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     spawn = multiprocessing.get_context("spawn")
     rows = [
-        ("raw PUSH/PULL, msgpack.packb in the loop", raw_row(spawn, args.raw_records, True)),
-        ("raw PUSH/PULL, pre-packed bytes", raw_row(spawn, args.raw_records, False)),
+        (
+            "raw PUSH/PULL, msgpack.packb in the loop",
+            raw_row(spawn, args.raw_records, True, args.tokens),
+        ),
+        ("raw PUSH/PULL, pre-packed bytes", raw_row(spawn, args.raw_records, False, args.tokens)),
     ]
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         root = Path(scratch)
         for case in (c for c in CASES if args.only in c.name):
             records = args.always_records if case.records == -1 else args.records
-            row = buffer_row(spawn, root, case, records, args.batch_groups)
+            row = buffer_row(spawn, root, case, records, args.batch_groups, args.tokens)
             flight = f"{case.producers} x {case.in_flight} in flight"
             rows.append((f"buffer, {case.name} ({flight})", row))
         if args.profile:
             profile = root / "buffer.prof"
             headline = Case("profiled", whole_groups=True, in_flight=8)
-            buffer_row(spawn, root, headline, args.records, args.batch_groups, profile)
+            buffer_row(spawn, root, headline, args.records, args.batch_groups, args.tokens, profile)
             profiled = pstats.Stats(str(profile))
     packing, packed = rows[0][1], rows[1][1]
     packing_rate = packing["records"] / packing["seconds"]
     packed_rate = packed["records"] / packed["seconds"]
-    size = len(encode(template()))
-    print(f"payload: {size} bytes (wire-encoded 128-token Trajectory), cores: {os.cpu_count()}")
+    size = len(encode(template(args.tokens)))
+    print(
+        f"payload: {size} bytes (wire-encoded {args.tokens}-token Trajectory), cores: {os.cpu_count()}"
+    )
     print(f"trainer batches: {args.batch_groups} groups of {GROUP_SIZE}\n")
     print(
         "| case | records | records/s | MB/s | vs raw packing | vs raw pre-packed "

@@ -9,7 +9,8 @@ advantages of both signs) trains three ways, each on a fresh copy of the model:
 
 - `bare loop`: plain PyTorch, no rollwire: per group of rows, the forward, log-softmax
   of the targets, a policy-gradient loss over the generated tokens, backward; then the
-  gradient clipped and one AdamW update. The arithmetic every trainer has to do.
+  gradient clipped and one AdamW update (torch's fused kernel). The arithmetic every
+  trainer has to do.
 - `rollwire, plain rows`: `rollwire.trainer.rl.policy.Policy.train_step`, the trainer
   process's own step (advantages, ratio, clip, importance weights, metrics), one
   micro-batch per group, `trainer.batching.share_prefix: false`.
@@ -148,7 +149,8 @@ def bare_loop(model_path: Path, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, weight_decay=0.0)
+    # torch's fused AdamW, as the trainer builds it on CPU: the best plain PyTorch has.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, weight_decay=0.0, fused=True)
     rows = batch(args, model.config.vocab_size)
     groups = []
     for start in range(0, len(rows), args.group_size):
