@@ -101,6 +101,15 @@ class Scoring:
             return [{"role": "user", "content": text}]
         return text
 
+    def completion(self, generated) -> list[int]:
+        """A row of `generate`'s output past the prompt: its ids up to and with the first
+        stop token, without the padding after a finished row."""
+        ids = generated.tolist()
+        if self.eos in ids:
+            return ids[: ids.index(self.eos) + 1]
+        pad = self.tokenizer.pad_token_id
+        return ids[: ids.index(pad)] if pad is not None and pad in ids else ids
+
     def rollwire_reward(self, task, ids: list[int]) -> float:
         """The reward rollwire's reward-server gives a response's tokens (decoded as the
         orchestrator decodes them: its stop token dropped)."""
@@ -119,10 +128,7 @@ def evaluate(model, scoring: Scoring, tasks, max_new_tokens: int, check=None) ->
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else scoring.eos
 
     def correct(task, ids) -> float:
-        ids = ids.tolist()
-        if pad in ids:  # generate pads finished rows
-            ids = ids[: ids.index(pad) + (1 if pad == scoring.eos else 0)]
-        return scoring.rollwire_reward(task, ids)
+        return scoring.rollwire_reward(task, scoring.completion(ids))
 
     model.eval()
     torch.manual_seed(0)
@@ -339,14 +345,10 @@ def main() -> None:
     def check(task, ids) -> None:
         # TRL's way: decode without special tokens, score the text.
         trl_text = tokenizer.decode(ids, skip_special_tokens=True)
-        ids = ids.tolist()
-        pad = tokenizer.pad_token_id
-        if pad is not None and pad != scoring.eos and pad in ids:
-            ids = ids[: ids.index(pad)]
-        if scoring.eos in ids:
-            ids = ids[: ids.index(scoring.eos) + 1]
         checked[0] += 1
-        checked[1] += scoring.score(task, trl_text) == scoring.rollwire_reward(task, ids)
+        checked[1] += scoring.score(task, trl_text) == scoring.rollwire_reward(
+            task, scoring.completion(ids)
+        )
 
     def measure(folder: Path, with_check=None) -> dict[str, float]:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -338,9 +338,23 @@ async def follow_plan(plan: ThreadPlan, policy: Policy, rollout_stubs: list[Any]
         plan.fixed = f"trainer: {reason}"
         log.warning("the thread plan stays as it is: %s", plan.fixed)
         return
+    if plan.rollout_fixed is None:  # once they said they cannot, they are not asked again
+        reasons = await _give_rollout_threads(plan.per_server(len(rollout_stubs)), rollout_stubs)
+        if reasons:
+            plan.rollout_fixed = "; ".join(reasons)
+            log.warning(
+                "generation keeps the threads it started with (%s); the trainer takes "
+                "threads beside it while it is behind",
+                plan.rollout_fixed,
+            )
+    log.info("threads moved", extra={"trainer": plan.trainer, "rollout": plan.rollout})
+
+
+async def _give_rollout_threads(threads: int, rollout_stubs: list[Any]) -> list[str]:
+    """Asks each rollout-server to compute with `threads`; why those that cannot, did not."""
     reasons = []
-    request = rollout_pb2.SetThreadsRequest(threads=plan.per_server(len(rollout_stubs)))
-    for stub in [] if plan.rollout_fixed is not None else rollout_stubs:
+    request = rollout_pb2.SetThreadsRequest(threads=threads)
+    for stub in rollout_stubs:
         try:
             reply = await stub.SetThreads(request, timeout=10.0)
         except grpc.aio.AioRpcError as error:
@@ -350,14 +364,7 @@ async def follow_plan(plan: ThreadPlan, policy: Policy, rollout_stubs: list[Any]
             continue
         if not reply.applied:
             reasons.append(f"rollout-server: {reply.reason}")
-    if reasons:
-        plan.rollout_fixed = "; ".join(reasons)
-        log.warning(
-            "generation keeps the threads it started with (%s); the trainer takes threads "
-            "beside it while it is behind",
-            plan.rollout_fixed,
-        )
-    log.info("threads moved", extra={"trainer": plan.trainer, "rollout": plan.rollout})
+    return reasons
 
 
 STOP_PATIENCE_SECONDS = 10.0
