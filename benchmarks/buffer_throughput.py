@@ -52,6 +52,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import psutil
 import zmq
 from durable_log import realistic_trajectory  # benchmarks/durable_log.py, beside this file
 
@@ -115,7 +116,7 @@ def raw_row(spawn: Any, count: int, pack_in_loop: bool, tokens: int) -> dict[str
     took, received = results.get(timeout=TIMEOUT)
     for process in (pusher, puller):
         process.join(TIMEOUT)
-    return {"records": count, "seconds": took, "bytes": received, "latency": None}
+    return {"records": count, "seconds": took, "bytes": received, "latency": None, "cpu": None}
 
 
 # ---------------------------------------------------------------- buffer
@@ -162,7 +163,7 @@ def producers_main(
     async def run() -> None:
         clients = [BufferProducer(endpoint, timeout=TIMEOUT, attempts=1) for _ in range(producers)]
         await asyncio.gather(*(client.status() for client in clients))  # connected, warm
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         refused = await asyncio.gather(
             *(
                 produce(client, c * in_flight + k)
@@ -170,7 +171,8 @@ def producers_main(
                 for k in range(in_flight)
             )
         )
-        results.put(("producers", started, time.monotonic(), sum(refused)))
+        cpu = time.process_time() - cpu
+        results.put(("producers", started, time.monotonic(), sum(refused), cpu))
         for client in clients:
             client.close()
 
@@ -188,6 +190,7 @@ def trainer_main(
 
     client = BufferTrainerClient(endpoint, timeout=TIMEOUT)
     client.status()
+    cpu = time.process_time()
     latencies = []
     received = 0
     while received < total:
@@ -208,7 +211,8 @@ def trainer_main(
             latencies.append(time.monotonic() - decode_trajectory(frames[0]).timings["put"])
         received += count
         client.ack(batch_id, 0)
-    results.put(("trainer", time.monotonic(), np.array(latencies)))
+    cpu = time.process_time() - cpu
+    results.put(("trainer", time.monotonic(), np.array(latencies), cpu))
     client.close()
 
 
@@ -270,6 +274,7 @@ def buffer_row(
 ) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(dir=root))
     buffer, endpoints = start_buffer(scratch, case.durable, case.sync, profile)
+    buffer_cpu = psutil.Process(buffer.pid).cpu_times()
     try:
         senders = case.producers * case.in_flight
         groups_each = max(1, records // (GROUP_SIZE * senders))
@@ -301,10 +306,12 @@ def buffer_row(
             process.join(TIMEOUT)
             if process.is_alive():
                 process.terminate()
+        now = psutil.Process(buffer.pid).cpu_times()
+        buffer_cpu = now.user + now.system - buffer_cpu.user - buffer_cpu.system
     finally:
         stop(buffer)
-    started, _, refused = got["producers"]
-    ended, latencies = got["trainer"]
+    started, _, refused, producer_cpu = got["producers"]
+    ended, latencies, trainer_cpu = got["trainer"]
     if refused:
         raise RuntimeError(f"the buffer refused {refused} puts")
     size = len(encode(template(tokens)))
@@ -313,6 +320,7 @@ def buffer_row(
         "seconds": ended - started,
         "bytes": total * size,
         "latency": latencies,
+        "cpu": (producer_cpu, buffer_cpu, trainer_cpu),
     }
 
 
@@ -383,18 +391,21 @@ def main() -> None:
     print(f"trainer batches: {args.batch_groups} groups of {GROUP_SIZE}\n")
     print(
         "| case | records | records/s | MB/s | vs raw packing | vs raw pre-packed "
-        "| put-to-batch p50 ms | p99 ms |"
+        "| put-to-batch p50 ms | p99 ms | CPU µs a record: producer / buffer / trainer |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, row in rows:
         rate = row["records"] / row["seconds"]
         megabytes = row["bytes"] / row["seconds"] / 1e6
         p50 = p99 = "n/a"
         if row["latency"] is not None:
             p50, p99 = (f"{ms:,.1f}" for ms in np.percentile(row["latency"], [50, 99]) * 1e3)
+        cpu = "n/a"
+        if row["cpu"] is not None:
+            cpu = " / ".join(f"{seconds / row['records'] * 1e6:,.0f}" for seconds in row["cpu"])
         print(
             f"| {name} | {row['records']} | {rate:,.0f} | {megabytes:,.1f} "
-            f"| {rate / packing_rate:.2f}x | {rate / packed_rate:.2f}x | {p50} | {p99} |"
+            f"| {rate / packing_rate:.2f}x | {rate / packed_rate:.2f}x | {p50} | {p99} | {cpu} |"
         )
     if args.profile:
         print("\nbuffer process, durable log_sync=batch, under cProfile (tottime):\n")

@@ -49,6 +49,7 @@ from rollwire.services.core.wire import (
     WireError,
     decode_trajectory,
     encode,
+    encode_group,
     peek,
 )
 
@@ -204,18 +205,26 @@ class BufferProducer:
         return _answer(PutAnswer, reply[2], self.endpoint)
 
     async def put_group(self, trajectories: list[Trajectory]) -> list[PutAnswer]:
-        """Sends several trajectories (a group) in one message and one round trip; one
+        """Sends several trajectories (a group) as one group frame, in one round trip; one
         answer per trajectory, in order."""
         seq = self._next_seq()
-        frames = [encode(t) for t in trajectories]
-        reply = await self._request([protocol.PUT_GROUP, seq, *frames], protocol.ACK, seq)
+        frame = encode_group([encode(t) for t in trajectories])
+        reply = await self._request([protocol.PUT_GROUP, seq, frame], protocol.ACK, seq)
         answer = _answer(PutGroupAnswer, reply[2], self.endpoint)
         try:
-            return answer.answers()
+            answers = answer.answers()
         except ProtocolError as error:
             raise BufferError(
                 f"buffer at {self.endpoint} sent a malformed answer: {error}"
             ) from None
+        if len(answers) == 1 < len(trajectories) and not answers[0].accepted:
+            return answers * len(trajectories)  # the group frame itself was refused
+        if len(answers) != len(trajectories):
+            raise BufferError(
+                f"buffer at {self.endpoint} answered {len(answers)} of {len(trajectories)} "
+                "trajectories"
+            )
+        return answers
 
     async def drop(self, ordinal: int, group_id: str, outcome: str) -> PutAnswer:
         """Tells the buffer this prompt ends here (`outcome`: "filtered", "failed", ...),

@@ -69,6 +69,7 @@ _HEAD = struct.Struct("<4sII")  # magic, payload length, payload CRC
 _HEAD_CRC = struct.Struct("<I")
 HEADER_BYTES = _HEAD.size + _HEAD_CRC.size
 MAX_PAYLOAD_BYTES = 2**32 - 1
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 _SEGMENT_NAME = re.compile(r"segment-(\d{20})\.log")
 LOCK_NAME = "LOCK"
 
@@ -118,13 +119,27 @@ def segment_name(first_offset: int) -> str:
     return f"segment-{first_offset:020d}.log"
 
 
-def encode_record(payload: bytes) -> bytes:
+Payload = bytes | memoryview | tuple[bytes | memoryview, ...]
+"""A record's payload: bytes, or pieces written one after the other as one payload (a
+type byte and a frame held elsewhere, say), so that nothing is joined to be written."""
+
+
+def _record_parts(payload: Payload) -> list[bytes | memoryview]:
+    """The record's header, then its payload's pieces, as they go to a segment."""
+    pieces = payload if isinstance(payload, tuple) else (payload,)
+    length, crc = 0, 0
+    for piece in pieces:
+        length += len(piece)
+        crc = zlib.crc32(piece, crc)
+    if length > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"a record holds at most {MAX_PAYLOAD_BYTES} bytes, got {length}")
+    head = _HEAD.pack(MAGIC, length, crc)
+    return [head + _HEAD_CRC.pack(zlib.crc32(head)), *pieces]
+
+
+def encode_record(payload: Payload) -> bytes:
     """Header + payload, as written to a segment."""
-    payload = bytes(payload)
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise ValueError(f"a record holds at most {MAX_PAYLOAD_BYTES} bytes, got {len(payload)}")
-    head = _HEAD.pack(MAGIC, len(payload), zlib.crc32(payload))
-    return head + _HEAD_CRC.pack(zlib.crc32(head)) + payload
+    return b"".join(_record_parts(payload))
 
 
 def _read_record(data: memoryview, position: int) -> tuple[int, str | None]:
@@ -242,18 +257,18 @@ class DurableLog:
 
     # -- writing ------------------------------------------------------------------
 
-    def append(self, payload: bytes) -> int:
+    def append(self, payload: Payload) -> int:
         """Appends one record; returns its offset. Durable on return as the sync mode says."""
         return self.write_many([payload])[0]
 
-    def append_many(self, payloads: Iterable[bytes]) -> list[int]:
+    def append_many(self, payloads: Iterable[Payload]) -> list[int]:
         """Appends records with one write (and, unless sync="never", one fsync); returns their offsets.
 
         All or nothing: if it raises, none of these records is in the log.
         """
         return self._append(list(payloads), fsync=self.sync != "never")
 
-    def write_many(self, payloads: Iterable[bytes]) -> list[int]:
+    def write_many(self, payloads: Iterable[Payload]) -> list[int]:
         """Appends records with one write, durable on return as `append`'s are (an fsync
         only with sync="always"); returns their offsets. All or nothing, as `append_many`."""
         return self._append(list(payloads), fsync=self.sync == "always")
@@ -264,36 +279,42 @@ class DurableLog:
             self._check_writable()
             self._fsync_active()
 
-    def _append(self, payloads: list[bytes], fsync: bool) -> list[int]:
-        records = [encode_record(payload) for payload in payloads]
-        data = b"".join(records)
+    def _append(self, payloads: list[Payload], fsync: bool) -> list[int]:
+        pieces = [piece for payload in payloads for piece in _record_parts(payload)]
+        size = sum(len(piece) for piece in pieces)
         with self._mutex:
             self._check_writable()
-            if not records:
+            if not payloads:
                 return []
             active = self._segments[-1]
-            if active.size > 0 and active.size + len(data) > self.segment_bytes:
+            if active.size > 0 and active.size + size > self.segment_bytes:
                 active = self._roll()
-            self._write(active, data)
+            self._write(active, pieces, size)
             first = active.first_offset + active.records
-            active.records += len(records)
-            active.size += len(data)
+            active.records += len(payloads)
+            active.size += size
             if fsync:
                 self._fsync_active()
-            return list(range(first, first + len(records)))
+            return list(range(first, first + len(payloads)))
 
-    def _write(self, active: _Segment, data: bytes) -> None:
-        """Writes all of `data` at the end of the active segment, or nothing."""
+    def _write(self, active: _Segment, pieces: list[bytes | memoryview], size: int) -> None:
+        """Writes all of `pieces` (`size` bytes) at the end of the active segment, one
+        gathered write as far as the system takes it (no joined copy), or nothing."""
         assert self._fd is not None
-        view = memoryview(data)
-        written = 0
+        views = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
+        start = 0
         try:
-            while written < len(view):
-                written += os.write(self._fd, view[written:])
+            while start < len(views):
+                written = os.writev(self._fd, views[start : start + _IOV_MAX])
+                while start < len(views) and written >= len(views[start]):  # what went
+                    written -= len(views[start])
+                    start += 1
+                if written:  # resume in the middle of a piece
+                    views[start] = views[start][written:]
         except OSError as error:
             self._undo_partial_write(active, error)
             raise LogWriteError(
-                f"durable log {self.directory}: writing {len(data)} bytes to "
+                f"durable log {self.directory}: writing {size} bytes to "
                 f"{active.path.name} failed: {_describe(error)}",
                 error.errno,
             ) from error

@@ -4,6 +4,7 @@ Frames (ZeroMQ multipart; a DEALER sends them, the ROUTER adds the identity):
 
 producer socket (orchestrators)
     [b"put", seq, frame]            -> [b"ack", seq, PutAnswer]
+    [b"put_group", seq, group]      -> [b"ack", seq, PutGroupAnswer]
     [b"put_group", seq, frame, ...] -> [b"ack", seq, PutGroupAnswer]
     [b"drop", seq, DropRequest]     -> [b"ack", seq, PutAnswer]
     [b"ledger"]                     -> [b"ledger", LedgerView]
@@ -20,7 +21,10 @@ either socket, on a request it cannot take
     [b"error", UTF-8 text saying what was wrong]
 
 `seq` is the producer's 8-byte big-endian sequence number, echoed in the answer;
-`frame` is a wire-encoded Trajectory (`rollwire.services.core.wire`). Every other
+`frame` is a wire-encoded Trajectory (`rollwire.services.core.wire`), in either of its
+layouts; `group` is a group frame (`wire.encode_group`: several frames in one, what
+`BufferProducer.put_group` sends), answered one result per member, or with a single
+refusal when the group frame itself does not split ("bad frame: ..."). Every other
 body is one of the records below as a UTF-8 JSON object. A producer may have
 several requests with a seq in flight at once; their answers may come in any order.
 
@@ -86,7 +90,7 @@ class Record:
     def decode(cls, body: bytes) -> Self:
         """The record in `body` (empty: an empty object), or ProtocolError."""
         try:
-            data = json.loads(body) if body else {}
+            data = json.loads(bytes(body) if isinstance(body, memoryview) else body) if body else {}
         except ValueError as error:
             raise ProtocolError(f"bad JSON body: {error}") from None
         if not isinstance(data, dict):

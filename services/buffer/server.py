@@ -77,7 +77,7 @@ from rollwire.services.core.metrics import (
     MetricsEndpoint,
     metrics_ready_file,
 )
-from rollwire.services.core.wire import TrajectoryFrame, WireError, admit
+from rollwire.services.core.wire import TrajectoryFrame, WireError, admit, is_group, split_group
 
 if TYPE_CHECKING:
     from rollwire.services.core.config.models import CurveServerConfig
@@ -228,7 +228,7 @@ class BufferServer:
                 if monitor in events:
                     self._on_monitor(monitor)
             if self.producer in events:
-                self._drain(self.producer, self._on_producer)
+                self._drain(self.producer, self._on_producer, views=True)
             if self.trainer in events:
                 self._drain(self.trainer, self._on_trainer)
             self._serve_waiting()
@@ -241,11 +241,19 @@ class BufferServer:
             self._make_durable()
             self.trajectory_log.close()
 
-    def _drain(self, socket: zmq.Socket, handler) -> None:
+    def _drain(self, socket: zmq.Socket, handler, views: bool = False) -> None:
+        """Handles what `socket` has waiting (up to 1,000 messages), makes it durable,
+        then answers. With `views`, a message's parts after its kind and seq (the frames)
+        are views of what ZeroMQ received, held and logged and served without a copy."""
         replies: list[tuple[bytes, list[bytes] | _PutReply]] = []
         for _ in range(1000):  # bounded, so one busy socket cannot starve the other
             try:
-                parts = socket.recv_multipart(zmq.NOBLOCK, copy=True)
+                if views:
+                    received = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    parts = [part.bytes for part in received[:3]]
+                    parts += [part.buffer for part in received[3:]]
+                else:
+                    parts = socket.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
             identity, body = parts[0], parts[1:]
@@ -333,7 +341,14 @@ class BufferServer:
         if kind == protocol.LEDGER:
             return [protocol.LEDGER, self.state.ledger_view().encode()]
         if kind == protocol.PUT_GROUP and len(body) >= 3 and len(body[1]) == 8:
-            return _PutReply(body[1], [self._put_frame(frame) for frame in body[2:]], group=True)
+            frames = body[2:]
+            if len(frames) == 1 and is_group(frames[0]):
+                try:
+                    frames = split_group(frames[0], self.max_frame_bytes)
+                except WireError as error:  # one answer: the producer refuses every member
+                    COUNTERS.inc("buffer_bad_frames")
+                    return _PutReply(body[1], [(False, f"bad frame: {error}", None)], group=True)
+            return _PutReply(body[1], [self._put_frame(frame) for frame in frames], group=True)
         if kind == protocol.DROP and len(body) == 3 and len(body[1]) == 8:
             return [protocol.ACK, body[1], self._put_answer(*self._drop_ordinal(body[2]))]
         if len(body) != 3 or kind != protocol.PUT or len(body[1]) != 8:

@@ -108,7 +108,7 @@ class TrajectoryLog:
 
     def append_trajectories(self, trajectories: list[tuple[str, bytes]]) -> None:
         """Writes accepted trajectories, (id, frame) each, in one write: all or none."""
-        offsets = self.log.write_many([b"T" + frame for _, frame in trajectories])
+        offsets = self.log.write_many([(b"T", frame) for _, frame in trajectories])
         for (trajectory_id, _), offset in zip(trajectories, offsets, strict=True):
             self._live[trajectory_id] = offset
         self._dirty = True

@@ -1,13 +1,30 @@
-"""The data plane's message schema: trajectories as msgpack frames.
+"""The data plane's message schema: trajectories as frames, header first.
 
-A frame is one msgpack map `{"schema": SCHEMA_VERSION, "kind": ..., "body": ...}`.
-Arrays travel as `{"dtype": "<i4", "shape": [n], "data": <raw little-endian bytes>}`,
-so a frame decodes without pickle and without recomputing anything from text.
+A trajectory frame is laid out so a relay reads what it needs without touching the
+arrays:
+
+    b"RWT\x02" | header length (u32, little-endian) | header | zero padding to 8 | arrays
+
+The header is one msgpack map `{"schema": SCHEMA_VERSION, "kind": ..., "body": ...}`
+whose array fields are `{"dtype": "<i4", "shape": [n], "at": offset}`; each array's raw
+little-endian bytes lie at `offset` in the array region, in a fixed order (`_array_slots`),
+each padded to 8 bytes, with nothing after the last. So decoding unpacks a few hundred
+bytes of msgpack and views the arrays in place (no pickle, nothing recomputed from text),
+and a relay may hold and pass on the frame's bytes without copying them.
+
+The first layout is still read everywhere, and is the simpler one to write from another
+language: the same map with each array's bytes inline, `{"dtype", "shape", "data"}`, as
+the whole frame (`encode_map`).
+
+A group frame carries several trajectory frames in one message (`encode_group`): b"RWG\x02",
+the count (u32) and each member's length (u64), then the members back to back. The
+buffer takes a group as one frame and keeps each member as a view of it (`split_group`).
 
 Decoding is strict: a frame that is oversized, truncated, not msgpack, of another
 schema version, of an unexpected kind, missing a field, carrying an unknown one,
-or whose arrays disagree in length raises `WireError` and nothing else. A service
-can therefore answer any bytes it receives with one `except WireError`.
+whose arrays disagree in length or do not tile the array region raises `WireError` and
+nothing else. A service can therefore answer any bytes it receives with one
+`except WireError`.
 
 Imports neither torch nor grpc; the trainer turns arrays into tensors itself.
 """
@@ -15,6 +32,8 @@ Imports neither torch nor grpc; the trainer turns arrays into tensors itself.
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -61,7 +80,7 @@ def decode_array(
         raise WireError(f"{name}: shape must be a list of non-negative integers")
     if ndim is not None and len(shape) != ndim:
         raise WireError(f"{name}: {len(shape)} dimensions where {ndim} are required")
-    if not isinstance(data, bytes):
+    if not isinstance(data, (bytes, memoryview)):
         raise WireError(f"{name}: data must be bytes")
     itemsize = np.dtype(wire_dtype).itemsize
     expected = math.prod(shape) * itemsize
@@ -229,25 +248,28 @@ def _wire_dtype(array: np.ndarray, name: str) -> str:
     return wire
 
 
-def _trajectory_body(trajectory: Trajectory) -> dict[str, Any]:
+def _trajectory_body(
+    trajectory: Trajectory, array: Callable[[np.ndarray, str], dict[str, Any]] = encode_array
+) -> dict[str, Any]:
+    """The frame's body; `array` makes each array's map (`encode_array`: bytes inline)."""
     body: dict[str, Any] = {
         name: getattr(trajectory, name) for name in _STRING_FIELDS + _INT_FIELDS
     }
     for name, dtype in _TOKEN_ARRAYS.items():
-        body[name] = encode_array(getattr(trajectory, name), dtype)
-    body["step_rewards"] = encode_array(trajectory.step_rewards, "<f4")
-    body["turn_ids"] = encode_array(trajectory.turn_ids, "<i4")
+        body[name] = array(getattr(trajectory, name), dtype)
+    body["step_rewards"] = array(trajectory.step_rewards, "<f4")
+    body["turn_ids"] = array(trajectory.turn_ids, "<i4")
     body["turn_keys"] = [str(key) for key in trajectory.turn_keys]
     body["reward"] = float(trajectory.reward)
     body["reward_components"] = {str(k): float(v) for k, v in trajectory.reward_components.items()}
     body["timings"] = {str(k): float(v) for k, v in trajectory.timings.items()}
     body["trace_context"] = {str(k): str(v) for k, v in trajectory.trace_context.items()}
     if trajectory.teacher_logprobs.size:
-        body["teacher_logprobs"] = encode_array(trajectory.teacher_logprobs, "<f4")
+        body["teacher_logprobs"] = array(trajectory.teacher_logprobs, "<f4")
     if trajectory.tensors:
         body["tensors"] = {
-            str(name): encode_array(array, _wire_dtype(array, name))
-            for name, array in trajectory.tensors.items()
+            str(name): array(values, _wire_dtype(values, name))
+            for name, values in trajectory.tensors.items()
         }
     if trajectory.kind != _DEFAULT_KIND:
         body["kind"] = str(trajectory.kind)
@@ -319,7 +341,7 @@ def _view(value: Any, where: str, name: str, dtype: str) -> np.ndarray:
     # Three entries, and these three keys present: exactly the array map's keys.
     if type(value) is dict and len(value) == 3 and value.get("dtype") == dtype:
         shape, data = value.get("shape"), value.get("data")
-        if type(shape) is list and len(shape) == 1 and type(data) is bytes:
+        if type(shape) is list and len(shape) == 1 and type(data) in (bytes, memoryview):
             count = shape[0]
             if type(count) is int and count >= 0 and len(data) == count * _ITEMSIZE[dtype]:
                 return np.frombuffer(data, dtype=_DTYPES[dtype])
@@ -511,7 +533,8 @@ class TrajectoryFrame:
     oldest_version: int | None
     """The oldest policy version among the generated tokens; None if none was generated."""
     trace_context: dict[str, str]
-    frame: bytes
+    frame: bytes | memoryview
+    """The frame as it came: a view of a larger message (a group frame) is kept, not copied."""
 
     @classmethod
     def of(cls, trajectory: Trajectory) -> TrajectoryFrame:
@@ -527,13 +550,26 @@ _ENVELOPE_KEYS = frozenset({"schema", "kind", "body"})
 
 
 def _unpack_envelope(frame: Any, max_frame_bytes: int) -> tuple[Any, Any]:
-    """(kind, body) of a frame whose envelope is valid; WireError otherwise."""
+    """(kind, body) of a frame whose envelope is valid, in either layout (a header-first
+    frame's arrays as views of it); WireError otherwise."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise WireError(f"a frame must be bytes, not {type(frame).__name__}")
     if len(frame) > max_frame_bytes:
         raise WireError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame_bytes}")
+    region = None
+    if frame[:4] == FRAME_MAGIC:
+        view = memoryview(frame).cast("B") if isinstance(frame, memoryview) else memoryview(frame)
+        if len(view) < _PREFIX.size:
+            raise WireError(f"a frame of {len(view)} bytes is shorter than its prefix")
+        _, length = _PREFIX.unpack_from(view)
+        start = _PREFIX.size + length
+        if start > len(view):
+            raise WireError(f"a header of {length} bytes in a frame of {len(view)}")
+        packed, region = view[_PREFIX.size : start], view[start + (-start % _ALIGN) :]
+    else:
+        packed = frame
     try:
-        envelope = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        envelope = msgpack.unpackb(packed, raw=False, strict_map_key=True)
     except Exception as error:  # msgpack raises several unrelated types on bad input
         raise WireError(f"not a valid msgpack frame: {type(error).__name__}: {error}") from None
     if type(envelope) is not dict or envelope.keys() != _ENVELOPE_KEYS:
@@ -542,7 +578,65 @@ def _unpack_envelope(frame: Any, max_frame_bytes: int) -> tuple[Any, Any]:
         raise WireError(
             f"schema version {envelope['schema']!r} is not supported (this side speaks {SCHEMA_VERSION})"
         )
+    if region is not None:
+        _place_arrays(envelope["body"], region)
     return envelope["kind"], envelope["body"]
+
+
+FRAME_MAGIC = b"RWT\x02"
+"""The first bytes of a header-first trajectory frame (a first-layout frame is a msgpack
+map, whose first byte is 0x80-0x8f or 0xde-0xdf)."""
+GROUP_MAGIC = b"RWG\x02"
+"""The first bytes of a group frame."""
+_PREFIX = struct.Struct("<4sI")  # magic, header length
+_GROUP_PREFIX = struct.Struct("<4sI")  # magic, members
+_MEMBER_LENGTH = struct.Struct("<Q")
+_ALIGN = 8
+MAX_GROUP_MEMBERS = 65536
+"""Trajectory frames one group frame may carry."""
+_AT_KEYS = frozenset({"dtype", "shape", "at"})
+
+
+def _array_slots(body: Any) -> Iterator[tuple[dict[str, Any], str, str]]:
+    """(map holding it, key, name) of each array a body carries, in the order their bytes
+    lie in a header-first frame's array region. What is not there is skipped: the body's
+    own checks say so."""
+    if type(body) is not dict:
+        return
+    for name in (*_TOKEN_ARRAYS, "step_rewards", "turn_ids", "teacher_logprobs"):
+        if name in body:
+            yield body, name, name
+    tensors = body.get("tensors")
+    if type(tensors) is dict:
+        for key in tensors:
+            yield tensors, key, f"tensors[{key!r}]"
+
+
+def _place_arrays(body: Any, region: memoryview) -> None:
+    """Puts each array's bytes, a view of `region`, in its map as "data" (in place of "at"),
+    checking that the arrays tile the region in order; WireError otherwise."""
+    expected = 0
+    for holder, key, name in _array_slots(body):
+        value = holder[key]
+        if type(value) is not dict or value.keys() != _AT_KEYS:
+            raise WireError(f"trajectory.{name}: expected an array map with dtype, shape and at")
+        dtype, shape, at = value["dtype"], value["shape"], value["at"]
+        if type(dtype) is not str or dtype not in _ALLOWED_DTYPES:
+            raise WireError(f"trajectory.{name}: unsupported dtype {dtype!r}")
+        if type(shape) is not list or not all(_is_int(d) and d >= 0 for d in shape):
+            raise WireError(f"trajectory.{name}: shape must be a list of non-negative integers")
+        if at != expected or not _is_int(at):
+            raise WireError(f"trajectory.{name}: its bytes at {at!r}, where {expected} is next")
+        end = at + math.prod(shape) * _ITEMSIZE[dtype]
+        if end > len(region):
+            raise WireError(
+                f"trajectory.{name}: {end - at} bytes at {at} run past the "
+                f"{len(region)} bytes of arrays"
+            )
+        holder[key] = {"dtype": dtype, "shape": shape, "data": region[at:end]}
+        expected = end + (-end % _ALIGN)
+    if len(region) != expected:
+        raise WireError(f"trajectory: {len(region)} bytes of arrays where they take {expected}")
 
 
 def _raw_array(value: Any, name: str, dtype: str) -> np.ndarray:
@@ -550,7 +644,7 @@ def _raw_array(value: Any, name: str, dtype: str) -> np.ndarray:
     if not isinstance(value, dict) or value.get("dtype") != dtype:
         raise WireError(f"trajectory.{name}: expected a {dtype} array map")
     data, shape = value.get("data"), value.get("shape")
-    if not isinstance(data, bytes) or not isinstance(shape, list) or len(shape) != 1:
+    if not isinstance(data, (bytes, memoryview)) or not isinstance(shape, list) or len(shape) != 1:
         raise WireError(f"trajectory.{name}: expected one dimension and bytes of data")
     itemsize = np.dtype(dtype).itemsize
     if not _is_int(shape[0]) or len(data) != shape[0] * itemsize:
@@ -591,7 +685,7 @@ def _header(
         domain=body["domain"],
         oldest_version=oldest_version,
         trace_context=trace,
-        frame=bytes(frame),
+        frame=frame if type(frame) in (bytes, memoryview) else bytes(frame),
     )
 
 
@@ -610,13 +704,91 @@ def admit(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Traje
 
 
 def encode(trajectory: Trajectory) -> bytes:
-    """Encodes a trajectory as one msgpack frame."""
+    """Encodes a trajectory as one header-first frame."""
+    if not isinstance(trajectory, Trajectory):
+        raise TypeError(f"cannot encode {type(trajectory).__name__}")
+    chunks: list[Any] = []
+    size = 0
+
+    def place(array: np.ndarray, dtype: str) -> dict[str, Any]:
+        nonlocal size
+        contiguous = np.ascontiguousarray(array, dtype=_DTYPES[dtype])
+        data = memoryview(contiguous).cast("B") if contiguous.size else b""
+        at, size = size, size + len(data)
+        chunks.append(data)
+        if size % _ALIGN:
+            chunks.append(_PADDING[-size % _ALIGN])
+            size += -size % _ALIGN
+        return {"dtype": dtype, "shape": list(contiguous.shape), "at": at}
+
+    body = _trajectory_body(trajectory, place)
+    header = msgpack.packb(
+        {"schema": SCHEMA_VERSION, "kind": "trajectory", "body": body}, use_bin_type=True
+    )
+    start = _PREFIX.size + len(header)
+    prefix = _PREFIX.pack(FRAME_MAGIC, len(header))
+    return b"".join((prefix, header, _PADDING[-start % _ALIGN], *chunks))
+
+
+_PADDING = [b"\0" * n for n in range(_ALIGN)]
+
+
+def encode_map(trajectory: Trajectory) -> bytes:
+    """Encodes a trajectory in the first layout: one msgpack map, arrays inline."""
     if not isinstance(trajectory, Trajectory):
         raise TypeError(f"cannot encode {type(trajectory).__name__}")
     body = _trajectory_body(trajectory)
     return msgpack.packb(
         {"schema": SCHEMA_VERSION, "kind": "trajectory", "body": body}, use_bin_type=True
     )
+
+
+def encode_group(frames: list[bytes]) -> bytes:
+    """Several trajectory frames (`encode`'s) as one group frame."""
+    if not 0 < len(frames) <= MAX_GROUP_MEMBERS:
+        raise ValueError(
+            f"a group frame carries 1 to {MAX_GROUP_MEMBERS} frames, not {len(frames)}"
+        )
+    lengths = b"".join(_MEMBER_LENGTH.pack(len(frame)) for frame in frames)
+    return b"".join((_GROUP_PREFIX.pack(GROUP_MAGIC, len(frames)), lengths, *frames))
+
+
+def is_group(frame: bytes | memoryview) -> bool:
+    """Whether `frame` starts as a group frame does."""
+    return frame[:4] == GROUP_MAGIC
+
+
+def split_group(
+    frame: bytes | memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> list[memoryview]:
+    """The member frames of a group frame, as views of it (nothing copied; each member is
+    checked when it is admitted or decoded). WireError if the group's own layout is wrong
+    or a member is over `max_frame_bytes`."""
+    view = memoryview(frame).cast("B") if isinstance(frame, memoryview) else memoryview(frame)
+    if len(view) < _GROUP_PREFIX.size or view[:4] != GROUP_MAGIC:
+        raise WireError("not a group frame")
+    _, count = _GROUP_PREFIX.unpack_from(view)
+    if not 0 < count <= MAX_GROUP_MEMBERS:
+        raise WireError(f"a group frame of {count} members (1 to {MAX_GROUP_MEMBERS})")
+    position = _GROUP_PREFIX.size + count * _MEMBER_LENGTH.size
+    if position > len(view):
+        raise WireError(f"a group frame of {len(view)} bytes is shorter than its {count} lengths")
+    members = []
+    for index in range(count):
+        (length,) = _MEMBER_LENGTH.unpack_from(
+            view, _GROUP_PREFIX.size + index * _MEMBER_LENGTH.size
+        )
+        if length > max_frame_bytes:
+            raise WireError(
+                f"group member {index}: {length} bytes exceed the limit of {max_frame_bytes}"
+            )
+        if position + length > len(view):
+            raise WireError(f"group member {index}: {length} bytes run past the group's end")
+        members.append(view[position : position + length])
+        position += length
+    if position != len(view):
+        raise WireError(f"a group frame with {len(view) - position} bytes after its last member")
+    return members
 
 
 def decode_trajectory(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajectory:

@@ -10,11 +10,11 @@ import pytest
 import zmq
 
 from rollwire.services.buffer.client import BufferError, BufferProducer, BufferTrainerClient
-from rollwire.services.buffer.protocol import PutAnswer
+from rollwire.services.buffer.protocol import PutAnswer, PutGroupAnswer
 from rollwire.services.buffer.server import BufferServer
 from rollwire.services.buffer.state import BufferState
 from rollwire.services.core.metrics import COUNTERS
-from rollwire.services.core.wire import Trajectory, encode
+from rollwire.services.core.wire import Trajectory, encode, encode_group, encode_map
 from tests.helpers.trajectories import trajectory
 
 
@@ -191,6 +191,58 @@ def test_garbage_gets_an_answer_and_the_buffer_keeps_serving(buffer_server) -> N
         trainer.close(0)
     finally:
         socket.close(0)
+
+
+@pytest.mark.integration
+def test_a_group_comes_as_one_frame_or_as_one_part_a_trajectory(buffer_server) -> None:
+    """put_group takes a group frame (what BufferProducer sends) or the trajectories as
+    parts (a producer written in another language, in the first layout); a group frame
+    that does not split is refused in one answer, counted, and the buffer keeps serving."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, 2000)
+    socket.connect(buffer_server.endpoints["producer"])
+    try:
+        parts = [encode_map(trajectory("parts", i)) for i in range(2)]
+        socket.send_multipart([b"put_group", b"\0" * 7 + b"\1", *parts])
+        kind, _, body = socket.recv_multipart()
+        assert [a.reason for a in PutGroupAnswer.decode(body).answers()] == ["ok", "ok"]
+        before = COUNTERS.get("buffer_bad_frames")
+        broken = encode_group([encode(trajectory("split", i)) for i in range(2)])[:-1]
+        socket.send_multipart([b"put_group", b"\0" * 7 + b"\2", broken])
+        kind, seq, body = socket.recv_multipart()
+        (answer,) = PutGroupAnswer.decode(body).answers()
+        assert kind == b"ack" and seq == b"\0" * 7 + b"\2" and not answer.accepted
+        assert answer.reason.startswith("bad frame: ") and "run past" in answer.reason
+        assert COUNTERS.get("buffer_bad_frames") == before + 1
+        whole = encode_group([encode(trajectory("split", i)) for i in range(2)])
+        socket.send_multipart([b"put_group", b"\0" * 7 + b"\3", whole])
+        kind, _, body = socket.recv_multipart()
+        assert [a.reason for a in PutGroupAnswer.decode(body).answers()] == ["ok", "ok"]
+        socket.send_multipart([b"status"])
+        assert b'"ready_groups": 2' in socket.recv_multipart()[1]
+    finally:
+        socket.close(0)
+
+
+@pytest.mark.integration
+async def test_a_group_over_the_frame_limit_is_refused_for_each_of_its_trajectories() -> None:
+    frame_bytes = len(encode(trajectory("big", 0)))
+    server = BufferServer(BufferState(group_size=2, max_staleness=0), max_frame_bytes=frame_bytes)
+    thread = threading.Thread(target=server.serve, kwargs={"poll_ms": 10}, daemon=True)
+    thread.start()
+    producer = BufferProducer(server.endpoints["producer"], timeout=2, attempts=1)
+    try:
+        big = trajectory("big", 1)
+        big.token_ids = np.concatenate([big.token_ids, big.token_ids])
+        answers = await producer.put_group([trajectory("big", 0), big])
+        assert len(answers) == 2 and not any(a.accepted or a.wait_and_retry for a in answers)
+        assert "group member 1" in answers[1].reason and "exceed the limit" in answers[1].reason
+        assert [a.reason for a in await producer.put_group([trajectory("fits", 0)])] == ["ok"]
+    finally:
+        producer.close()
+        server.stop()
+        thread.join(timeout=5)
 
 
 async def test_producer_gives_up_with_a_clear_error_when_nobody_answers() -> None:

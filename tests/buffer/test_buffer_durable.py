@@ -114,15 +114,15 @@ async def test_a_log_that_cannot_be_written_refuses_puts_until_it_can(
     tmp_path, monkeypatch
 ) -> None:
     running = Running(tmp_path)
-    real_write = os.write
+    real_write = os.writev
     failing = {"on": True}
 
-    def disk_full(fd: int, data) -> int:
+    def disk_full(fd: int, pieces) -> int:
         if failing["on"]:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
+        return real_write(fd, pieces)
 
-    monkeypatch.setattr(os, "write", disk_full)
+    monkeypatch.setattr(os, "writev", disk_full)
     try:
         refused = await running.producer.put(trajectory("a", 0))
         assert not refused.accepted and refused.reason.startswith("storage: ")

@@ -210,17 +210,19 @@ def test_disk_full_midway_through_a_write(tmp_path, monkeypatch) -> None:
     real_write = os.write
     calls = []
 
-    def half_then_full(fd: int, data) -> int:
+    def half_then_full(fd: int, pieces) -> int:
+        data = b"".join(bytes(piece) for piece in pieces)
         calls.append(len(data))
         if len(calls) == 1:
-            return real_write(fd, bytes(data[: len(data) // 2]))
+            return real_write(fd, data[: len(data) // 2 + 3])  # ends inside a piece
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with monkeypatch.context() as patch:
-        patch.setattr(os, "write", half_then_full)
+        patch.setattr(os, "writev", half_then_full)
         with pytest.raises(LogWriteError, match="No space left") as raised:
             log.append_many([b"a" * 500, b"b" * 500])
     assert len(calls) == 2, "the first write was partial, the second failed"
+    assert calls[1] == calls[0] - (calls[0] // 2 + 3), "the second went on where the first ended"
     assert raised.value.errno == errno.ENOSPC and str(tmp_path) in str(raised.value)
     assert log.segments[-1].stat().st_size == size  # the half record was cut off
     assert log.next_offset == 3
@@ -230,6 +232,33 @@ def test_disk_full_midway_through_a_write(tmp_path, monkeypatch) -> None:
         assert contents(reopened) == [
             *[(i, payload(i)) for i in range(3)],
             (3, b"after space freed"),
+        ]
+
+
+def test_short_writes_go_on_where_they_ended(tmp_path, monkeypatch) -> None:
+    """A record's pieces (its header, a type byte, a frame held elsewhere) go out in one
+    gathered write; when the system takes only part of it, the rest follows, from the
+    middle of a piece if need be, and the log reads back whole."""
+    real_write = os.write
+    taken = []
+
+    def a_few_bytes_at_a_time(fd: int, pieces) -> int:
+        data = b"".join(bytes(piece) for piece in pieces)
+        taken.append(min(len(data), 7))
+        return real_write(fd, data[:7])
+
+    records = [(b"T", memoryview(b"frame-%d" % i * 9)) for i in range(3)] + [b"plain", b""]
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "writev", a_few_bytes_at_a_time)
+        log = DurableLog(tmp_path, sync="always")
+        assert log.append_many(records) == [0, 1, 2, 3, 4]
+    assert sum(taken) == log.segments[-1].stat().st_size and len(taken) > 10
+    log.close()
+    with DurableLog(tmp_path) as reopened:
+        assert [body for _, body in contents(reopened)] == [
+            *(b"T" + b"frame-%d" % i * 9 for i in range(3)),
+            b"plain",
+            b"",
         ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import msgpack
 import numpy as np
@@ -17,7 +18,10 @@ from rollwire.services.core.wire import (
     admit,
     decode_trajectory,
     encode,
+    encode_group,
+    encode_map,
     peek,
+    split_group,
 )
 
 names = st.text(max_size=12)
@@ -106,18 +110,108 @@ def sample(length: int = 6) -> Trajectory:
 @given(trajectories())
 @settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 def test_trajectory_round_trip(trajectory: Trajectory) -> None:
-    decoded = decode_trajectory(encode(trajectory))
-    assert decoded == trajectory
-    assert decoded.token_ids.dtype == np.int32
-    assert decoded.policy_versions.dtype == np.int64
+    for frame in (encode(trajectory), encode_map(trajectory)):  # both layouts
+        decoded = decode_trajectory(frame)
+        assert decoded == trajectory
+        assert decoded.token_ids.dtype == np.int32
+        assert decoded.policy_versions.dtype == np.int64
 
 
-def test_arrays_travel_as_little_endian_bytes() -> None:
-    envelope = msgpack.unpackb(encode(sample()), raw=False)
+def header(frame: bytes) -> dict:
+    """The msgpack map of a frame in either layout (a header-first frame's header)."""
+    if frame[:4] != b"RWT\x02":
+        return msgpack.unpackb(frame, raw=False)
+    (length,) = struct.unpack_from("<I", frame, 4)
+    return msgpack.unpackb(frame[8 : 8 + length], raw=False)
+
+
+def test_arrays_travel_as_little_endian_bytes_after_the_header() -> None:
+    frame = encode(sample())
+    envelope = header(frame)
     assert envelope["schema"] == SCHEMA_VERSION
     token_ids = envelope["body"]["token_ids"]
-    assert token_ids["dtype"] == "<i4" and token_ids["shape"] == [6]
-    assert token_ids["data"] == np.arange(6, dtype="<i4").tobytes()
+    assert token_ids == {"dtype": "<i4", "shape": [6], "at": 0}
+    start = 8 + struct.unpack_from("<I", frame, 4)[0]
+    start += -start % 8
+    assert frame[start : start + 24] == np.arange(6, dtype="<i4").tobytes()
+    inline = header(encode_map(sample()))["body"]["token_ids"]
+    assert inline["data"] == np.arange(6, dtype="<i4").tobytes()
+
+
+def _header_first(mutate) -> bytes:
+    """A sample's header-first frame with its header changed by `mutate`."""
+    frame = encode(sample())
+    (length,) = struct.unpack_from("<I", frame, 4)
+    start = 8 + length
+    envelope = msgpack.unpackb(frame[8:start], raw=False)
+    arrays = frame[start + (-start % 8) :]
+    region = mutate(envelope, arrays)
+    packed = msgpack.packb(envelope, use_bin_type=True)
+    pad = b"\0" * (-(8 + len(packed)) % 8)
+    return b"RWT\x02" + struct.pack("<I", len(packed)) + packed + pad + region
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda e, r: r + b"\0" * 8, "bytes of arrays where they take"),
+        (lambda e, r: r[:-8], "run past the"),
+        (lambda e, r: e["body"]["token_ids"].update(at=8) or r, "where 0 is next"),
+        (lambda e, r: e["body"]["token_ids"].update(at=0.0) or r, "where 0 is next"),
+        (lambda e, r: e["body"]["loss_mask"].update(data=b"\0" * 6) or r, "dtype, shape and at"),
+        (lambda e, r: e["body"]["loss_mask"].update(dtype="O") or r, "unsupported dtype"),
+        (lambda e, r: e["body"]["loss_mask"].update(shape=[-1]) or r, "non-negative"),
+        (lambda e, r: e["body"]["loss_mask"].update(shape=[2**60]) or r, "run past the"),
+        (lambda e, r: e["body"].update(tensors={"x": 1}) or r, r"tensors\['x'\]: expected an"),
+    ],
+)
+def test_a_header_first_frame_whose_arrays_do_not_tile_its_region_is_refused(
+    mutate, message: str
+) -> None:
+    assert decode_trajectory(_header_first(lambda e, r: r)) == sample()  # unchanged: reads
+    frame = _header_first(mutate)
+    for read in (peek, admit, decode_trajectory):
+        with pytest.raises(WireError, match=message):
+            read(frame)
+
+
+def test_a_header_length_past_the_frame_is_refused() -> None:
+    frame = bytearray(encode(sample()))
+    struct.pack_into("<I", frame, 4, len(frame))
+    with pytest.raises(WireError, match="a header of"):
+        decode_trajectory(bytes(frame))
+    with pytest.raises(WireError, match="shorter than its prefix"):
+        decode_trajectory(b"RWT\x02\0")
+
+
+def test_a_group_frame_carries_its_members_as_views() -> None:
+    """A group travels as one frame; the buffer keeps each member as a view of it (no
+    copy) and each member decodes alone, in either layout."""
+    members = [sample(), sample(4), sample(1)]
+    members[1].trajectory_id, members[2].trajectory_id = "t-2", "t-3"
+    frames = [encode(members[0]), encode_map(members[1]), encode(members[2])]
+    group = encode_group(frames)
+    split = split_group(group)
+    assert [bytes(view) for view in split] == frames
+    assert all(view.obj is group for view in split)  # views of the message, not copies
+    assert [admit(view).decode() for view in split] == members
+    assert [decode_trajectory(view) for view in split] == members
+    with pytest.raises(ValueError, match="1 to"):
+        encode_group([])
+    lengths = 8 + 8 * len(frames)
+    for broken, message in (
+        (group[:-1], "run past the group's end"),
+        (group + b"\0", "after its last member"),
+        (group[:10], "shorter than its 3 lengths"),
+        (b"RWG\x02" + struct.pack("<I", 0), "of 0 members"),
+        (b"RWT\x02" + group[4:], "not a group frame"),
+        (group[:8] + struct.pack("<Q", 2**63) + group[16:lengths], "exceed the limit"),
+    ):
+        with pytest.raises(WireError, match=message):
+            split_group(broken)
+    assert len(split_group(group, max_frame_bytes=max(map(len, frames)))) == 3
+    with pytest.raises(WireError, match="exceed the limit"):
+        split_group(group, max_frame_bytes=max(map(len, frames)) - 1)
 
 
 @given(st.binary(max_size=512))
@@ -132,8 +226,8 @@ def test_garbage_raises_wire_error_only(garbage: bytes) -> None:
 
 
 def mutated(data: st.DataObject) -> bytes:
-    """A sample's frame with one to four bytes overwritten."""
-    frame = bytearray(encode(sample()))
+    """A sample's frame, in either layout, with one to four bytes overwritten."""
+    frame = bytearray(data.draw(st.sampled_from([encode, encode_map]))(sample()))
     for _ in range(data.draw(st.integers(1, 4))):
         position = data.draw(st.integers(0, len(frame) - 1))
         frame[position] = data.draw(st.integers(0, 255))
@@ -154,16 +248,18 @@ def test_mutated_frames_raise_wire_error_or_decode(data: st.DataObject) -> None:
         assert math.isfinite(decoded.reward)
 
 
-@given(st.integers(0, 300))
-def test_every_truncation_raises_wire_error(cut: int) -> None:
-    frame = encode(sample())
+@given(st.integers(0, 400), st.sampled_from([encode, encode_map]))
+def test_every_truncation_raises_wire_error(cut: int, layout) -> None:
+    frame = layout(sample())
     cut = min(cut, len(frame) - 1)
     with pytest.raises(WireError):
         decode_trajectory(frame[:cut])
 
 
 def _frame(mutate) -> bytes:
-    envelope = msgpack.unpackb(encode(sample()), raw=False)
+    """A sample's frame in the first layout (every field in one msgpack map), changed by
+    `mutate`: the checks of the body are the same in both layouts."""
+    envelope = msgpack.unpackb(encode_map(sample()), raw=False)
     mutate(envelope)
     return msgpack.packb(envelope, use_bin_type=True)
 
@@ -235,7 +331,7 @@ def test_oversized_frame_is_refused_before_decoding() -> None:
 
 
 def test_a_frame_of_another_kind_is_refused() -> None:
-    envelope = msgpack.unpackb(encode(sample()), raw=False)
+    envelope = msgpack.unpackb(encode_map(sample()), raw=False)
     envelope["kind"] = "batch"  # a kind this schema once had
     other = msgpack.packb(envelope, use_bin_type=True)
     with pytest.raises(WireError, match="unknown frame kind 'batch'"):
@@ -256,8 +352,7 @@ def test_teacher_logprobs_are_optional_and_checked() -> None:
     """A frame without teacher logprobs (one written before they existed, or of a run that
     does not distil) decodes to an empty array; one with them must match the tokens."""
     plain = sample()
-    body = msgpack.unpackb(encode(plain))
-    assert "teacher_logprobs" not in body["body"]
+    assert "teacher_logprobs" not in header(encode(plain))["body"]
     assert decode_trajectory(encode(plain)).teacher_logprobs.size == 0
     scored = sample()
     scored.teacher_logprobs = np.where(scored.loss_mask == 1, -0.5, 0).astype(np.float32)
@@ -278,10 +373,11 @@ def test_kind_travels_through_the_buffer_unchanged_and_defaults_to_tokens() -> N
     latents.kind = "latents"
     held = peek(encode(latents))
     assert held.decode() == latents and held.decode().kind == "latents"
-    old = msgpack.unpackb(held.frame, raw=False)
+    assert header(held.frame)["body"]["kind"] == "latents"
+    old = msgpack.unpackb(encode_map(latents), raw=False)
     del old["body"]["kind"]
     assert decode_trajectory(msgpack.packb(old, use_bin_type=True)).kind == "tokens"
-    assert "kind" not in msgpack.unpackb(encode(sample()), raw=False)["body"]
+    assert "kind" not in header(encode(sample()))["body"]
     with pytest.raises(WireError, match="kind: expected a non-empty string"):
         decode_trajectory(_frame(lambda e: e["body"].update(kind=3)))
 
@@ -300,7 +396,7 @@ def test_named_tensors_travel_with_their_shapes_and_are_checked() -> None:
     assert back == latents and back.tensors["latents"].shape == (3, 1, 8, 8)
     assert back.tensors["label"].dtype == np.int64 and back.tensors["mask"].dtype == np.bool_
     assert back.tensors["latents"].flags.writeable  # decoded arrays are the trainer's own
-    assert "tensors" not in msgpack.unpackb(encode(sample()), raw=False)["body"]
+    assert "tensors" not in header(encode(sample()))["body"]
     for value, message in (
         ([1, 2], "tensors: expected a map"),
         ({"": {"dtype": "<f4", "shape": [0], "data": b""}}, "names must be non-empty"),
