@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -68,7 +68,11 @@ def decode_array(
     value: Any, name: str, dtype: str | None = None, ndim: int | None = None, copy: bool = True
 ) -> np.ndarray:
     """Unpacks an array written by `encode_array`, checking dtype, shape and size (without
-    `copy`: a read-only view of the frame's bytes)."""
+    `copy`: a read-only view of the frame's bytes). `value` may also be an array a
+    header-first frame placed (`_place_arrays`): its dtype and dimensions are checked."""
+    if type(value) is np.ndarray:
+        _check_placed(value, name, dtype, ndim)
+        return value.copy() if copy else value
     if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
         raise WireError(f"{name}: expected an array map with dtype, shape and data")
     wire_dtype, shape, data = value["dtype"], value["shape"], value["data"]
@@ -90,6 +94,14 @@ def decode_array(
         )
     array = np.frombuffer(data, dtype=np.dtype(wire_dtype)).reshape(shape)
     return array.copy() if copy else array
+
+
+def _check_placed(array: np.ndarray, name: str, dtype: str | None, ndim: int | None) -> None:
+    """An array placed from a header-first frame has the dtype and dimensions required."""
+    if dtype is not None and array.dtype.str != dtype:
+        raise WireError(f"{name}: dtype {array.dtype.str} where {dtype} is required")
+    if ndim is not None and array.ndim != ndim:
+        raise WireError(f"{name}: {array.ndim} dimensions where {ndim} are required")
 
 
 def array_bytes(array: np.ndarray, dtype: str = "<f4") -> bytes:
@@ -336,6 +348,10 @@ _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 def _view(value: Any, where: str, name: str, dtype: str) -> np.ndarray:
     """A read-only view of the 1-d array map `where.name` of `dtype`, checked as
     `decode_array` checks it (without copying: the caller copies what it keeps)."""
+    if type(value) is np.ndarray:  # placed from a header-first frame
+        if value.ndim != 1 or value.dtype.str != dtype:
+            _check_placed(value, f"{where}.{name}", dtype, 1)
+        return value
     if value == _EMPTY[dtype]:  # the usual step_rewards and turn_ids of a one-turn episode
         return _EMPTY_ARRAY[dtype]
     # Three entries, and these three keys present: exactly the array map's keys.
@@ -594,53 +610,70 @@ _MEMBER_LENGTH = struct.Struct("<Q")
 _ALIGN = 8
 MAX_GROUP_MEMBERS = 65536
 """Trajectory frames one group frame may carry."""
-_AT_KEYS = frozenset({"dtype", "shape", "at"})
 
 
-def _array_slots(body: Any) -> Iterator[tuple[dict[str, Any], str, str]]:
-    """(map holding it, key, name) of each array a body carries, in the order their bytes
-    lie in a header-first frame's array region. What is not there is skipped: the body's
-    own checks say so."""
-    if type(body) is not dict:
-        return
-    for name in (*_TOKEN_ARRAYS, "step_rewards", "turn_ids", "teacher_logprobs"):
-        if name in body:
-            yield body, name, name
-    tensors = body.get("tensors")
-    if type(tensors) is dict:
-        for key in tensors:
-            yield tensors, key, f"tensors[{key!r}]"
+_SLOT_NAMES = (*_TOKEN_ARRAYS, "step_rewards", "turn_ids", "teacher_logprobs")
+"""The arrays of a body in the order their bytes lie in a header-first frame's array
+region; then `tensors`, in the map's order."""
 
 
 def _place_arrays(body: Any, region: memoryview) -> None:
-    """Puts each array's bytes, a view of `region`, in its map as "data" (in place of "at"),
-    checking that the arrays tile the region in order; WireError otherwise."""
+    """Puts in place of each array's map the array itself, a read-only view of `region`,
+    checking that the arrays tile the region in order; WireError otherwise. The body's
+    checks then take the views as they would take the first layout's maps (what is
+    missing or is no map is left to them to name)."""
+    if type(body) is not dict:
+        return
+    whole = np.frombuffer(region, np.uint8)
     expected = 0
-    for holder, key, name in _array_slots(body):
-        value = holder[key]
-        if type(value) is not dict or value.keys() != _AT_KEYS:
-            raise WireError(f"trajectory.{name}: expected an array map with dtype, shape and at")
-        dtype, shape, at = value["dtype"], value["shape"], value["at"]
-        if type(dtype) is not str or dtype not in _ALLOWED_DTYPES:
-            raise WireError(f"trajectory.{name}: unsupported dtype {dtype!r}")
-        if type(shape) is not list or not all(_is_int(d) and d >= 0 for d in shape):
-            raise WireError(f"trajectory.{name}: shape must be a list of non-negative integers")
-        if at != expected or not _is_int(at):
-            raise WireError(f"trajectory.{name}: its bytes at {at!r}, where {expected} is next")
-        end = at + math.prod(shape) * _ITEMSIZE[dtype]
-        if end > len(region):
-            raise WireError(
-                f"trajectory.{name}: {end - at} bytes at {at} run past the "
-                f"{len(region)} bytes of arrays"
-            )
-        holder[key] = {"dtype": dtype, "shape": shape, "data": region[at:end]}
-        expected = end + (-end % _ALIGN)
-    if len(region) != expected:
-        raise WireError(f"trajectory: {len(region)} bytes of arrays where they take {expected}")
+    for name in _SLOT_NAMES:
+        if name in body:
+            expected = _place(body, name, name, whole, expected)
+    tensors = body.get("tensors")
+    if type(tensors) is dict:
+        for key in tensors:
+            expected = _place(tensors, key, f"tensors[{key!r}]", whole, expected)
+    if len(whole) != expected:
+        raise WireError(f"trajectory: {len(whole)} bytes of arrays where they take {expected}")
+
+
+def _place(holder: dict[str, Any], key: str, name: str, whole: np.ndarray, expected: int) -> int:
+    """Places the array `holder[key]` whose bytes must start at `expected`; returns where
+    the next one starts."""
+    value = holder[key]
+    dtype = shape = at = None
+    if type(value) is dict and len(value) == 3:  # and these three keys: exactly them
+        dtype, shape, at = value.get("dtype"), value.get("shape"), value.get("at")
+    if dtype is None or shape is None or at is None:
+        raise WireError(f"trajectory.{name}: expected an array map with dtype, shape and at")
+    itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
+        raise WireError(f"trajectory.{name}: unsupported dtype {dtype!r}")
+    one = type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0
+    if one:
+        count = shape[0]  # the usual case
+    elif type(shape) is list and all(_is_int(d) and d >= 0 for d in shape):
+        count = math.prod(shape)
+    else:
+        raise WireError(f"trajectory.{name}: shape must be a list of non-negative integers")
+    if type(at) is not int or at != expected:
+        raise WireError(f"trajectory.{name}: its bytes at {at!r}, where {expected} is next")
+    end = at + count * itemsize
+    if end > len(whole):
+        raise WireError(
+            f"trajectory.{name}: {end - at} bytes at {at} run past the {len(whole)} bytes of arrays"
+        )
+    array = whole[at:end].view(_DTYPES[dtype])
+    holder[key] = array if one else array.reshape(shape)
+    return end + (-end % _ALIGN)
 
 
 def _raw_array(value: Any, name: str, dtype: str) -> np.ndarray:
     """A read-only view of a 1-d array map's data: dtype, shape and size checked, values not."""
+    if type(value) is np.ndarray:  # placed from a header-first frame
+        if value.ndim != 1 or value.dtype.str != dtype:
+            raise WireError(f"trajectory.{name}: expected a one-dimensional {dtype} array")
+        return value
     if not isinstance(value, dict) or value.get("dtype") != dtype:
         raise WireError(f"trajectory.{name}: expected a {dtype} array map")
     data, shape = value.get("data"), value.get("shape")
