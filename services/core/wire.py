@@ -7,10 +7,11 @@ arrays:
 
 The header is one msgpack map `{"schema": SCHEMA_VERSION, "kind": ..., "body": ...}`
 whose array fields are `{"dtype": "<i4", "shape": [n], "at": offset}`; each array's raw
-little-endian bytes lie at `offset` in the array region, in a fixed order (`_array_slots`),
-each padded to 8 bytes, with nothing after the last. So decoding unpacks a few hundred
-bytes of msgpack and views the arrays in place (no pickle, nothing recomputed from text),
-and a relay may hold and pass on the frame's bytes without copying them.
+little-endian bytes lie at `offset` in the array region, in a fixed order
+(`_SLOT_NAMES`, then `tensors`), each padded to 8 bytes, with nothing after the last. So
+decoding unpacks a few hundred bytes of msgpack and views the arrays in place (no pickle,
+nothing recomputed from text), and a relay may hold and pass on the frame's bytes
+without copying them.
 
 The first layout is still read everywhere, and is the simpler one to write from another
 language: the same map with each array's bytes inline, `{"dtype", "shape", "data"}`, as
