@@ -41,6 +41,7 @@ from rollwire.services.buffer.protocol import (
     ResumeRequest,
 )
 from rollwire.services.core.curve import ClientKeys, client_keys, secure_client
+from rollwire.services.core.group_frame import encode_group
 from rollwire.services.core.metrics import COUNTERS
 from rollwire.services.core.wire import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -49,7 +50,6 @@ from rollwire.services.core.wire import (
     WireError,
     decode_trajectory,
     encode,
-    encode_group,
     peek,
 )
 

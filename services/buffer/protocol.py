@@ -22,7 +22,7 @@ either socket, on a request it cannot take
 
 `seq` is the producer's 8-byte big-endian sequence number, echoed in the answer;
 `frame` is a wire-encoded Trajectory (`rollwire.services.core.wire`), in either of its
-layouts; `group` is a group frame (`wire.encode_group`: several frames in one, what
+layouts; `group` is a group frame (`group_frame.encode_group`: several frames in one, what
 `BufferProducer.put_group` sends), answered one result per member, or with a single
 refusal when the group frame itself does not split ("bad frame: ..."). Every other
 body is one of the records below as a UTF-8 JSON object. A producer may have

@@ -71,13 +71,14 @@ from rollwire.services.buffer.protocol import (
 from rollwire.services.buffer.state import BufferState
 from rollwire.services.buffer.trajectory_log import TrajectoryLog
 from rollwire.services.core.curve import DENIED_COUNTER, ZapHandler, secure_server, server_keys
+from rollwire.services.core.group_frame import is_group, split_group
 from rollwire.services.core.metrics import (
     COUNTERS,
     GAUGES,
     MetricsEndpoint,
     metrics_ready_file,
 )
-from rollwire.services.core.wire import TrajectoryFrame, WireError, admit, is_group, split_group
+from rollwire.services.core.wire import TrajectoryFrame, WireError, admit
 
 if TYPE_CHECKING:
     from rollwire.services.core.config.models import CurveServerConfig

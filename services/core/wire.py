@@ -17,9 +17,7 @@ The first layout is still read everywhere, and is the simpler one to write from 
 language: the same map with each array's bytes inline, `{"dtype", "shape", "data"}`, as
 the whole frame (`encode_map`).
 
-A group frame carries several trajectory frames in one message (`encode_group`): b"RWG\x02",
-the count (u32) and each member's length (u64), then the members back to back. The
-buffer takes a group as one frame and keeps each member as a view of it (`split_group`).
+Several trajectory frames travel as one group frame (`rollwire.services.core.group_frame`).
 
 Decoding is strict: a frame that is oversized, truncated, not msgpack, of another
 schema version, of an unexpected kind, missing a field, carrying an unknown one,
@@ -603,14 +601,8 @@ def _unpack_envelope(frame: Any, max_frame_bytes: int) -> tuple[Any, Any]:
 FRAME_MAGIC = b"RWT\x02"
 """The first bytes of a header-first trajectory frame (a first-layout frame is a msgpack
 map, whose first byte is 0x80-0x8f or 0xde-0xdf)."""
-GROUP_MAGIC = b"RWG\x02"
-"""The first bytes of a group frame."""
 _PREFIX = struct.Struct("<4sI")  # magic, header length
-_GROUP_PREFIX = struct.Struct("<4sI")  # magic, members
-_MEMBER_LENGTH = struct.Struct("<Q")
 _ALIGN = 8
-MAX_GROUP_MEMBERS = 65536
-"""Trajectory frames one group frame may carry."""
 
 
 _SLOT_NAMES = (*_TOKEN_ARRAYS, "step_rewards", "turn_ids", "teacher_logprobs")
@@ -775,54 +767,6 @@ def encode_map(trajectory: Trajectory) -> bytes:
     return msgpack.packb(
         {"schema": SCHEMA_VERSION, "kind": "trajectory", "body": body}, use_bin_type=True
     )
-
-
-def encode_group(frames: list[bytes]) -> bytes:
-    """Several trajectory frames (`encode`'s) as one group frame."""
-    if not 0 < len(frames) <= MAX_GROUP_MEMBERS:
-        raise ValueError(
-            f"a group frame carries 1 to {MAX_GROUP_MEMBERS} frames, not {len(frames)}"
-        )
-    lengths = b"".join(_MEMBER_LENGTH.pack(len(frame)) for frame in frames)
-    return b"".join((_GROUP_PREFIX.pack(GROUP_MAGIC, len(frames)), lengths, *frames))
-
-
-def is_group(frame: bytes | memoryview) -> bool:
-    """Whether `frame` starts as a group frame does."""
-    return frame[:4] == GROUP_MAGIC
-
-
-def split_group(
-    frame: bytes | memoryview, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-) -> list[memoryview]:
-    """The member frames of a group frame, as views of it (nothing copied; each member is
-    checked when it is admitted or decoded). WireError if the group's own layout is wrong
-    or a member is over `max_frame_bytes`."""
-    view = memoryview(frame).cast("B") if isinstance(frame, memoryview) else memoryview(frame)
-    if len(view) < _GROUP_PREFIX.size or view[:4] != GROUP_MAGIC:
-        raise WireError("not a group frame")
-    _, count = _GROUP_PREFIX.unpack_from(view)
-    if not 0 < count <= MAX_GROUP_MEMBERS:
-        raise WireError(f"a group frame of {count} members (1 to {MAX_GROUP_MEMBERS})")
-    position = _GROUP_PREFIX.size + count * _MEMBER_LENGTH.size
-    if position > len(view):
-        raise WireError(f"a group frame of {len(view)} bytes is shorter than its {count} lengths")
-    members = []
-    for index in range(count):
-        (length,) = _MEMBER_LENGTH.unpack_from(
-            view, _GROUP_PREFIX.size + index * _MEMBER_LENGTH.size
-        )
-        if length > max_frame_bytes:
-            raise WireError(
-                f"group member {index}: {length} bytes exceed the limit of {max_frame_bytes}"
-            )
-        if position + length > len(view):
-            raise WireError(f"group member {index}: {length} bytes run past the group's end")
-        members.append(view[position : position + length])
-        position += length
-    if position != len(view):
-        raise WireError(f"a group frame with {len(view) - position} bytes after its last member")
-    return members
 
 
 def decode_trajectory(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Trajectory:

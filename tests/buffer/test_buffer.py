@@ -13,8 +13,9 @@ from rollwire.services.buffer.client import BufferError, BufferProducer, BufferT
 from rollwire.services.buffer.protocol import PutAnswer, PutGroupAnswer
 from rollwire.services.buffer.server import BufferServer
 from rollwire.services.buffer.state import BufferState
+from rollwire.services.core.group_frame import encode_group
 from rollwire.services.core.metrics import COUNTERS
-from rollwire.services.core.wire import Trajectory, encode, encode_group, encode_map
+from rollwire.services.core.wire import Trajectory, encode, encode_map
 from tests.helpers.trajectories import trajectory
 
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rollwire.services.core.group_frame import encode_group, split_group
 from rollwire.services.core.wire import (
     SCHEMA_VERSION,
     Trajectory,
@@ -18,10 +19,8 @@ from rollwire.services.core.wire import (
     admit,
     decode_trajectory,
     encode,
-    encode_group,
     encode_map,
     peek,
-    split_group,
 )
 
 names = st.text(max_size=12)
