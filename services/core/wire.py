@@ -348,8 +348,7 @@ def _view(value: Any, where: str, name: str, dtype: str) -> np.ndarray:
     """A read-only view of the 1-d array map `where.name` of `dtype`, checked as
     `decode_array` checks it (without copying: the caller copies what it keeps)."""
     if type(value) is np.ndarray:  # placed from a header-first frame
-        if value.ndim != 1 or value.dtype.str != dtype:
-            _check_placed(value, f"{where}.{name}", dtype, 1)
+        _check_placed(value, f"{where}.{name}", dtype, 1)
         return value
     if value == _EMPTY[dtype]:  # the usual step_rewards and turn_ids of a one-turn episode
         return _EMPTY_ARRAY[dtype]
@@ -664,8 +663,7 @@ def _place(holder: dict[str, Any], key: str, name: str, whole: np.ndarray, expec
 def _raw_array(value: Any, name: str, dtype: str) -> np.ndarray:
     """A read-only view of a 1-d array map's data: dtype, shape and size checked, values not."""
     if type(value) is np.ndarray:  # placed from a header-first frame
-        if value.ndim != 1 or value.dtype.str != dtype:
-            raise WireError(f"trajectory.{name}: expected a one-dimensional {dtype} array")
+        _check_placed(value, f"trajectory.{name}", dtype, 1)
         return value
     if not isinstance(value, dict) or value.get("dtype") != dtype:
         raise WireError(f"trajectory.{name}: expected a {dtype} array map")
