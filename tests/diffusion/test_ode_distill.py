@@ -75,6 +75,21 @@ def test_a_pairs_folder_is_filled_file_by_file_and_refuses_other_settings(tmp_pa
     assert pair_seed(3, 7) == pair_seed(3, 7) != pair_seed(4, 7)
 
 
+def test_evaluation_seeds_past_an_offset_are_the_next_ones_of_the_range() -> None:
+    """`benchmarks/distill_quality.py --offset` measures on a second, disjoint set: the
+    seeds after the first set's, with the same noise as the longer range gives them."""
+    from rollwire.diffusion.ode_pairs import EVAL_SEED_BASE
+    from rollwire.trainer.pipelines.student_quality import evaluation_noise
+
+    noise, labels, seeds = evaluation_noise(2)
+    later, later_labels, later_seeds = evaluation_noise(1, offset=10)
+    assert seeds[0] == EVAL_SEED_BASE and later_seeds == seeds[10:]
+    assert np.array_equal(later.numpy(), noise[10:].numpy())
+    assert later_labels.tolist() == labels[10:].tolist() == list(range(10))
+    with pytest.raises(ValueError, match="cannot be negative"):
+        evaluation_noise(1, offset=-1)
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(

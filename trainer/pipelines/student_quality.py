@@ -42,13 +42,17 @@ Sampler = Callable[[torch.Tensor, torch.Tensor, int, list[int]], np.ndarray]
 """`sample(noise, labels, steps, seeds) -> [N, C, H, W]` images of the student."""
 
 
-def evaluation_noise(per_class: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def evaluation_noise(
+    per_class: int, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The held-out evaluation's noise, labels and seeds: `per_class` of each class, each
-    from its own seed at `EVAL_SEED_BASE` and up."""
+    from its own seed at `EVAL_SEED_BASE + offset` and up (the runs' own: offset 0)."""
     from rollwire.diffusion.data import IMAGE_SHAPE
     from rollwire.diffusion.ode_pairs import CLASSES, EVAL_SEED_BASE
 
-    seeds = [EVAL_SEED_BASE + i for i in range(per_class * CLASSES)]
+    if offset < 0:
+        raise ValueError(f"the seed offset cannot be negative, got {offset}")
+    seeds = [EVAL_SEED_BASE + offset + i for i in range(per_class * CLASSES)]
     labels = torch.tensor([i % CLASSES for i in range(len(seeds))])
     noise = torch.stack(
         [torch.randn(IMAGE_SHAPE, generator=torch.Generator().manual_seed(s)) for s in seeds]
@@ -57,17 +61,17 @@ def evaluation_noise(per_class: int) -> tuple[torch.Tensor, torch.Tensor, list[i
 
 
 def teacher_samples(
-    teacher: Path, steps: int, guidance: float, shift: float, per_class: int
+    teacher: Path, steps: int, guidance: float, shift: float, per_class: int, offset: int = 0
 ) -> np.ndarray:
     """The teacher's ODE samples (`steps` Euler steps, its guidance and shift) from the
-    evaluation's noise."""
+    evaluation's noise (`evaluation_noise(per_class, offset)`)."""
     from rollwire.diffusion.digits import load_unet, velocity
     from rollwire.diffusion.flow import ode_step, time_grid
     from rollwire.diffusion.sampling import guided
     from rollwire.trainer.models.flow_denoiser import any_label_of
 
     unet = load_unet(Path(teacher))
-    noise, labels, _ = evaluation_noise(per_class)
+    noise, labels, _ = evaluation_noise(per_class, offset)
     field = guided(lambda x, t, y: velocity(unet, x, t, y), guidance, any_label_of(teacher))
     x = noise
     with torch.no_grad():
