@@ -24,38 +24,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from rollwire.services.core.config import RunConfig
-
-
-def sample_student(
-    folder: Path,
-    noise: torch.Tensor,
-    labels: torch.Tensor,
-    seeds: list[int],
-    steps: int,
-    renoise: str,
-):
-    """The student's samples in `steps` steps as the runs sample it (fresh noise from each
-    sample's seed + 1 between steps), as [N, C, H, W] numpy."""
-    from rollwire.diffusion.digits import load_unet, velocity
-    from rollwire.diffusion.distill import few_step_sample, student_times
-
-    unet = load_unet(folder)
-    generators = [torch.Generator().manual_seed(int(seed) + 1) for seed in seeds]
-    with torch.no_grad():
-        images = few_step_sample(
-            lambda x, t, y: velocity(unet, x, t, y),
-            noise,
-            labels,
-            student_times(steps),
-            renoise,
-            generators,
-        )
-    return images.float().clamp(-1, 1).numpy()
 
 
 def main() -> None:
@@ -77,9 +51,13 @@ def main() -> None:
             raise SystemExit(f"no model folder at {folder}")
     torch.set_num_threads(args.threads)
 
-    from rollwire.diffusion.digits import digits_model
+    from rollwire.diffusion.digits import digits_model, load_unet, velocity
     from rollwire.diffusion.judge import SampleQuality
-    from rollwire.trainer.pipelines.student_quality import evaluation_noise, teacher_samples
+    from rollwire.trainer.pipelines.student_quality import (
+        evaluation_noise,
+        student_samples,
+        teacher_samples,
+    )
 
     teacher = args.teacher or digits_model(threads=args.threads)
     judge = SampleQuality.load()
@@ -102,8 +80,11 @@ def main() -> None:
         f"{reference['diversity']:.3f} | {reference['accuracy']:.3f} |"
     )
     for folder in args.students:
+        unet = load_unet(folder)
         for steps in args.steps:
-            images = sample_student(folder, noise, labels, seeds, steps, args.renoise)
+            images = student_samples(
+                partial(velocity, unet), noise, labels, steps, args.renoise, seeds
+            )
             measured = judge.measure(images, labels.numpy())
             ratio = measured["frechet"] / max(reference["frechet"], 1e-9)
             print(

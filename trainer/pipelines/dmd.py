@@ -279,19 +279,17 @@ class DMDStep:
     ) -> np.ndarray:
         """The generator's (its EMA's) samples of `labels` from `noise` in `steps` steps
         (fresh noise from each sample's seed), as [N, C, H, W] numpy."""
-        from rollwire.diffusion.distill import few_step_sample, student_times
+        from rollwire.trainer.pipelines.student_quality import student_samples
 
-        generators = [torch.Generator().manual_seed(int(seed) + 1) for seed in seeds]
-        with torch.no_grad():
-            images = few_step_sample(
-                self.generator(None if self.ema is None else self.ema.model),
-                noise.to(self.learner.device),
-                labels.to(self.learner.device),
-                student_times(steps),
-                self.dmd.renoise,
-                generators,
-            )
-        return images.float().clamp(-1, 1).cpu().numpy()
+        return student_samples(
+            self.generator(None if self.ema is None else self.ema.model),
+            noise,
+            labels,
+            steps,
+            self.dmd.renoise,
+            seeds,
+            self.learner.device,
+        )
 
     # ------------------------------------------------------------ checkpoints
 

@@ -162,21 +162,18 @@ class ODEDistillStep:
     ) -> np.ndarray:
         """The student's (its EMA's) samples of `labels` from `noise` in `steps` steps
         (fresh noise from each sample's seed), as [N, C, H, W] numpy."""
-        from rollwire.diffusion.distill import few_step_sample, student_times
+        from rollwire.trainer.pipelines.student_quality import student_samples
 
-        device = self.learner.device
-        generators = [torch.Generator().manual_seed(int(seed) + 1) for seed in seeds]
-        with torch.no_grad():
-            model = None if self.ema is None else self.ema.model
-            images = few_step_sample(
-                lambda x, t, labels: self.velocity(x, t, labels, model),
-                noise.to(device),
-                labels.to(device),
-                student_times(steps),
-                renoise,
-                generators,
-            )
-        return images.float().clamp(-1, 1).cpu().numpy()
+        model = None if self.ema is None else self.ema.model
+        return student_samples(
+            lambda x, t, labels: self.velocity(x, t, labels, model),
+            noise,
+            labels,
+            steps,
+            renoise,
+            seeds,
+            self.learner.device,
+        )
 
     def save_state(self, folder: Path, state: dict[str, Any]) -> None:
         if self.ema is not None:

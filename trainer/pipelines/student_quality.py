@@ -60,6 +60,33 @@ def evaluation_noise(
     return noise, labels, seeds
 
 
+def student_samples(
+    velocity: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    noise: torch.Tensor,
+    labels: torch.Tensor,
+    steps: int,
+    renoise: str,
+    seeds: list[int],
+    device: torch.device | str = "cpu",
+) -> np.ndarray:
+    """A few-step student's samples of `labels` from `noise` in `steps` steps, as every
+    evaluation takes them: the fresh noise between steps drawn from each sample's seed + 1,
+    the images clamped to [-1, 1], as [N, C, H, W] numpy."""
+    from rollwire.diffusion.distill import few_step_sample, student_times
+
+    generators = [torch.Generator().manual_seed(int(seed) + 1) for seed in seeds]
+    with torch.no_grad():
+        images = few_step_sample(
+            velocity,
+            noise.to(device),
+            labels.to(device),
+            student_times(steps),
+            renoise,
+            generators,
+        )
+    return images.float().clamp(-1, 1).cpu().numpy()
+
+
 def teacher_samples(
     teacher: Path, steps: int, guidance: float, shift: float, per_class: int, offset: int = 0
 ) -> np.ndarray:
