@@ -11,19 +11,40 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 base="${BASE_IMAGE:-}"
 node_base="${NODE_BASE_IMAGE:-}"
+# The two base images and the wheelhouse do not depend on one another and mostly wait on
+# the package mirrors: made at once, each with its own log, shown when it ends.
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+jobs_started=()
+start() { # NAME COMMAND...
+  local name="$1"
+  shift
+  "$@" >"$logs/$name.log" 2>&1 &
+  jobs_started+=("$!:$name")
+}
 if [ -z "$base" ]; then
   base=rollwire-base:bookworm
-  bash "$here/base.sh" "$base"
+  start base bash "$here/base.sh" "$base"
 fi
 if [ -z "$node_base" ]; then
   if [ -n "${BASE_IMAGE:-}" ]; then
     node_base=node:20-bookworm-slim
   else
     node_base=rollwire-base-node:bookworm
-    bash "$here/base.sh" "$node_base" nodejs
+    start base-node bash "$here/base.sh" "$node_base" nodejs
   fi
 fi
-bash "$here/wheelhouse.sh" "${PYTHON:-python3}"
+start wheelhouse bash "$here/wheelhouse.sh" "${PYTHON:-python3}"
+failed=0
+for job in "${jobs_started[@]}"; do
+  pid="${job%%:*}" name="${job#*:}"
+  if wait "$pid"; then cat "$logs/$name.log"; else
+    echo "$name failed:" >&2
+    cat "$logs/$name.log" >&2
+    failed=1
+  fi
+done
+[ "$failed" = 0 ] || exit 1
 for target in light full; do
   echo "image rollwire:$target (base $base)"
   docker build --quiet --build-arg "BASE_IMAGE=$base" --build-arg "FLAVOR=$target" -t "rollwire:$target" "$here" >/dev/null
