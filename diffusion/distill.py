@@ -8,7 +8,12 @@ Convention as in `flow.py`: `x_t = (1 - t) x0 + t noise`, the denoiser predicts 
 **ODE distillation.** A frozen teacher samples deterministic ODE trajectories from fixed
 noise; the latents at chosen nodes and the final clean sample are kept. The student, given
 a node's latent `x_t` and its time `t`, predicts the clean sample in one step and is trained
-by the mean squared error to the teacher's (`ode_distill_loss`).
+by the mean squared error to the teacher's (`ode_distill_loss`). Optionally a perceptual
+distance joins it (`feature_distance`): how far apart the prediction and the teacher's
+sample lie in a frozen network's activations (`UNetFeatures`: the teacher's own), each map
+scaled to unit length over its channels at every position as LPIPS does. The squared
+error alone pays for the average of what the student cannot pin down, a blur; the
+distance in features pays for the strokes.
 
 **DMD.** A generator maps noise to a sample in one or a few steps (`few_step_sample`). At a
 random time `t` the generated sample `x` is noised again, `x_t = (1 - t) x + t eps`, and two
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -69,17 +75,77 @@ def per_sample_mean(values: torch.Tensor) -> torch.Tensor:
     return values.flatten(1).mean(dim=1)
 
 
+Features = Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
+"""`features(x [B, C, H, W], labels [B]) -> [[B, C_i, H_i, W_i], ...]`: a network's maps."""
+
+UNIT_FLOOR = 1e-8
+"""Added to a feature vector's length before dividing by it (an all-zero vector stays 0)."""
+
+
+def unit_channels(feature: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] activations scaled to unit length over the channels at each position."""
+    return feature / (feature.pow(2).sum(dim=1, keepdim=True).sqrt() + UNIT_FLOOR)
+
+
+def feature_distance(
+    features: Features, predicted: torch.Tensor, target: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """[B] the perceptual distance of `predicted` to `target`: for each map of `features`,
+    the squared distance of the two unit-scaled activations (`unit_channels`), summed over
+    channels and averaged over positions; then averaged over the maps. The target's maps
+    are taken without gradient."""
+    with torch.no_grad():
+        wanted = [unit_channels(f.float()) for f in features(target, labels)]
+    got = [unit_channels(f.float()) for f in features(predicted, labels)]
+    if not got:
+        raise ValueError("features gave no maps")
+    distances = [
+        (a - b).pow(2).sum(dim=1).flatten(1).mean(dim=1) for a, b in zip(got, wanted, strict=True)
+    ]
+    return torch.stack(distances).mean(dim=0)
+
+
+class UNetFeatures:
+    """A frozen diffusers UNet's activations of clean images (time 0), the perceptual
+    distance's network: the last resnet of every down block and the middle block, read
+    by forward hooks. `velocity(unet, x, t, labels)` is the family's call convention."""
+
+    def __init__(self, unet: torch.nn.Module, velocity: Callable[..., torch.Tensor]) -> None:
+        self.unet, self.velocity = unet.eval().requires_grad_(False), velocity
+        self._maps: list[torch.Tensor] | None = None
+        for module in [block.resnets[-1] for block in unet.down_blocks] + [unet.mid_block]:
+            module.register_forward_hook(self._keep)
+
+    def _keep(self, _module: Any, _inputs: Any, output: Any) -> None:
+        if self._maps is not None:
+            self._maps.append(output[0] if isinstance(output, tuple) else output)
+
+    def __call__(self, x: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        self._maps = []
+        try:
+            self.velocity(self.unet, x, torch.zeros(len(x), device=x.device), labels)
+            return self._maps
+        finally:
+            self._maps = None
+
+
 def ode_distill_loss(
     velocity: Denoiser,
     x_t: torch.Tensor,
     t: torch.Tensor,
     labels: torch.Tensor,
     teacher_clean: torch.Tensor,
+    features: Features | None = None,
+    feature_weight: float = 0.0,
 ) -> torch.Tensor:
     """[B] squared error (mean over dimensions) between the student's one-step clean
-    prediction from the teacher's node `x_t` at `t` and the teacher's final sample."""
+    prediction from the teacher's node `x_t` at `t` and the teacher's final sample; with
+    `features`, plus `feature_weight` times their `feature_distance`."""
     predicted = clean_of(x_t, velocity(x_t, t, labels), t)
-    return per_sample_mean((predicted - teacher_clean) ** 2)
+    loss = per_sample_mean((predicted - teacher_clean) ** 2)
+    if features is not None and feature_weight > 0:
+        loss = loss + feature_weight * feature_distance(features, predicted, teacher_clean, labels)
+    return loss
 
 
 def flow_matching_loss(

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from rollwire.diffusion.distill import (
+    UNetFeatures,
     clean_of,
     dmd_direction,
     dmd_generator_loss,
     ema_update,
+    feature_distance,
     few_step_sample,
     flow_matching_loss,
     gan_generator_loss,
@@ -69,6 +71,48 @@ def test_ode_distillation_and_flow_matching_losses_by_hand() -> None:
     assert flow_matching_loss(point_mass(0.7), x0, noise, times, None).abs().max() < 1e-5
     off = flow_matching_loss(lambda x, t, y: point_mass(0.7)(x, t, y) + 0.3, x0, noise, times, None)
     assert off.tolist() == pytest.approx([0.09] * 3)
+
+
+def test_the_perceptual_distance_by_hand_and_on_a_unet() -> None:
+    # One 2-channel map of one position: (3, 4) scales to (0.6, 0.8), (0, 2) to (0, 1);
+    # summed squares 0.36 + 0.04 = 0.4. A second map, the channels doubled: the same
+    # unit vectors, so the mean over the two maps is 0.4 too; a map at 2x2 positions
+    # averages them.
+    predicted = torch.tensor([[[[3.0]], [[4.0]]]], requires_grad=True)
+    target = torch.tensor([[[[0.0]], [[2.0]]]])
+
+    def two_maps(x, labels):
+        return [x, torch.cat([x, x], dim=1)]
+
+    distance = feature_distance(two_maps, predicted, target, None)
+    assert distance.tolist() == pytest.approx([0.4])
+    # Scale does not count (unit vectors), only direction: the gradient along the
+    # prediction itself is 0.
+    distance.sum().backward()
+    assert float((predicted.grad * predicted).sum()) == pytest.approx(0.0, abs=1e-6)
+    # Beside the squared error, weighted; none without features.
+    x_t, t, clean = torch.zeros(1, 2, 1, 1), torch.ones(1), torch.zeros(1, 2, 1, 1)
+    clean[0, 1] = 2.0
+
+    def to(value):  # a velocity whose clean prediction at t = 1 is `value`
+        return lambda x, t, labels: -value
+
+    loss = ode_distill_loss(to(predicted.detach()), x_t, t, None, clean, two_maps, 0.5)
+    assert loss.tolist() == pytest.approx([(9 + 4) / 2 + 0.5 * 0.4])
+    assert ode_distill_loss(to(predicted.detach()), x_t, t, None, clean).tolist() == [6.5]
+    # The teacher's maps on a real UNet: the down blocks' and the middle block's; an image
+    # is 0 from itself and more from another.
+    from diffusers import UNet2DModel
+
+    from rollwire.diffusion.digits import DigitsSpec, unet_config, velocity
+
+    torch.manual_seed(0)
+    features = UNetFeatures(UNet2DModel(**unet_config(DigitsSpec())), velocity)
+    images, labels = torch.randn(3, 1, 8, 8), torch.tensor([0, 1, 2])
+    maps = features(images, labels)
+    assert [tuple(m.shape[1:]) for m in maps] == [(16, 8, 8), (32, 4, 4), (32, 4, 4)]
+    assert feature_distance(features, images, images, labels).abs().max() < 1e-6
+    assert (feature_distance(features, images, images.roll(1, dims=0), labels) > 0.01).all()
 
 
 def test_the_dmd_direction_and_its_loss_by_hand() -> None:

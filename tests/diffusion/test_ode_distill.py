@@ -162,7 +162,8 @@ def test_the_pairs_resume_and_the_student_is_measured_against_the_teacher(
 @pytest.mark.timeout(300)
 def test_a_stopped_student_resumes_from_its_checkpoint_exactly(tmp_path, teacher) -> None:
     """The losses and the EMA's samples of a run stopped at step 4 and resumed from its
-    step-2 checkpoint equal an unbroken run's."""
+    step-2 checkpoint equal an unbroken run's (the loss with the perceptual distance in
+    the teacher's features beside the squared error)."""
     pairs = tmp_path / "pairs"
     small = [*SMALL, f"ode_distill.teacher_model_path={teacher}"]
 
@@ -176,6 +177,7 @@ def test_a_stopped_student_resumes_from_its_checkpoint_exactly(tmp_path, teacher
             "ode_distill.checkpoint_every=2",
             "ode_distill.eval_steps=[1]",
             "ode_distill.ema_decay=0.5",
+            "ode_distill.feature_weight=2.0",
             *sets,
         )
         return jsonl(tmp_path / name / "metrics" / "ode-distill.jsonl")

@@ -7,7 +7,9 @@ held-out trajectories are `held_out_fraction` of them by `seed`, or those of the
 folder `eval_data`). A step takes `batch_size` rows and one optimizer update of
 `diffusion.distill.ode_distill_loss` (`ODEDistillStep`, split over the ranks as the
 diffusion steps are), on the trainer section's backend, precision, LoRA and optimizer,
-with checkpoints and resume as the other pipelines.
+with checkpoints and resume as the other pipelines. With `feature_weight` the loss adds
+the perceptual distance in the frozen teacher's features (`diffusion.distill.UNetFeatures`),
+the teacher loaded beside the student on every rank.
 
 Every evaluation (before the first step, every `eval_every`, after the last) writes to
 `metrics/ode-distill.jsonl`: the held-out loss, and the student's sample quality at each
@@ -87,8 +89,22 @@ def _stack(rows: list[Row]) -> tuple[torch.Tensor, ...]:
 class ODEDistillStep:
     """The student's update and its sampling, on every rank (see the module docstring)."""
 
-    def __init__(self, learner: Learner, ema_decay: float | None = None) -> None:
-        self.learner = learner
+    def __init__(
+        self,
+        learner: Learner,
+        ema_decay: float | None = None,
+        teacher: Path | None = None,
+        feature_weight: float = 0.0,
+    ) -> None:
+        self.learner, self.feature_weight = learner, feature_weight
+        self.features = None
+        if feature_weight > 0:
+            if teacher is None:
+                raise ValueError("ode_distill.feature_weight needs the teacher's folder")
+            from rollwire.diffusion.digits import load_unet, velocity
+            from rollwire.diffusion.distill import UNetFeatures
+
+            self.features = UNetFeatures(load_unet(teacher).to(learner.device), velocity)
         self.ema = (
             None
             if ema_decay is None
@@ -142,6 +158,8 @@ class ODEDistillStep:
                 t[index].to(device),
                 labels[index].to(device),
                 clean[index].to(device),
+                self.features,
+                self.feature_weight,
             )
             numerator = per_sample.sum() * weight
             if update:
@@ -193,7 +211,12 @@ def run_student(config: RunConfig, argv: list[str] | None = None) -> int:
         prepare,
         _lead,
         argv,
-        lambda learner: ODEDistillStep(learner, config.ode_distill.ema_decay),
+        lambda learner: ODEDistillStep(
+            learner,
+            config.ode_distill.ema_decay,
+            config.ode_distill.teacher_model_path,
+            config.ode_distill.feature_weight,
+        ),
         FAMILY,
     )
 

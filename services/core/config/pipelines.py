@@ -251,6 +251,13 @@ class ODEDistillConfig(PipelineData, StudentEvaluation):
     renoise: Literal["fresh", "ddim"] = "fresh"
     """How the student's few-step sampling takes a clean prediction to the next time:
     with fresh noise, or with the noise the step implies (the ODE's Euler step)."""
+    feature_weight: float = Field(0.0, ge=0)
+    """Weight of a perceptual distance beside the squared error: the student's prediction
+    and the teacher's sample compared in the frozen teacher's own activations (its down
+    blocks' and middle block's maps of the clean images, each unit-scaled over channels,
+    as LPIPS does; `diffusion.distill.feature_distance`). The teacher then also runs in
+    the trainer (0.14 s a step of 64 against 0.11 s for the [48, 96] student on two
+    threads). 0: the squared error alone."""
     batch_size: int = Field(64, ge=1)
     """(node latent, final sample) rows per step."""
     eval_every: int = Field(200, ge=0)
