@@ -101,10 +101,11 @@ class ODEDistillStep:
         if feature_weight > 0:
             if teacher is None:
                 raise ValueError("ode_distill.feature_weight needs the teacher's folder")
-            from rollwire.diffusion.digits import load_unet, velocity
+            from rollwire.diffusion.digits import velocity
             from rollwire.diffusion.distill import UNetFeatures
 
-            self.features = UNetFeatures(load_unet(teacher).to(learner.device), velocity)
+            frozen = learner.family.load_frozen(teacher, torch.float32).to(learner.device)
+            self.features = UNetFeatures(frozen, velocity)
         self.ema = (
             None
             if ema_decay is None
