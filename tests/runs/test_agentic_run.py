@@ -100,15 +100,15 @@ def test_short_agentic_run_on_the_node_env_server(tmp_path, spawn) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
-    """examples/agentic.yaml, shortened: held-out greedy success must rise clearly, and
-    stay up. Measured with its 800-step warm-up (warm-up seeds 1 and 2, 100 episodes,
+    """examples/agentic.yaml, shortened to 5 steps: held-out greedy success must rise
+    clearly. Measured with its 800-step warm-up (warm-up seeds 1 and 2, 100 episodes,
     2026-12-07): 0.41 -> 1.00 / 1.00 at versions 5 / 10, and 0.31 -> 1.00 / 1.00."""
     run_dir, result = rollwire_train(
         tmp_path,
-        "rl.max_steps=6",
-        "orchestrator.eval_every=3",
+        "rl.max_steps=5",
+        "orchestrator.eval_every=5",
         # Half the example's 100 held-out episodes: the gain measured is far above the
-        # bar (0.41 -> 1.00), and three evaluations of 100 three-turn episodes cost CI time.
+        # bar (0.41 -> 1.00), and each evaluation of 100 three-turn episodes costs CI time.
         "orchestrator.eval_dataset.size=50",
         config=REPO / "examples" / "agentic.yaml",
         timeout=840,
@@ -117,10 +117,9 @@ def test_agentic_example_learns_to_use_its_tool(tmp_path) -> None:
     evals = jsonl(run_dir / "metrics" / "eval.jsonl")
     curve = [(e["policy_version"], e["eval_reward"]) for e in evals]
     print(f"held-out greedy success by version: {curve}")
-    assert [version for version, _ in curve] == [0, 3, 6]
-    start = curve[0][1]
-    assert max(reward for _, reward in curve[1:]) >= start + 0.4, curve
-    assert curve[-1][1] >= start + 0.3, curve
+    assert [version for version, _ in curve] == [0, 5]
+    start, end = curve[0][1], curve[1][1]
+    assert end >= start + 0.4, curve
 
 
 @pytest.mark.multiproc
