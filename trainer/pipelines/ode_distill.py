@@ -101,11 +101,12 @@ class ODEDistillStep:
         if feature_weight > 0:
             if teacher is None:
                 raise ValueError("ode_distill.feature_weight needs the teacher's folder")
-            from rollwire.diffusion.digits import velocity
             from rollwire.diffusion.distill import UNetFeatures
 
             frozen = learner.family.load_frozen(teacher, torch.float32).to(learner.device)
-            self.features = UNetFeatures(frozen, velocity)
+            self.features = UNetFeatures(
+                frozen, lambda unet, x, t, labels: self.velocity(x, t, labels, unet)
+            )
         self.ema = (
             None
             if ema_decay is None
