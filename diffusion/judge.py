@@ -148,18 +148,22 @@ def class_matched_frechet(
     classes, real_classes = np.asarray(classes), np.asarray(real_classes)
     present, counts = np.unique(classes, return_counts=True)
     weights = counts / counts.sum()
-    dim = real.shape[1]
-    mean, second = np.zeros(dim), np.zeros((dim, dim))
-    for label, weight in zip(present, weights, strict=True):
+    means, covariances = [], []
+    for label in present:
         rows = real[real_classes == label]
         if len(rows) < 2:
             raise ValueError(f"fewer than two real examples of class {label}")
-        class_mean = rows.mean(axis=0)
-        mean += weight * class_mean
-        second += weight * (np.cov(rows, rowvar=False) + np.outer(class_mean, class_mean))
-    return gaussian_frechet(
-        features.mean(axis=0), np.cov(features, rowvar=False), mean, second - np.outer(mean, mean)
+        means.append(rows.mean(axis=0))
+        covariances.append(np.cov(rows, rowvar=False))
+    mean = sum(weight * class_mean for weight, class_mean in zip(weights, means, strict=True))
+    # The mixture's covariance as within-class plus between-class spread: no large
+    # second moment minus a large outer product, whose cancellation loses digits (and
+    # one class gives that class's covariance exactly).
+    covariance = sum(
+        weight * (class_covariance + np.outer(class_mean - mean, class_mean - mean))
+        for weight, class_mean, class_covariance in zip(weights, means, covariances, strict=True)
     )
+    return gaussian_frechet(features.mean(axis=0), np.cov(features, rowvar=False), mean, covariance)
 
 
 def within_class_diversity(
